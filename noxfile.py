@@ -1,0 +1,49 @@
+"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s bench`, `nox -s gpu_tests`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.default_venv_backend = "venv"
+
+# The CPU build of torch must be installed before the project, or pip resolves a multi-GB CUDA build.
+CPU_TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install(CPU_TORCH)
+    session.install("-e", f".[{','.join(('dev', *extras))}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The CPU test suite (everything not marked gpu)."""
+    _install(session)
+    session.run("pytest", "-m", "not gpu", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks; each prints one JSON line per figure with its same-run baseline."""
+    _install(session)
+    session.run("python", "benchmarks/engine_throughput.py", env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session
+def gpu_tests(session: nox.Session) -> None:
+    """Tests marked gpu. On a machine without a CUDA GPU this says so and skips instead of passing."""
+    session.install("-e", ".[dev]")
+    has_gpu = session.run(
+        "python", "-c", "import torch; print(int(torch.cuda.is_available()))", silent=True
+    ).strip()
+    if has_gpu != "1":
+        session.skip("no CUDA GPU on this machine: the gpu-marked tests were NOT run")
+    session.run("pytest", "-m", "gpu", *session.posargs)

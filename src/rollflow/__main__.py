@@ -1,0 +1,3 @@
+from rollflow.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""Run configuration: msgspec Structs decoded from TOML.
+
+Precedence: defaults < TOML files, left to right < ``--set section.key=value`` overrides. Unknown keys are
+errors naming the key path (``trainer.lrr``); cross-field rules name every field involved. Importing this
+module never imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from rollflow.errors import ConfigError
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Probability = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: unknown keys are errors, fields are keyword-only."""
+
+
+class ModelConfig(Section):
+    path: str = "rollflow:tiny"
+    """``rollflow:tiny`` (built locally), a local Hugging Face model directory, or a name in the local HF cache."""
+    renderer: str = "auto"
+    """Chat renderer (a ``renderers`` config name such as ``qwen3``). ``auto``: qwen3 for ``rollflow:tiny``,
+    otherwise renderers' own selection by model name."""
+    enable_thinking: bool = False
+    """Whether the generation prompt opens a thinking block (renderers that support it)."""
+
+
+class DataConfig(Section):
+    task: str = "case"
+    """Built-in task (``case``, ``digit``) or ``package.module:factory`` returning a Task."""
+    reward: str | None = None
+    """Optional reward override: ``package.module:function``, sync or async, called as ``fn(completion, item)``."""
+    seed: int = 0
+    """Seed of the generated prompt stream; the same seed gives the same prompts in the same order."""
+
+
+class SamplingConfig(Section):
+    samples_per_prompt: Positive = 8
+    """Completions sampled per prompt (the group size for GRPO/RLOO baselines)."""
+    max_tokens: Positive = 8
+    temperature: NonNegativeFloat = 1.0
+    top_p: Probability = 1.0
+    top_k: int = -1
+    """0 or -1 disables top-k filtering."""
+
+
+class InferenceConfig(Section):
+    mode: Literal["local"] = "local"
+    """``local``: torch engines in this process."""
+    num_engines: Positive = 1
+    max_batch_size: Positive = 64
+    """Sequences decoded together by one engine (its KV-cache slots)."""
+    max_model_len: Positive = 1024
+    """Longest prompt + completion an engine accepts, in tokens."""
+
+
+class TrainerConfig(Section):
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: PositiveFloat = 1.0
+    micro_batch_size: Positive = 64
+    """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
+    """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2
+    """PPO ratio clip range: [1 - clip_low, 1 + clip_high]."""
+    kl_coef: NonNegativeFloat = 0.0
+    """Weight of the k3 KL estimate to the initial (reference) policy; 0 disables it and the reference model."""
+
+
+class OrchestratorConfig(Section):
+    mode: Literal["sync"] = "sync"
+    """``sync``: generate a step's batch, then train on it, then update weights."""
+    prompts_per_step: Positive = 16
+    steps: Positive = 100
+    """Optimizer steps of the run."""
+    max_concurrent_groups: Positive = 64
+    """Prompt groups generating at once (bounds the generation channel)."""
+
+
+class CheckpointConfig(Section):
+    every: NonNegative = 0
+    """Save a checkpoint every N steps (0: only at the end of the run)."""
+    keep: Positive = 2
+    """Most recent checkpoints kept on disk."""
+
+
+class WeightSyncConfig(Section):
+    timeout_s: PositiveFloat = 300.0
+    """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Run name; the run directory is ``{output_dir}/{name}``."""
+    output_dir: str = "runs"
+    seed: int = 0
+    """Seeds the trainer and the samplers."""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
+    inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
+    weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+def _cross_field_errors(config: RunConfig) -> list[str]:
+    errors = []
+    if not _RUN_NAME.fullmatch(config.name):
+        errors.append(
+            f"name = {config.name!r} must be a plain directory name (letters, digits, '.', '_', '-')"
+        )
+    if config.trainer.advantage == "rloo" and config.sampling.samples_per_prompt < 2:
+        errors.append(
+            "trainer.advantage = 'rloo' needs sampling.samples_per_prompt >= 2 "
+            f"(got {config.sampling.samples_per_prompt}): the leave-one-out baseline needs another sample"
+        )
+    if config.sampling.max_tokens >= config.inference.max_model_len:
+        errors.append(
+            f"sampling.max_tokens ({config.sampling.max_tokens}) must be smaller than "
+            f"inference.max_model_len ({config.inference.max_model_len}) to leave room for the prompt"
+        )
+    if config.checkpoint.every > config.orchestrator.steps:
+        errors.append(
+            f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "
+            f"({config.orchestrator.steps}): no periodic checkpoint would ever be written"
+        )
+    return errors
+
+
+_RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
+_AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+
+
+def _key_path(path: str) -> str:
+    """``.trainer.betas[0]`` → ``trainer.betas[0]``."""
+    return path.lstrip(".")
+
+
+def _translate(error: msgspec.ValidationError, source: str) -> ConfigError:
+    message = str(error)
+    if match := _UNKNOWN_FIELD.match(message):
+        parent = _key_path(match["path"] or "")
+        key = f"{parent}.{match['field']}" if parent else match["field"]
+        return ConfigError(f"{source}: unknown config key '{key}' (check its spelling and section)")
+    if match := _AT_PATH.search(message):
+        key = _key_path(match["path"])
+        reason = message[: match.start()]
+        return ConfigError(f"{source}: invalid value for '{key}': {reason}")
+    return ConfigError(f"{source}: {message}")
+
+
+def deep_merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge ``overlay`` into a copy of ``base``; tables merge key by key, everything else is replaced."""
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(override: str) -> dict[str, Any]:
+    """``trainer.lr=3e-4`` → ``{"trainer": {"lr": 3e-4}}``. Values are TOML (``true``, ``[1, 2]``,
+    ``"text"``); anything that is not valid TOML is taken as a string."""
+    key, sep, raw = override.partition("=")
+    key = key.strip()
+    if not sep or not key or not all(part.isidentifier() for part in key.split(".")):
+        raise ConfigError(f"--set {override!r}: expected KEY=VALUE with a dotted key, e.g. trainer.lr=3e-4")
+    try:
+        value = tomllib.loads(f"value = {raw.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    nested: dict[str, Any] = {}
+    cursor = nested
+    *parents, leaf = key.split(".")
+    for part in parents:
+        cursor = cursor.setdefault(part, {})
+    cursor[leaf] = value
+    return nested
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read one TOML file; a missing file or a syntax error is a ConfigError naming the file."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: invalid TOML: {error}") from None
+
+
+def read_toml_or_json(path: str | Path) -> dict[str, Any]:
+    """Read a config file by its suffix: ``.json`` (a saved resolved config) or TOML."""
+    path = Path(path)
+    if path.suffix != ".json":
+        return read_toml(path)
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except msgspec.DecodeError as error:
+        raise ConfigError(f"{path}: invalid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
+    """Validate a merged config dict into a RunConfig.
+
+    Raises:
+        ConfigError: an unknown key, a wrong type or value, or a broken cross-field rule.
+    """
+    try:
+        config = msgspec.convert(dict(data), RunConfig)
+    except msgspec.ValidationError as error:
+        raise _translate(error, source) from None
+    if errors := _cross_field_errors(config):
+        raise ConfigError(f"{source}: " + "; ".join(errors))
+    return config
+
+
+def load_config(
+    paths: Sequence[str | Path] = (),
+    overrides: Iterable[str] = (),
+    base: Mapping[str, Any] | None = None,
+) -> RunConfig:
+    """Load and validate the run config from TOML files and ``KEY=VALUE`` overrides.
+
+    ``base`` (e.g. a resumed run's saved config) sits below the files.
+
+    Raises:
+        ConfigError: a missing or malformed file, an unknown key, a bad value or a broken cross-field rule.
+    """
+    merged: dict[str, Any] = dict(base or {})
+    for path in paths:
+        merged = deep_merge(merged, read_toml_or_json(path))
+    overrides = list(overrides)
+    for override in overrides:
+        merged = deep_merge(merged, parse_override(override))
+    sources = [str(path) for path in paths] + [f"--set {o}" for o in overrides]
+    return build_config(merged, source=", ".join(sources) or "defaults")
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    """The resolved config as plain JSON-able data (every field, defaults included)."""
+    return msgspec.to_builtins(config)
+
+
+def to_json(config: RunConfig) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(config), indent=2)

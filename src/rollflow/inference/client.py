@@ -1,0 +1,104 @@
+"""The ``InferenceClient`` protocol: the one way the rest of rollflow talks to inference engines.
+
+``LocalInferenceClient`` drives torch engines in this process. The HTTP client (``RemoteInferenceClient``)
+implements the same protocol, so generators, the TITO proxy and the orchestrator never know which one
+they hold. This module must not import torch at module scope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from rollflow.messages import GenerateOutput, GenerateRequest
+
+if TYPE_CHECKING:
+    from rollflow.inference.engine.engine import TorchEngine
+
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+
+
+@runtime_checkable
+class InferenceClient(Protocol):
+    """Generation and control of one or more inference engines.
+
+    Pause modes follow vLLM: ``abort`` ends in-flight requests with finish reason ``abort`` and their
+    partial tokens; ``wait`` lets them finish; ``keep`` freezes them and continues them after ``resume``.
+    While paused, new ``generate`` calls wait for ``resume`` (HTTP servers answer 503 instead).
+    """
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Sample a completion for ``request.prompt_token_ids``."""
+        ...
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop generating, handling in-flight requests according to ``mode``."""
+        ...
+
+    async def resume(self) -> None:
+        """Continue generating after ``pause``."""
+        ...
+
+    async def is_paused(self) -> bool: ...
+
+    async def update_named_weights(
+        self, named_tensors: Iterable[tuple[str, Any]], policy_version: int
+    ) -> None:
+        """Load new weights (names as in the Hugging Face state dict) and stamp later tokens with
+        ``policy_version``. Callers pause first."""
+        ...
+
+    async def get_world_size(self) -> int:
+        """Number of inference workers that receive weights."""
+        ...
+
+    async def close(self) -> None:
+        """Release engines and connections."""
+        ...
+
+
+class LocalInferenceClient:
+    """Drives in-process ``TorchEngine``s; requests are spread round-robin, control calls reach all."""
+
+    def __init__(self, engines: list[TorchEngine]):
+        if not engines:
+            raise ValueError("LocalInferenceClient needs at least one engine")
+        self.engines = engines
+        self._next = 0
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        engine = self.engines[self._next % len(self.engines)]
+        self._next += 1
+        return await engine.generate(request)
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        for engine in self.engines:
+            await engine.pause(mode)
+
+    async def resume(self) -> None:
+        for engine in self.engines:
+            await engine.resume()
+
+    async def is_paused(self) -> bool:
+        return all(engine.is_paused for engine in self.engines)
+
+    async def update_named_weights(
+        self, named_tensors: Iterable[tuple[str, Any]], policy_version: int
+    ) -> None:
+        tensors = list(named_tensors)
+        for engine in self.engines:
+            await engine.load_weights(tensors, policy_version=policy_version)
+
+    async def get_world_size(self) -> int:
+        return len(self.engines)
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.shutdown()
+
+    async def __aenter__(self) -> LocalInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

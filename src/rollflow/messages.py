@@ -1,0 +1,117 @@
+"""Every message that crosses a channel or a process boundary.
+
+Messages are msgspec Structs: cheap to build, typed, and encodable as JSON or msgpack unchanged. They hold
+plain Python data (lists of ints and floats), never tensors, so they can cross processes later.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+
+class FinishReason(enum.Enum):
+    """Why a generation ended. The string values are part of the external (vLLM-compatible) API."""
+
+    STOP = "stop"  # a stop token was sampled
+    LENGTH = "length"  # max_tokens or the model's context length was reached
+    ABORT = "abort"  # the request was aborted (e.g. by a pause in abort mode); partial tokens are kept
+
+
+class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Sampling settings of one request (vLLM's names and meanings)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 or -1 disables top-k filtering, as in vLLM.
+    top_k: int = -1
+    # Per-request seed: the same seed, prompt and weights give the same tokens.
+    seed: int | None = None
+    # Token ids that end the generation; the stop token itself is part of the output.
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """Token-in generation request to an inference engine."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    request_id: str = ""
+    # Routes all calls of one agent session to one server (prefix-cache affinity); unused in-process.
+    session_id: str | None = None
+
+
+class GenerateOutput(msgspec.Struct):
+    """Token-out result: what was sampled, with the logprob and policy version of each token."""
+
+    request_id: str
+    token_ids: list[int]
+    # log p(token) under the sampling distribution after temperature, before top-k/top-p filtering.
+    logprobs: list[float]
+    finish_reason: FinishReason
+    # Policy version that produced each token; differs within one output only if weights changed mid-request.
+    policy_versions: list[int]
+    prompt_len: int = 0
+
+
+class RolloutRequest(msgspec.Struct, frozen=True):
+    """One prompt admitted for generation: the data source's unit of work."""
+
+    prompt_index: int  # position in the data stream; checkpoints resume from here
+    messages: list[dict[str, Any]]
+    answer: Any = None
+    metadata: dict[str, Any] = {}
+    num_samples: int = 1
+
+
+class Sample(msgspec.Struct):
+    """One sampled completion with everything the trainer needs, token-exact."""
+
+    prompt_index: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    finish_reason: FinishReason
+    completion_text: str = ""
+    reward: float = 0.0
+    # Masked samples take no part in the loss nor in their group's baseline.
+    masked: bool = False
+    # Why the sample was masked (e.g. "reward_error"), for metrics.
+    mask_reason: str | None = None
+
+    @property
+    def min_policy_version(self) -> int:
+        return min(self.policy_versions) if self.policy_versions else -1
+
+
+class ScoredGroup(msgspec.Struct):
+    """All samples of one prompt, with rewards: the unit the advantage baseline is computed over."""
+
+    prompt_index: int
+    samples: list[Sample]
+    generation_time_s: float = 0.0
+
+
+class TrainBatch(msgspec.Struct):
+    """The groups one optimizer step trains on."""
+
+    step: int
+    groups: list[ScoredGroup]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [sample for group in self.groups for sample in group.samples]
+
+
+class StepResult(msgspec.Struct):
+    """What a train step reports back: its metrics and whether the weights changed."""
+
+    step: int
+    metrics: dict[str, float]
+    # False when the update was skipped (non-finite loss, nothing trainable): no weight push is needed.
+    updated: bool = True

@@ -1,0 +1,294 @@
+"""The embedded default model, ``rollflow:tiny``.
+
+A Qwen3-format byte-level BPE tokenizer trained in-process on generated text, and a tiny random-init
+``Qwen3ForCausalLM`` (about 230k parameters). Both are built once, deterministically, into a user cache
+directory, so a CPU-only machine with no network can run the quickstart.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+TINY_MODEL_NAME = "rollflow:tiny"
+# Bump when the corpus, the tokenizer recipe or the architecture changes: old caches are then ignored.
+TINY_BUILD_VERSION = 1
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added (non-special) tokens that renderers' Qwen3 renderer requires to be single tokens.
+ADDED_TOKENS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
+# Qwen2/Qwen3 pre-tokenization pattern.
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+TINY_ARCHITECTURE = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
+
+CHAT_TEMPLATE = """\
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+<|im_start|>assistant
+{% if message.reasoning_content is defined and message.reasoning_content -%}
+<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif -%}
+{{ message.content or '' }}
+{%- if message.tool_calls is defined and message.tool_calls -%}
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{% elif message.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false -%}
+<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}"""
+
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "green",
+    "light",
+    "water",
+    "horse",
+    "table",
+    "paper",
+    "music",
+    "house",
+    "night",
+    "yellow",
+    "window",
+    "garden",
+    "bread",
+    "silver",
+    "planet",
+    "winter",
+    "summer",
+    "orange",
+    "forest",
+    "ocean",
+    "mountain",
+    "little",
+    "quick",
+    "happy",
+    "bright",
+    "quiet",
+    "brave",
+    "gentle",
+    "simple",
+    "answer",
+    "question",
+    "number",
+    "letter",
+    "word",
+    "reply",
+    "write",
+    "say",
+    "name",
+    "give",
+    "tell",
+    "list",
+    "color",
+    "animal",
+    "fruit",
+    "city",
+    "friend",
+    "story",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "tree",
+    "bird",
+    "fish",
+    "red",
+    "blue",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "yes",
+    "no",
+    "ok",
+]
+PROMPT_PHRASES = [
+    "Reply in uppercase.",
+    "Reply in lowercase.",
+    "Answer in UPPERCASE letters.",
+    "answer in lowercase letters.",
+    "Say a word.",
+    "Name a fruit.",
+    "Name an animal.",
+    "Name a color.",
+    "Write a number.",
+]
+
+
+def _corpus(num_lines: int, seed: int) -> list[str]:
+    """Generated training text: words in every case, digits, arithmetic and chat markup."""
+    rng = random.Random(seed)
+    lines = []
+    for index in range(num_lines):
+        words = rng.choices(WORDS, k=rng.randint(2, 10))
+        style = index % 4
+        if style == 0:
+            words = [word.upper() for word in words]
+        elif style == 1:
+            words = [word.capitalize() for word in words]
+        text = " ".join(words)
+        kind = index % 7
+        if kind == 0:
+            text = f"{rng.choice(PROMPT_PHRASES)} {text}"
+        elif kind == 1:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            text = f"{a} + {b} = {a + b}. {text}"
+        elif kind == 2:
+            text = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        elif kind == 3:
+            text = f'{{"name": "{words[0].lower()}", "arguments": {{"x": {rng.randint(0, 9)}}}}}'
+        lines.append(text)
+    return lines
+
+
+def build_tokenizer():
+    """Train the Qwen3-format BPE tokenizer; deterministic for a given build version."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1536,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(40_000, seed=TINY_BUILD_VERSION), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=[],
+    )
+    fast.add_tokens(ADDED_TOKENS, special_tokens=False)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = TINY_ARCHITECTURE["max_position_embeddings"]
+    return fast
+
+
+def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """A random-init ``Qwen3ForCausalLM`` with the tiny architecture (seeded, so deterministic)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        **TINY_ARCHITECTURE,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_BUILD_VERSION)
+        model = Qwen3ForCausalLM(config)
+    return model
+
+
+def cache_dir() -> Path:
+    """Where built models live: ``$ROLLFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/rollflow``, else ``~/.cache/rollflow``."""
+    if explicit := os.environ.get("ROLLFLOW_CACHE_DIR"):
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rollflow"
+
+
+def ensure_tiny_model() -> Path:
+    """Return the directory of the built tiny model, building it on first use.
+
+    The build goes to a temporary directory and is renamed into place, so concurrent first uses
+    (parallel tests, several servers) never see a half-written model.
+    """
+    target = cache_dir() / f"tiny-v{TINY_BUILD_VERSION}"
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    try:
+        tokenizer = build_tokenizer()
+        model = build_model(
+            vocab_size=len(tokenizer),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        )
+        model.generation_config.eos_token_id = model.config.eos_token_id
+        model.generation_config.pad_token_id = model.config.pad_token_id
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished first; its build is identical.
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("built tiny model", path=str(target))
+    return target

@@ -1,0 +1,60 @@
+"""The weight-update barrier: pause engines ▸ push weights ▸ policy version += 1 ▸ resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import anyio
+import structlog
+
+from rollflow.errors import RollflowError
+from rollflow.inference.client import InferenceClient, PauseMode
+
+log = structlog.get_logger(__name__)
+
+
+class WeightSyncTimeoutError(RollflowError, TimeoutError):
+    """A weight update did not finish within ``weight_sync.timeout_s``."""
+
+
+class WeightBarrier:
+    """Moves new weights into the inference engines between generation phases.
+
+    The engines are resumed whatever happens during the transfer (timeout, error, cancellation), so a
+    failed update never leaves them paused.
+    """
+
+    def __init__(self, client: InferenceClient, *, timeout_s: float):
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def update(
+        self,
+        named_weights: Callable[[], Iterable[tuple[str, Any]]],
+        policy_version: int,
+        pause_mode: PauseMode,
+    ) -> float:
+        """Push ``named_weights()`` stamped as ``policy_version``; returns the barrier's duration in seconds.
+
+        Raises:
+            WeightSyncTimeoutError: the pause and transfer took longer than ``timeout_s``.
+        """
+        started = time.perf_counter()
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await self.client.pause(pause_mode)
+                await self.client.update_named_weights(named_weights(), policy_version)
+        except TimeoutError:
+            raise WeightSyncTimeoutError(
+                f"weight update to policy version {policy_version} took longer than "
+                f"weight_sync.timeout_s = {self.timeout_s} s; the engines were resumed"
+            ) from None
+        finally:
+            # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
+            with anyio.move_on_after(self.timeout_s, shield=True):
+                await self.client.resume()
+        elapsed = time.perf_counter() - started
+        log.debug("weights updated", policy_version=policy_version, seconds=round(elapsed, 4))
+        return elapsed

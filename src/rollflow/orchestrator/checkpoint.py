@@ -1,0 +1,84 @@
+"""Checkpoints: trainer weights and optimizer, plus the orchestrator state that makes a resume exact.
+
+Layout: ``{run_dir}/checkpoints/step_000050/`` with ``model.safetensors`` and ``optimizer.pt`` (written by the
+trainer) and ``state.json`` (written here, last). A checkpoint is built in a ``.tmp`` directory and renamed
+into place, so a run killed mid-save never leaves a checkpoint that looks complete.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from rollflow.errors import CheckpointError
+
+STATE_FILE = "state.json"
+_STEP_DIR = re.compile(r"step_(\d{6,})")
+
+
+class OrchestratorState(msgspec.Struct):
+    """Everything besides weights and optimizer needed to continue a run exactly."""
+
+    step: int = 0
+    """Optimizer steps completed."""
+    policy_version: int = 0
+    """Version of the weights the engines hold; bumped by every weight-update barrier."""
+    data_position: int = 0
+    """Index of the first prompt not yet trained on: a resumed run starts generating here."""
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        path
+        for path in root.iterdir()
+        if path.is_dir() and _STEP_DIR.fullmatch(path.name) and (path / STATE_FILE).exists()
+    ]
+    return sorted(found, key=lambda path: int(_STEP_DIR.fullmatch(path.name)[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(
+    run_dir: Path,
+    state: OrchestratorState,
+    save_trainer: Callable[[Path], None],
+    keep: int,
+) -> Path:
+    """Write a checkpoint for ``state.step`` and prune all but the ``keep`` newest."""
+    root = checkpoints_dir(run_dir)
+    final = root / f"step_{state.step:06d}"
+    staging = root / f"step_{state.step:06d}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_trainer(staging)
+    (staging / STATE_FILE).write_bytes(msgspec.json.encode(state))
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_state(checkpoint: Path) -> OrchestratorState:
+    """Raises:
+    CheckpointError: the state file is missing or unreadable."""
+    try:
+        return msgspec.json.decode((checkpoint / STATE_FILE).read_bytes(), type=OrchestratorState)
+    except (OSError, msgspec.DecodeError) as error:
+        raise CheckpointError(f"checkpoint {checkpoint} has no readable {STATE_FILE}: {error}") from None

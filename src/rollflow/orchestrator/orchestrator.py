@@ -1,0 +1,379 @@
+"""The rollout orchestrator: wires the components of a run and drives them from one event loop.
+
+Each component has one job and never references the orchestrator:
+- Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
+- ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
+- ``Trainer``: one optimizer step per ``TrainBatch`` (runs in a worker thread).
+- ``WeightBarrier``: pause engines ▸ push weights ▸ policy version += 1 ▸ resume.
+- ``Schedule``: when prompts may start and how the barrier pauses (``sync`` now; async schedules plug in).
+
+The orchestrator builds them in ``setup()`` and drives them in ``run()``: a data-source task and generation
+workers in one anyio task group, connected by bounded typed channels, with the training loop reading
+scored groups, training, updating weights and writing metrics and checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from rollflow.channels import channel
+from rollflow.config import RunConfig, to_json
+from rollflow.errors import CheckpointError, ConfigError
+from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
+from rollflow.metrics import JsonlWriter, MetricsSink, truncate_jsonl_after_step
+from rollflow.orchestrator.barrier import WeightBarrier
+from rollflow.orchestrator.checkpoint import (
+    OrchestratorState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_state,
+    save_checkpoint,
+)
+from rollflow.orchestrator.schedules import Schedule, SyncSchedule
+from rollflow.rollout.generator import SingleTurnGenerator
+from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
+from rollflow.rollout.tasks import Task, load_task
+
+log = structlog.get_logger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+ROLLOUTS_FILE = "rollouts.jsonl"
+CONFIG_FILE = "config.json"
+
+
+class Orchestrator:
+    """Runs RL training for one ``RunConfig``.
+
+    Embedded use, inside any running event loop::
+
+        orch = await Orchestrator.start(config)
+        await orch.run(steps=10)
+        await orch.stop()
+
+    or ``async with Orchestrator(config) as orch: await orch.run()``.
+    """
+
+    # Swappable components, built in setup().
+    task: Task
+    generator: SingleTurnGenerator
+    schedule: Schedule
+    barrier: WeightBarrier
+    # Fixed components.
+    client: Any  # InferenceClient
+    trainer: Any  # rollflow.train.trainer.Trainer
+
+    def __init__(self, config: RunConfig, *, resume: bool = False, sinks: list[MetricsSink] | None = None):
+        self.config = config
+        self.resume = resume
+        self.run_dir = config.run_dir
+        # Runtime state.
+        self.state = OrchestratorState()
+        self.history: list[dict[str, Any]] = []
+        self._extra_sinks = list(sinks or [])
+        self._sinks: list[MetricsSink] = []
+        self._rollouts: JsonlWriter | None = None
+        self._started_at = 0.0
+        self._is_set_up = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @classmethod
+    async def start(
+        cls, config: RunConfig, *, resume: bool = False, sinks: list[MetricsSink] | None = None
+    ) -> Orchestrator:
+        """Build every component (load models, start engines) and return the ready orchestrator.
+
+        Raises:
+            ConfigError: the run directory already holds a run and ``resume`` is false, or a config value
+                cannot be used (unknown task, renderer, reward).
+            CheckpointError: ``resume`` is true but the run has no complete checkpoint.
+            ModelNotFoundError: ``model.path`` does not resolve to a local model.
+        """
+        orchestrator = cls(config, resume=resume, sinks=sinks)
+        await orchestrator.setup()
+        return orchestrator
+
+    async def __aenter__(self) -> Orchestrator:
+        await self.setup()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def setup(self) -> None:
+        """Load the task, models, engines and trainer; restore the last checkpoint when resuming."""
+        if self._is_set_up:
+            return
+        checkpoint = self._prepare_run_dir()
+        config = self.config
+        self.task = load_task(config.data.task, config.data.seed)
+        rewarder = Rewarder.from_config(config.data.reward, self.task)
+        self.client, renderer, self.trainer = await anyio.to_thread.run_sync(self._build_model_parts)
+        self.generator = SingleTurnGenerator(
+            self.client, renderer, rewarder, config.sampling, seed=config.seed
+        )
+        self.schedule = self._build_schedule()
+        self.barrier = WeightBarrier(self.client, timeout_s=config.weight_sync.timeout_s)
+        if checkpoint is not None:
+            await self._restore(checkpoint)
+        self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
+        self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
+        self._is_set_up = True
+        log.info(
+            "orchestrator ready",
+            run_dir=str(self.run_dir),
+            step=self.state.step,
+            policy_version=self.state.policy_version,
+        )
+
+    async def stop(self) -> None:
+        """Shut the engines down and close the metric files. Idempotent."""
+        if not self._is_set_up:
+            return
+        self._is_set_up = False
+        with anyio.CancelScope(shield=True):
+            await self.client.close()
+        for sink in self._sinks:
+            sink.close()
+        if self._rollouts is not None:
+            self._rollouts.close()
+
+    def _prepare_run_dir(self) -> Path | None:
+        """Create the run directory (or check it for a resume) and save the resolved config."""
+        existing = list_checkpoints(self.run_dir)
+        checkpoint = None
+        if self.resume:
+            checkpoint = latest_checkpoint(self.run_dir)
+            if checkpoint is None:
+                raise CheckpointError(
+                    f"cannot resume {self.run_dir}: it has no complete checkpoint under "
+                    f"{self.run_dir / 'checkpoints'} (checkpoints are written every checkpoint.every steps)"
+                )
+        elif existing or (self.run_dir / METRICS_FILE).exists():
+            raise ConfigError(
+                f"run directory {self.run_dir} already holds a run: resume it with "
+                f"`rollflow run --resume {self.run_dir}`, or pick another `name` (e.g. --set name=...)"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CONFIG_FILE).write_bytes(to_json(self.config) + b"\n")
+        return checkpoint
+
+    def _build_model_parts(self) -> tuple[Any, Any, Any]:
+        """Blocking: load tokenizer, renderer, one model copy for the engines and one for the trainer."""
+        from rollflow.inference.client import LocalInferenceClient
+        from rollflow.inference.engine.engine import TorchEngine
+        from rollflow.models.loading import (
+            create_chat_renderer,
+            load_causal_lm,
+            load_tokenizer,
+            resolve_model_path,
+        )
+        from rollflow.train.trainer import Trainer
+
+        config = self.config
+        model_dir = resolve_model_path(config.model.path)
+        tokenizer = load_tokenizer(model_dir)
+        renderer = create_chat_renderer(tokenizer, config.model)
+        engines = [
+            TorchEngine(
+                load_causal_lm(model_dir),
+                max_batch_size=config.inference.max_batch_size,
+                max_model_len=config.inference.max_model_len,
+            )
+            for _ in range(config.inference.num_engines)
+        ]
+        trainer = Trainer(
+            load_causal_lm(model_dir),
+            config.trainer,
+            temperature=config.sampling.temperature or 1.0,
+            pad_token_id=tokenizer.pad_token_id or 0,
+            seed=config.seed,
+        )
+        return LocalInferenceClient(engines), renderer, trainer
+
+    def _build_schedule(self) -> Schedule:
+        mode = self.config.orchestrator.mode
+        if mode == "sync":
+            return SyncSchedule(self.config.orchestrator.prompts_per_step)
+        raise ConfigError(f"orchestrator.mode = {mode!r} is not supported; use 'sync'")
+
+    async def _restore(self, checkpoint: Path) -> None:
+        self.state = load_state(checkpoint)
+        await anyio.to_thread.run_sync(self.trainer.load_checkpoint, checkpoint)
+        await self.barrier.update(
+            self.trainer.named_weights, self.state.policy_version, self.schedule.pause_mode
+        )
+        # Work done after the checkpoint is redone; drop its records so each step is logged once.
+        for name in (METRICS_FILE, ROLLOUTS_FILE):
+            truncate_jsonl_after_step(self.run_dir / name, self.state.step)
+        log.info("resumed", checkpoint=str(checkpoint), step=self.state.step)
+
+    # ---------------------------------------------------------------- the run
+
+    async def run(
+        self, steps: int | None = None, on_step: Callable[[dict[str, Any]], None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Train for ``steps`` more steps (default: until ``orchestrator.steps`` in total).
+
+        Returns the metrics of the steps run by this call. A checkpoint is written every
+        ``checkpoint.every`` steps and after the last step.
+        """
+        if not self._is_set_up:
+            raise RuntimeError("Orchestrator.run() before setup(): use `await Orchestrator.start(config)`")
+        target = self.config.orchestrator.steps if steps is None else self.state.step + steps
+        if target <= self.state.step:
+            return []
+        self._started_at = time.perf_counter()
+        capacity = self.config.orchestrator.max_concurrent_groups
+        requests = channel(RolloutRequest, capacity)
+        results = channel(ScoredGroup, capacity)
+        run_metrics = []
+        with structlog.contextvars.bound_contextvars(run=self.config.name):
+            async with anyio.create_task_group() as tg:
+                await tg.start(self._feed_prompts, requests.send)
+                async with requests.receive, results.send:
+                    for _ in range(capacity):
+                        tg.start_soon(self._generation_worker, requests.receive.clone(), results.send.clone())
+                async with results.receive:
+                    while self.state.step < target:
+                        metrics = await self._train_step(results.receive)
+                        run_metrics.append(metrics)
+                        if on_step is not None:
+                            on_step(metrics)
+                # In sync mode nothing is in flight here; stop the feeder and the idle workers.
+                tg.cancel_scope.cancel()
+        return run_metrics
+
+    async def _feed_prompts(
+        self, send: MemoryObjectSendStream[RolloutRequest], *, task_status: TaskStatus[None]
+    ) -> None:
+        """Data source: emit prompts from the data position on, as the schedule admits them."""
+        async with send:
+            task_status.started()
+            index = self.state.data_position
+            while True:
+                await self.schedule.admit()
+                item = self.task.item(index)
+                await send.send(
+                    RolloutRequest(
+                        prompt_index=index,
+                        messages=item.messages,
+                        answer=item.answer,
+                        metadata=item.metadata,
+                        num_samples=self.config.sampling.samples_per_prompt,
+                    )
+                )
+                index += 1
+
+    async def _generation_worker(
+        self,
+        requests: MemoryObjectReceiveStream[RolloutRequest],
+        results: MemoryObjectSendStream[ScoredGroup],
+    ) -> None:
+        async with requests, results:
+            async for request in requests:
+                group = await self.generator.generate_group(request)
+                await results.send(group)
+
+    async def _train_step(self, results: MemoryObjectReceiveStream[ScoredGroup]) -> dict[str, Any]:
+        step = self.state.step + 1
+        step_started = time.perf_counter()
+        self.schedule.open_step(step)
+        groups = [await results.receive() for _ in range(self.config.orchestrator.prompts_per_step)]
+        groups.sort(key=lambda group: group.prompt_index)
+        generation_time = time.perf_counter() - step_started
+
+        batch = TrainBatch(step=step, groups=groups)
+        result: StepResult = await anyio.to_thread.run_sync(self.trainer.train_step, batch)
+
+        barrier_time = 0.0
+        if result.updated:
+            barrier_time = await self.barrier.update(
+                self.trainer.named_weights, self.state.policy_version + 1, self.schedule.pause_mode
+            )
+            self.state.policy_version += 1
+        self.state.step = step
+        self.state.data_position = max(group.prompt_index for group in groups) + 1
+
+        metrics = self._step_metrics(batch, result, generation_time, barrier_time, step_started)
+        self._record(batch, metrics)
+        if self._checkpoint_due():
+            await self._save_checkpoint()
+        return metrics
+
+    def _step_metrics(
+        self,
+        batch: TrainBatch,
+        result: StepResult,
+        generation_time: float,
+        barrier_time: float,
+        step_started: float,
+    ) -> dict[str, Any]:
+        samples = batch.samples
+        rewards = [sample.reward for sample in samples if not sample.masked]
+        tokens = sum(len(sample.completion_token_ids) for sample in samples)
+        finish = Counter(sample.finish_reason for sample in samples)
+        step_time = time.perf_counter() - step_started
+        metrics: dict[str, Any] = {
+            "step": batch.step,
+            "policy_version": self.state.policy_version,
+            "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+            "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
+            "num_samples": len(samples),
+            "masked_samples": sum(sample.masked for sample in samples),
+            "reward_errors": sum(sample.mask_reason == REWARD_ERROR for sample in samples),
+            "completion_tokens": tokens,
+            "completion_len_mean": tokens / max(len(samples), 1),
+            **{f"finish_{reason.value}": finish[reason] / len(samples) for reason in FinishReason},
+            "tokens_per_s": tokens / generation_time if generation_time > 0 else 0.0,
+            "generation_time_s": generation_time,
+            "barrier_time_s": barrier_time,
+            "step_time_s": step_time,
+            "elapsed_s": time.perf_counter() - self._started_at,
+        }
+        metrics.update(result.metrics)
+        return metrics
+
+    def _record(self, batch: TrainBatch, metrics: dict[str, Any]) -> None:
+        self.history.append(metrics)
+        for sink in self._sinks:
+            sink.log(metrics)
+        assert self._rollouts is not None
+        for group in batch.groups:
+            self._rollouts.log(
+                {
+                    "step": batch.step,
+                    "prompt_index": group.prompt_index,
+                    "rewards": [sample.reward for sample in group.samples],
+                    "masked": [sample.masked for sample in group.samples],
+                    "min_policy_version": min(s.min_policy_version for s in group.samples),
+                    "completions": [sample.completion_text for sample in group.samples],
+                }
+            )
+        log.debug("step done", **{k: v for k, v in metrics.items() if isinstance(v, int | float)})
+
+    def _checkpoint_due(self) -> bool:
+        every = self.config.checkpoint.every
+        final = self.state.step >= self.config.orchestrator.steps
+        return final or (every > 0 and self.state.step % every == 0)
+
+    async def _save_checkpoint(self) -> None:
+        path = await anyio.to_thread.run_sync(
+            save_checkpoint,
+            self.run_dir,
+            self.state,
+            self.trainer.save_checkpoint,
+            self.config.checkpoint.keep,
+        )
+        log.info("checkpoint saved", path=str(path), step=self.state.step)

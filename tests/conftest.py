@@ -1,0 +1,20 @@
+"""Shared fixtures. Tests never touch the network: the tiny model is built locally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from rollflow.models.tiny import ensure_tiny_model
+
+    return ensure_tiny_model()

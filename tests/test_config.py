@@ -1,0 +1,160 @@
+"""Config loading: precedence, unknown keys, bad values and cross-field rules, all with named keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollflow.config import RunConfig, load_config, parse_override, to_dict
+from rollflow.errors import ConfigError
+
+from .conftest import REPO_ROOT
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid():
+    config = load_config()
+    assert isinstance(config, RunConfig)
+    assert config.model.path == "rollflow:tiny"
+    assert config.orchestrator.mode == "sync"
+
+
+def test_later_files_and_overrides_win(tmp_path):
+    a = write(tmp_path / "a.toml", "[trainer]\nlr = 0.1\nmax_grad_norm = 2.0\n[sampling]\nmax_tokens = 4\n")
+    b = write(tmp_path / "b.toml", "[trainer]\nlr = 0.2\n")
+    config = load_config([a, b], ["trainer.max_grad_norm=3.5"])
+    assert config.trainer.lr == 0.2  # b over a
+    assert config.trainer.max_grad_norm == 3.5  # --set over files
+    assert config.sampling.max_tokens == 4  # untouched keys from a survive the merge
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.lr=3e-4", {"trainer": {"lr": 3e-4}}),
+        ("name=my-run", {"name": "my-run"}),
+        ('name="quoted"', {"name": "quoted"}),
+        ("trainer.betas=[0.8, 0.9]", {"trainer": {"betas": [0.8, 0.9]}}),
+        ("model.enable_thinking=true", {"model": {"enable_thinking": True}}),
+    ],
+)
+def test_parse_override(override, expected):
+    assert parse_override(override) == expected
+
+
+@pytest.mark.parametrize("override", ["trainer.lr", "=3", "trainer..lr=1", "trainer.l-r=1"])
+def test_malformed_override_is_an_error(override):
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override(override)
+
+
+def test_unknown_key_in_file_names_the_key_path(tmp_path):
+    path = write(tmp_path / "c.toml", "[trainer]\nlrr = 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'trainer\.lrr'") as info:
+        load_config([path])
+    assert str(path) in str(info.value)
+
+
+def test_unknown_top_level_section(tmp_path):
+    path = write(tmp_path / "c.toml", "[trainr]\nlr = 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'trainr'"):
+        load_config([path])
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.lr=-1", "trainer.lr"),
+        ("trainer.lr='fast'", "trainer.lr"),
+        ("sampling.top_p=1.5", "sampling.top_p"),
+        ("sampling.samples_per_prompt=0", "sampling.samples_per_prompt"),
+        ("trainer.advantage='ppo'", "trainer.advantage"),
+        ("orchestrator.mode='turbo'", "orchestrator.mode"),
+        ("trainer.betas=[0.9]", "trainer.betas"),
+        ("checkpoint.every=-1", "checkpoint.every"),
+    ],
+)
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"invalid value for '{key}'"):
+        load_config([], [override])
+
+
+def test_cross_field_rules_name_every_field():
+    with pytest.raises(ConfigError) as info:
+        load_config([], ["trainer.advantage='rloo'", "sampling.samples_per_prompt=1"])
+    assert "trainer.advantage" in str(info.value) and "sampling.samples_per_prompt" in str(info.value)
+    with pytest.raises(ConfigError, match=r"sampling\.max_tokens.*inference\.max_model_len"):
+        load_config([], ["sampling.max_tokens=64", "inference.max_model_len=64"])
+    with pytest.raises(ConfigError, match="name"):
+        load_config([], ["name='../escape'"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config([tmp_path / "missing.toml"])
+    bad = write(tmp_path / "bad.toml", "[trainer\nlr = 1\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config([bad])
+
+
+def test_resolved_config_round_trips_through_json(tmp_path):
+    config = load_config([], ["trainer.lr=0.5", "name=x"])
+    saved = write(tmp_path / "config.json", json.dumps(to_dict(config)))
+    assert load_config([saved]) == config
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "examples").rglob("*.toml")), ids=lambda p: p.name)
+def test_every_example_config_parses(path):
+    load_config([path])
+
+
+def rollflow_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollflow", *args], capture_output=True, text=True, cwd=cwd, timeout=60
+    )
+
+
+def test_cli_dry_run_prints_resolved_config(tmp_path):
+    result = rollflow_cli(
+        "run",
+        str(REPO_ROOT / "examples" / "quickstart.toml"),
+        "--set",
+        "trainer.lr=3e-4",
+        "--dry-run",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert resolved["trainer"]["lr"] == 3e-4
+    assert resolved["name"] == "quickstart"
+    assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "trainer.lrr=1"], "trainer.lrr"),
+        (["--set", "sampling.temperature=-0.5"], "sampling.temperature"),
+        (["--set", "nonsense"], "KEY=VALUE"),
+    ],
+)
+def test_cli_config_error_exits_2_naming_the_key(tmp_path, args, message):
+    result = rollflow_cli("run", str(REPO_ROOT / "examples" / "quickstart.toml"), *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_bad_arguments_exit_2(tmp_path):
+    assert rollflow_cli("run", cwd=tmp_path).returncode == 2  # no config at all
+    assert rollflow_cli("run", "missing.toml", cwd=tmp_path).returncode == 2
+    assert rollflow_cli("run", "--resume", str(tmp_path / "nope"), cwd=tmp_path).returncode == 2
+    assert rollflow_cli("fly", cwd=tmp_path).returncode == 2

@@ -1,0 +1,61 @@
+"""The embedded tiny model: deterministic local build, renderer compatibility, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollflow.config import ModelConfig
+from rollflow.errors import ConfigError, ModelNotFoundError
+from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
+from rollflow.models.tiny import ensure_tiny_model
+
+
+def test_tiny_build_is_deterministic_and_cached(tmp_path, monkeypatch):
+    builds = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("ROLLFLOW_CACHE_DIR", str(tmp_path / name))
+        builds.append(ensure_tiny_model())
+    for filename in ("tokenizer.json", "model.safetensors", "config.json"):
+        assert (builds[0] / filename).read_bytes() == (builds[1] / filename).read_bytes(), filename
+    # A second call reuses the cached build instead of rebuilding it.
+    stamp = (builds[1] / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny_model() == builds[1]
+    assert (builds[1] / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tiny_tokenizer_has_the_qwen3_specials(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    for token in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"]:
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1, token
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    text = "Reply in UPPERCASE: name a fruit. 12 + 30 = 42"
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+
+
+def test_renderer_matches_the_chat_template(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    renderer = create_chat_renderer(tokenizer, ModelConfig())
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say a word."}]
+    rendered = renderer.render_ids(messages, add_generation_prompt=True)
+    templated = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert tokenizer.decode(rendered) == templated
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in renderer.get_stop_token_ids()
+
+
+def test_local_directory_resolves(tiny_model_dir):
+    assert resolve_model_path(str(tiny_model_dir)) == tiny_model_dir
+
+
+def test_missing_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache"):
+        resolve_model_path("no-org/no-such-model")
+    with pytest.raises(ModelNotFoundError, match="without config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_unknown_renderer_names_the_key(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    with pytest.raises(ConfigError, match="model.renderer"):
+        create_chat_renderer(tokenizer, ModelConfig(renderer="no-such-renderer"))
