@@ -93,6 +93,8 @@ def test_cross_field_rules_name_every_field():
     assert "trainer.advantage" in str(info.value) and "sampling.samples_per_prompt" in str(info.value)
     with pytest.raises(ConfigError, match=r"sampling\.max_tokens.*inference\.max_model_len"):
         load_config([], ["sampling.max_tokens=64", "inference.max_model_len=64"])
+    with pytest.raises(ConfigError, match=r"sampling\.temperature = 0"):
+        load_config([], ["sampling.temperature=0"])
     with pytest.raises(ConfigError, match="name"):
         load_config([], ["name='../escape'"])
 

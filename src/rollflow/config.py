@@ -141,6 +141,11 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             f"sampling.max_tokens ({config.sampling.max_tokens}) must be smaller than "
             f"inference.max_model_len ({config.inference.max_model_len}) to leave room for the prompt"
         )
+    if config.sampling.temperature == 0:
+        errors.append(
+            "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
+            "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
+        )
     if config.checkpoint.every > config.orchestrator.steps:
         errors.append(
             f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "

@@ -77,6 +77,9 @@ class Sample(msgspec.Struct):
     logprobs: list[float]
     policy_versions: list[int]
     finish_reason: FinishReason
+    # Per completion token: True where the token was sampled and is trained on. None means every completion
+    # token was sampled (single turn); multi-turn samples mark tool and user tokens between turns False.
+    loss_mask: list[bool] | None = None
     completion_text: str = ""
     reward: float = 0.0
     # Masked samples take no part in the loss nor in their group's baseline.

@@ -196,7 +196,7 @@ class Orchestrator:
         trainer = Trainer(
             load_causal_lm(model_dir),
             config.trainer,
-            temperature=config.sampling.temperature or 1.0,
+            temperature=config.sampling.temperature,
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
         )
@@ -330,8 +330,6 @@ class Orchestrator:
             "policy_version": self.state.policy_version,
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
-            "num_samples": len(samples),
-            "masked_samples": sum(sample.masked for sample in samples),
             "reward_errors": sum(sample.mask_reason == REWARD_ERROR for sample in samples),
             "completion_tokens": tokens,
             "completion_len_mean": tokens / max(len(samples), 1),

@@ -1,0 +1,554 @@
+"""``TorchEngine``: in-process continuous-batching generation on a torch model.
+
+One worker thread owns the model, the KV cache and all scheduling state while there is work (it exits when
+idle and the next call starts another). Each loop iteration it:
+1. takes everything posted to its inbox (new requests, cancellations, pause/resume, weight loads, shutdown) and
+   applies it, so control calls always land between steps, never inside one;
+2. admits waiting requests into free KV-cache slots (unless paused) and prefills them in one padded batch;
+3. runs one decode step over every running slot (unless frozen by ``pause("keep")``).
+Results go back to each caller's event loop with ``loop.call_soon_threadsafe``, so the engine serves callers
+from any running asyncio loop (several at once, or one per test) and never blocks one.
+
+A failure inside the loop kills the engine: every pending and later call raises ``EngineDeadError`` instead of
+hanging. Invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+import torch
+
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.inference.client import PAUSE_MODES, PauseMode
+from rollflow.inference.engine.model_runner import ModelRunner
+from rollflow.inference.engine.sampler import sample
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+
+log = structlog.get_logger(__name__)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    # Runs on the caller's loop; the caller may have been cancelled meanwhile.
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+@dataclass(eq=False)
+class _Reply:
+    """Where the worker sends the outcome of one call: a future on the caller's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    @classmethod
+    def create(cls) -> _Reply:
+        loop = asyncio.get_running_loop()
+        return cls(loop, loop.create_future())
+
+    def send(self, result: Any = None, error: BaseException | None = None) -> None:
+        # A closed loop raises RuntimeError: its caller is gone, nobody waits for this any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+
+
+@dataclass(eq=False, slots=True)
+class _Sequence:
+    """One request's generation state, owned by the worker thread."""
+
+    request: GenerateRequest
+    params: SamplingParams
+    reply: _Reply
+    generator: torch.Generator | None
+    stop_token_ids: frozenset[int]
+    prompt_len: int
+    # Output length at which the request ends with "length": max_tokens, or what the context has left.
+    max_output_len: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_versions: list[int] = field(default_factory=list)
+    slot: int = -1
+
+    def output(self, finish_reason: FinishReason) -> GenerateOutput:
+        return GenerateOutput(
+            request_id=self.request.request_id,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            finish_reason=finish_reason,
+            policy_versions=self.policy_versions,
+            prompt_len=self.prompt_len,
+        )
+
+
+# Inbox messages: (kind, payload, reply). Kinds: "add", "cancel", "pause", "resume", "load", "shutdown".
+_Message = tuple[str, Any, _Reply | None]
+
+
+class TorchEngine:
+    """Continuous-batching generation with a KV cache on a Hugging Face Llama-style causal LM (CPU float32).
+
+    Args:
+        model: a loaded HF causal LM in eval mode (``model_type`` llama, qwen2 or qwen3). The engine keeps it
+            and ``load_weights`` changes it in place, so give the engine its own copy.
+        max_batch_size: KV-cache slots, i.e. requests decoded together; more requests queue.
+        max_model_len: prompt plus output tokens per request. The KV cache takes ``num_layers * 2 *
+            max_batch_size * kv_heads * max_model_len * head_dim`` floats, allocated up front.
+        policy_version: stamped on every token sampled until ``load_weights`` sets another.
+        num_threads: torch intra-op threads of the engine's worker thread; None keeps torch's current count.
+            The default, 1, is fastest for small models on small machines: a second OpenMP thread team next
+            to the caller's (the main thread's, the trainer's) makes every parallel op wait on its sleeping
+            threads, which measured 2-3x slower per decode step on 2 cores than one thread. Raise it for
+            models whose matmuls dominate (a large model, many cores, long prompts).
+
+    Stops only on ``SamplingParams.stop_token_ids`` (callers pass the tokenizer's eos there); the stop token is
+    part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token, before
+    top-k/top-p filtering (plain ``log_softmax`` at temperature 0), matching what the trainer recomputes.
+
+    Pause modes (vLLM's): ``abort`` ends running requests now with finish reason ``abort`` and their partial
+    tokens; ``wait`` returns once running requests finished; ``keep`` freezes running requests with their KV
+    cache and continues them on ``resume``. In every mode, requests not yet admitted (queued behind a full batch
+    or submitted during the pause) stay queued and start after ``resume``.
+
+    Raises:
+        EngineError: unsupported architecture (the message names the ``model_type``).
+        ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
+    """
+
+    # A worker with nothing to do lingers this long, then exits; the next call starts a new one. So an idle
+    # engine holds no thread, and no OpenMP thread team that slows the trainer's torch calls (two teams on a
+    # 2-core machine halve each other's speed).
+    idle_exit_s: float = 0.05
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int = 64,
+        max_model_len: int = 1024,
+        policy_version: int = 0,
+        num_threads: int | None = 1,
+    ):
+        if num_threads is not None and num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 or None (keep torch's count), got {num_threads}")
+        model.eval()
+        self.num_threads = num_threads
+        # Threads that first use torch later start from this count; the worker puts it back after changing it.
+        self._process_num_threads = torch.get_num_threads()
+        # Swappable: the forward. Fixed: limits and the model.
+        self.model = model
+        self.runner = ModelRunner(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.vocab_size = self.runner.vocab_size
+
+        # Runtime state shared with callers: the inbox, under _lock.
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox: deque[_Message] = deque()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._dead: BaseException | None = None
+
+        # Runtime state owned by the worker thread (callers only read it for metrics).
+        self.policy_version = policy_version
+        self._waiting: deque[_Sequence] = deque()
+        self._slots: list[_Sequence | None] = [None] * max_batch_size
+        # A min-heap: filling low slots first keeps the decoded prefix of slots dense.
+        self._free_slots = list(range(max_batch_size))
+        self._num_running = 0
+        self._paused = False
+        self._frozen = False
+        self._drain_waiters: list[_Reply] = []
+        self._stopping = False  # set by the worker when it handles "shutdown"
+        self._shared_generator = torch.Generator(device=self.runner.device)
+        self._shared_generator.seed()
+
+        # Metrics.
+        self.total_generated_tokens = 0
+        self.total_prompt_tokens = 0
+        self.num_steps = 0
+        self.num_finished_requests = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs: Any) -> TorchEngine:
+        """Load a local HF model directory (or ``rollflow:tiny``) in float32 on CPU and wrap it in an engine.
+
+        ``kwargs`` go to ``TorchEngine``. Raises what ``transformers`` raises for a missing model, and
+        ``EngineError`` for an unsupported architecture.
+        """
+        from transformers import AutoModelForCausalLM
+
+        from rollflow.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+
+        if path == TINY_MODEL_NAME:
+            path = str(ensure_tiny_model())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return cls(model.eval(), **kwargs)
+
+    # ------------------------------------------------------------------ public API (any event loop)
+
+    @property
+    def is_paused(self) -> bool:
+        """True between a completed ``pause`` and the next ``resume``."""
+        return self._paused
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a KV-cache slot (including frozen ones)."""
+        return self._num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted but not yet admitted to a slot."""
+        with self._lock:
+            return len(self._waiting) + sum(1 for kind, _, _ in self._inbox if kind == "add")
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate a completion of ``request.prompt_token_ids``; waits while the engine is paused.
+
+        Cancelling the caller aborts the request and frees its slot.
+
+        Raises:
+            EngineError: the request is invalid (empty or too long prompt, token id outside the vocabulary,
+                max_tokens < 1, temperature < 0, top_p outside (0, 1]); the engine keeps serving.
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        self._validate(request)
+        params = request.sampling
+        generator = None
+        if params.seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed)
+        prompt_len = len(request.prompt_token_ids)
+        sequence = _Sequence(
+            request=request,
+            params=params,
+            reply=_Reply.create(),
+            generator=generator,
+            stop_token_ids=frozenset(params.stop_token_ids),
+            prompt_len=prompt_len,
+            max_output_len=min(params.max_tokens, self.max_model_len - prompt_len),
+        )
+        self._post(("add", sequence, None))
+        try:
+            return await sequence.reply.future
+        except asyncio.CancelledError:
+            self._post(("cancel", sequence, None), quiet=True)
+            raise
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop admitting requests and treat running ones according to ``mode`` (see the class docstring).
+
+        Returns once the mode took effect (for ``wait``: once running requests finished).
+
+        Raises:
+            ValueError: ``mode`` is not one of "abort", "wait", "keep".
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        """Admit requests again and continue frozen ones.
+
+        Raises:
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        await self._call("resume", None)
+
+    async def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], policy_version: int
+    ) -> None:
+        """Copy tensors (HF state-dict names) into the model in place, between decode steps; tokens sampled
+        afterwards carry ``policy_version``. ``lm_head.weight`` may be absent when tied to the embeddings.
+
+        Loading is all-or-nothing: names and shapes are checked before anything is copied.
+
+        Raises:
+            EngineError: an unknown name or a shape mismatch (the message names them); the weights are unchanged.
+            EngineDeadError: the engine was shut down or its loop died.
+            TypeError: a value is not convertible to a tensor.
+        """
+        tensors = [(name, torch.as_tensor(value)) for name, value in named_tensors]
+        await self._call("load", (tensors, policy_version))
+
+    async def shutdown(self) -> None:
+        """Abort running and waiting requests (finish reason ``abort``) and stop the worker thread. Idempotent."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                has_state = self._thread is not None or self._waiting or self._num_running
+                if has_state and self._dead is None:
+                    self._post_locked(("shutdown", None, None))
+            thread = self._thread
+        if thread is not None:
+            await anyio.to_thread.run_sync(thread.join)
+
+    # ------------------------------------------------------------------ caller side helpers
+
+    def _validate(self, request: GenerateRequest) -> None:
+        prompt, params = request.prompt_token_ids, request.sampling
+        where = f"request {request.request_id!r}: " if request.request_id else ""
+        if not prompt:
+            raise EngineError(f"{where}prompt_token_ids is empty; pass at least one token")
+        if len(prompt) > self.max_model_len - 1:
+            raise EngineError(
+                f"{where}prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}, which leaves "
+                f"room for at most {self.max_model_len - 1} prompt tokens; shorten the prompt or raise max_model_len"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise EngineError(
+                f"{where}prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.max_tokens < 1:
+            raise EngineError(f"{where}sampling.max_tokens must be >= 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise EngineError(f"{where}sampling.temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise EngineError(f"{where}sampling.top_p must be in (0, 1], got {params.top_p}")
+
+    def _post(self, message: _Message, *, quiet: bool = False) -> None:
+        with self._lock:
+            if self._dead is not None or self._closing:
+                if quiet:
+                    return
+                raise self._dead_error()
+            self._post_locked(message)
+
+    def _post_locked(self, message: _Message) -> None:
+        self._inbox.append(message)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="rollflow-torch-engine", daemon=True)
+            self._thread.start()
+        else:
+            self._wakeup.notify()
+
+    async def _call(self, kind: str, payload: Any) -> Any:
+        reply = _Reply.create()
+        self._post((kind, payload, reply))
+        return await reply.future
+
+    def _dead_error(self) -> EngineDeadError:
+        if self._dead is not None:
+            error = EngineDeadError(f"the engine loop died: {self._dead!r}")
+            error.__cause__ = self._dead
+            return error
+        return EngineDeadError("the engine was shut down")
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _run(self) -> None:
+        try:
+            self._set_worker_threads()
+            with torch.inference_mode():
+                while (messages := self._take_inbox()) is not None:
+                    for kind, payload, reply in messages:
+                        self._handle(kind, payload, reply)
+                    if self._stopping:
+                        return
+                    self._step()
+                    self._reply_drained()
+        except BaseException as exc:
+            log.exception("engine loop died")
+            self._die(exc)
+
+    def _set_worker_threads(self) -> None:
+        # Setting the count in this thread, even to its current value, also turns off MKL's dynamic threading,
+        # which otherwise makes small matmuls in a non-main thread 10-50x slower (pytorch/pytorch#13757).
+        # get_num_threads first: torch initializes a thread's count lazily, from the process's count, on its first
+        # call; after the helper below restored that, a later first call would undo this thread's setting.
+        current = torch.get_num_threads()
+        count = current if self.num_threads is None else self.num_threads
+        torch.set_num_threads(count)
+        if count != self._process_num_threads:
+            # torch.set_num_threads also sets the count that threads first using torch later start from. Put
+            # the process's count back from a helper thread; its own per-thread setting ends with it.
+            helper = threading.Thread(target=torch.set_num_threads, args=(self._process_num_threads,))
+            helper.start()
+            helper.join()
+
+    def _has_work(self) -> bool:
+        can_admit = not self._paused and self._waiting and self._free_slots
+        return bool(self._inbox or can_admit or (self._num_running and not self._frozen))
+
+    def _take_inbox(self) -> list[_Message] | None:
+        """The next messages, once there is work; None when the worker should exit for lack of work."""
+        with self._lock:
+            while not self._has_work():
+                if not self._wakeup.wait(self.idle_exit_s) and not self._has_work():
+                    self._thread = None  # under the lock, so the next _post starts a new worker
+                    return None
+            messages = list(self._inbox)
+            self._inbox.clear()
+        return messages
+
+    def _handle(self, kind: str, payload: Any, reply: _Reply | None) -> None:
+        if kind == "add":
+            self._waiting.append(payload)
+        elif kind == "cancel":
+            self._cancel(payload)
+        elif kind == "pause":
+            self._pause(payload, reply)
+        elif kind == "resume":
+            self._paused = self._frozen = False
+            reply.send()
+        elif kind == "load":
+            named_tensors, policy_version = payload
+            try:
+                self._load(named_tensors)
+            except EngineError as exc:
+                reply.send(error=exc)
+            else:
+                self.policy_version = policy_version
+                reply.send()
+        elif kind == "shutdown":
+            for slot, sequence in enumerate(self._slots):
+                if sequence is not None:
+                    self._finish(slot, FinishReason.ABORT)
+            while self._waiting:
+                sequence = self._waiting.popleft()
+                sequence.reply.send(sequence.output(FinishReason.ABORT))
+            self._reply_drained()
+            self._stopping = True
+
+    def _pause(self, mode: str, reply: _Reply) -> None:
+        self._paused = True
+        if mode == "abort":
+            self._frozen = False
+            for slot, sequence in enumerate(self._slots):
+                if sequence is not None:
+                    self._finish(slot, FinishReason.ABORT)
+            reply.send()
+        elif mode == "keep":
+            self._frozen = True
+            reply.send()
+        else:  # wait: running requests continue (even if frozen before) until none is left
+            self._frozen = False
+            self._drain_waiters.append(reply)
+            self._reply_drained()
+
+    def _reply_drained(self) -> None:
+        if self._drain_waiters and not self._num_running:
+            for reply in self._drain_waiters:
+                reply.send()
+            self._drain_waiters.clear()
+
+    def _cancel(self, sequence: _Sequence) -> None:
+        if sequence.slot >= 0:
+            if self._slots[sequence.slot] is sequence:
+                self._free(sequence.slot)
+        else:
+            with contextlib.suppress(ValueError):  # not waiting: it already finished
+                self._waiting.remove(sequence)
+
+    def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        state = self.model.state_dict(keep_vars=True)
+        unknown = [name for name, _ in named_tensors if name not in state]
+        if unknown:
+            raise EngineError(
+                f"load_weights got {len(unknown)} unknown weight name(s): {', '.join(unknown[:10])}"
+                f"{' …' if len(unknown) > 10 else ''}; expected Hugging Face state-dict names such as "
+                f"{next(iter(state))!r}"
+            )
+        mismatched = [
+            f"{name} {tuple(tensor.shape)} != {tuple(state[name].shape)}"
+            for name, tensor in named_tensors
+            if tuple(tensor.shape) != tuple(state[name].shape)
+        ]
+        if mismatched:
+            raise EngineError(f"load_weights got tensors of the wrong shape: {'; '.join(mismatched[:10])}")
+        with torch.inference_mode(False), torch.no_grad():
+            for name, tensor in named_tensors:
+                state[name].copy_(tensor)
+        self.runner.refresh_weights()
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _step(self) -> None:
+        admitted: list[_Sequence] = []
+        if not self._paused:
+            while self._waiting and self._free_slots:
+                sequence = self._waiting.popleft()
+                sequence.slot = heapq.heappop(self._free_slots)
+                self._slots[sequence.slot] = sequence
+                admitted.append(sequence)
+            self._num_running += len(admitted)
+        if admitted:
+            logits = self.runner.prefill(
+                [s.slot for s in admitted], [s.request.prompt_token_ids for s in admitted]
+            )
+            self.total_prompt_tokens += sum(len(s.request.prompt_token_ids) for s in admitted)
+            self._append_samples(admitted, logits)
+        if self._num_running and not self._frozen:
+            self._decode()
+        self.num_steps += 1
+
+    def _decode(self) -> None:
+        num_rows = max(slot for slot, s in enumerate(self._slots) if s is not None) + 1
+        token_ids = [0] * num_rows
+        positions = [0] * num_rows
+        running: list[_Sequence] = []
+        for slot in range(num_rows):
+            sequence = self._slots[slot]
+            if sequence is not None:
+                running.append(sequence)
+                token_ids[slot] = sequence.token_ids[-1]
+                positions[slot] = sequence.prompt_len + len(sequence.token_ids) - 1
+        logits = self.runner.decode(token_ids, positions)
+        if len(running) < num_rows:  # empty slots in between computed garbage rows
+            logits = logits[torch.tensor([s.slot for s in running], device=logits.device)]
+        self._append_samples(running, logits)
+
+    def _append_samples(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample(
+            logits, [s.params for s in sequences], [s.generator for s in sequences], self._shared_generator
+        )
+        version = self.policy_version
+        self.total_generated_tokens += len(tokens)
+        for sequence, token, logprob in zip(sequences, tokens, logprobs, strict=True):
+            sequence.token_ids.append(token)
+            sequence.logprobs.append(logprob)
+            sequence.policy_versions.append(version)
+            if token in sequence.stop_token_ids:
+                self._finish(sequence.slot, FinishReason.STOP)
+            elif len(sequence.token_ids) >= sequence.max_output_len:
+                self._finish(sequence.slot, FinishReason.LENGTH)
+
+    def _finish(self, slot: int, reason: FinishReason) -> None:
+        sequence = self._slots[slot]
+        self._free(slot)
+        self.num_finished_requests += 1
+        sequence.reply.send(sequence.output(reason))
+
+    def _free(self, slot: int) -> None:
+        self._slots[slot] = None
+        heapq.heappush(self._free_slots, slot)
+        self._num_running -= 1
+
+    def _die(self, exc: BaseException) -> None:
+        with self._lock:
+            self._dead = exc
+            messages = list(self._inbox)
+            self._inbox.clear()
+        error = self._dead_error()
+        replies = [s.reply for s in self._waiting] + [s.reply for s in self._slots if s is not None]
+        replies += self._drain_waiters
+        replies += [payload.reply if kind == "add" else reply for kind, payload, reply in messages]
+        for reply in replies:
+            if reply is not None:
+                reply.send(error=error)

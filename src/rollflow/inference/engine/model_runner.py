@@ -1,0 +1,289 @@
+"""Batched forward passes of Llama-style decoders over a slot-based KV cache.
+
+``ModelRunner`` reads the weights of a Hugging Face causal LM (Llama, Qwen2, Qwen3) from its submodules and
+runs its own forward: one prefill of newly admitted prompts (right-padded into one batch) and decode steps
+over the slots ``0..num_rows-1``. The arithmetic is the HF forward's; where it departs, it is only to cut the
+number of torch calls per step (at small sizes a step costs Python and dispatch overhead, not FLOPs):
+
+- q/k/v and gate/up projections are fused into one matmul each (``refresh_weights`` rebuilds the fused copies
+  after the model's weights change in place);
+- q_norm/k_norm run as one normalization over the q and k heads together, then one multiply by the per-head
+  weights;
+- cos/sin come from tables computed once by the model's own ``rotary_emb`` for positions 0..max_model_len-1,
+  and ``rotate_half(x) * sin`` is computed as ``roll(x) * sin_signed`` (the same products, sign folded in);
+- decode attention handles GQA by grouping the query heads of each kv head into the query-length dimension
+  instead of repeating keys and values, and masks each row to its own length with an additive mask.
+
+The KV cache holds keys and values of one layer in one tensor ``[max_batch_size, 2 * kv_heads, max_model_len,
+head_dim]`` (keys in the first ``kv_heads`` heads), so one ``index_copy_`` per layer writes a decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rollflow.errors import EngineError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# RoPE variants whose cos/sin depend on the sequence length; a fixed table cannot reproduce them.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _norm_eps(norm: torch.nn.Module, default: float) -> float:
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", default)))
+
+
+def _bias(linear: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(linear, "bias", None)
+
+
+@dataclass(slots=True)
+class _LayerWeights:
+    """Weights of one decoder layer, fused where that saves a call."""
+
+    input_norm: torch.Tensor
+    input_norm_eps: float
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    # [q_heads + kv_heads, head_dim]: q_norm's weight per q head, then k_norm's per kv head; None without q/k norm.
+    qk_norm: torch.Tensor | None
+    qk_norm_eps: float
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    post_norm_eps: float
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class ModelRunner:
+    """Owns the KV cache and runs prefill and decode forwards on the weights of an HF causal LM.
+
+    Not thread-safe: one thread (the engine's worker) calls it, inside ``torch.inference_mode``.
+
+    Raises:
+        EngineError: the model's architecture (``config.model_type``) or one of its features is not supported.
+        ValueError: ``max_batch_size`` or ``max_model_len`` is out of range.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int):
+        config = model.config
+        model_type = getattr(config, "model_type", type(model).__name__)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise EngineError(
+                f"TorchEngine does not support model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-style decoders)"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(layer_type != "full_attention" for layer_type in layer_types):
+            raise EngineError(
+                f"TorchEngine does not support sliding-window attention (model_type {model_type!r}, "
+                f"layer_types {sorted(set(layer_types))}); use a model without sliding windows"
+            )
+        rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise EngineError(
+                f"TorchEngine does not support rope_type {rope_type!r} (model_type {model_type!r}): its cos/sin "
+                "depend on the sequence length"
+            )
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt token and an output token), got {max_model_len}"
+            )
+        max_positions = getattr(config, "max_position_embeddings", None)
+        if max_positions is not None and max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {max_positions}; "
+                f"pass max_model_len <= {max_positions}"
+            )
+
+        self.model = model
+        self.model_type = model_type
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        attn = model.model.layers[0].self_attn
+        self.head_dim: int = attn.head_dim
+        self.num_q_heads: int = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads: int = attn.k_proj.out_features // self.head_dim
+        self.scaling: float = float(attn.scaling)
+        self.hidden_size: int = model.model.embed_tokens.embedding_dim
+        self.vocab_size: int = model.model.embed_tokens.num_embeddings
+        self.num_layers = len(model.model.layers)
+        hidden_act = getattr(config, "hidden_act", "silu")
+        # F.silu skips the module call; other activations use the model's own module.
+        self._act = F.silu if hidden_act == "silu" else model.model.layers[0].mlp.act_fn
+
+        embed = model.model.embed_tokens.weight
+        self.device, self.dtype = embed.device, embed.dtype
+        with torch.inference_mode():
+            # RoPE tables from the model's own rotary module, so cos/sin match the HF forward exactly.
+            positions = torch.arange(max_model_len, device=self.device)[None]
+            cos, sin = model.model.rotary_emb(embed[:1], positions)
+            half = self.head_dim // 2
+            sign = torch.ones(self.head_dim, device=self.device, dtype=sin.dtype)
+            sign[:half] = -1
+            self._cos = cos[0]  # [max_model_len, head_dim]
+            self._sin_signed = sin[0] * sign
+            self._kv_cache = torch.zeros(
+                self.num_layers,
+                max_batch_size,
+                2 * self.num_kv_heads,
+                max_model_len,
+                self.head_dim,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self._kv_flat = self._kv_cache.view(self.num_layers, -1, self.head_dim)
+            # Flat-row offsets of (slot, k/v head) at position 0, for the decode write.
+            slots = torch.arange(max_batch_size, device=self.device)[:, None]
+            heads = torch.arange(2 * self.num_kv_heads, device=self.device)[None]
+            self._row_offsets = (slots * 2 * self.num_kv_heads + heads) * max_model_len
+            self._key_index = torch.arange(max_model_len, device=self.device)
+        self._layers: list[_LayerWeights] = []
+        self.refresh_weights()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._kv_cache.numel() * self._kv_cache.element_size()
+
+    @torch.no_grad()
+    def refresh_weights(self) -> None:
+        """Rebuild the fused weights from the model's parameters (call after changing them)."""
+        model = self.model.model
+        layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            biases = [_bias(p) for p in projections]
+            qkv_bias = None
+            if any(b is not None for b in biases):
+                qkv_bias = torch.cat(
+                    [
+                        b if b is not None else p.weight.new_zeros(p.out_features)
+                        for b, p in zip(biases, projections, strict=True)
+                    ]
+                )
+            qk_norm = None
+            qk_norm_eps = 0.0
+            if getattr(attn, "q_norm", None) is not None:
+                qk_norm = torch.cat(
+                    [
+                        attn.q_norm.weight.expand(self.num_q_heads, self.head_dim),
+                        attn.k_norm.weight.expand(self.num_kv_heads, self.head_dim),
+                    ]
+                )
+                qk_norm_eps = _norm_eps(attn.q_norm, 1e-6)
+            gate_up_bias = None
+            if _bias(mlp.gate_proj) is not None:
+                gate_up_bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            layers.append(
+                _LayerWeights(
+                    input_norm=layer.input_layernorm.weight,
+                    input_norm_eps=_norm_eps(layer.input_layernorm, 1e-6),
+                    qkv_weight=torch.cat([p.weight for p in projections]),
+                    qkv_bias=qkv_bias,
+                    qk_norm=qk_norm,
+                    qk_norm_eps=qk_norm_eps,
+                    o_weight=attn.o_proj.weight,
+                    o_bias=_bias(attn.o_proj),
+                    post_norm=layer.post_attention_layernorm.weight,
+                    post_norm_eps=_norm_eps(layer.post_attention_layernorm, 1e-6),
+                    gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    gate_up_bias=gate_up_bias,
+                    down_weight=mlp.down_proj.weight,
+                    down_bias=_bias(mlp.down_proj),
+                )
+            )
+        self._layers = layers
+        self._embed = model.embed_tokens.weight
+        self._final_norm = model.norm.weight
+        self._final_norm_eps = _norm_eps(model.norm, 1e-6)
+        self._lm_head = self.model.lm_head.weight
+        self._lm_head_bias = _bias(self.model.lm_head)
+
+    def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Run the prompts (one per slot) from position 0, fill their KV cache, return last-token logits [n, vocab]."""
+        n = len(prompts)
+        lengths = [len(prompt) for prompt in prompts]
+        seq_len = max(lengths)
+        padded = [prompt + [0] * (seq_len - len(prompt)) for prompt in prompts]
+        input_ids = torch.tensor(padded, device=self.device)
+        slot_index = torch.tensor(slots, device=self.device)
+        kv_heads = self.num_kv_heads
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # Right padding: causal attention keeps every real token away from the padding after it.
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            self._kv_cache[layer, slot_index, :kv_heads, :seq_len] = k
+            self._kv_cache[layer, slot_index, kv_heads:, :seq_len] = v
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            return out.transpose(1, 2).reshape(n, seq_len, -1)
+
+        cos = self._cos[:seq_len][None, :, None]
+        sin = self._sin_signed[:seq_len][None, :, None]
+        hidden = self._layers_forward(F.embedding(input_ids, self._embed), cos, sin, attend)
+        last = torch.tensor(lengths, device=self.device) - 1
+        return self._logits(hidden[torch.arange(n, device=self.device), last])
+
+    def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step over slots ``0..len(token_ids)-1``: slot i feeds ``token_ids[i]`` at ``positions[i]``.
+
+        Each row attends to its own cache positions ``0..positions[i]``. Rows of empty slots may pass any token
+        at position 0; they compute garbage that the caller ignores. Returns logits [n, vocab].
+        """
+        n = len(token_ids)
+        kv_len = max(positions) + 1
+        input_ids = torch.tensor(token_ids, device=self.device)[:, None]
+        position = torch.tensor(positions, device=self.device)
+        write_rows = (self._row_offsets[:n] + position[:, None]).flatten()
+        # Additive mask (0 / -inf), built once per step and shared by every layer.
+        mask = torch.zeros(n, 1, 1, kv_len, device=self.device, dtype=self.dtype).masked_fill_(
+            (self._key_index[:kv_len] > position[:, None])[:, None, None], float("-inf")
+        )
+        kv_heads, group = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self._kv_flat[layer].index_copy_(0, write_rows, torch.cat((k, v), dim=2).view(-1, self.head_dim))
+            cache = self._kv_cache[layer, :n, :, :kv_len]
+            # GQA without repeat_kv: the query heads of one kv head act as that head's query positions.
+            q = q.reshape(n, kv_heads, group, self.head_dim)
+            out = F.scaled_dot_product_attention(
+                q, cache[:, :kv_heads], cache[:, kv_heads:], attn_mask=mask, scale=self.scaling
+            )
+            return out.reshape(n, 1, -1)
+
+        cos = self._cos[position][:, None, None]
+        sin = self._sin_signed[position][:, None, None]
+        hidden = self._layers_forward(F.embedding(input_ids, self._embed), cos, sin, attend)
+        return self._logits(hidden[:, 0])
+
+    def _layers_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        n, seq_len, _ = x.shape
+        q_heads, kv_heads, head_dim = self.num_q_heads, self.num_kv_heads, self.head_dim
+        qk_heads = q_heads + kv_heads
+        hidden_shape = (self.hidden_size,)
+        act = self._act
+        for index, w in enumerate(self._layers):
+            h = F.rms_norm(x, hidden_shape, w.input_norm, w.input_norm_eps)
+            qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(n, seq_len, qk_heads + kv_heads, head_dim)
+            qk = qkv[:, :, :qk_heads]
+            if w.qk_norm is not None:
+                qk = F.rms_norm(qk, (head_dim,), None, w.qk_norm_eps) * w.qk_norm
+            qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+            attn = attend(index, qk[:, :, :q_heads], qk[:, :, q_heads:], qkv[:, :, qk_heads:])
+            x = x + F.linear(attn, w.o_weight, w.o_bias)
+            h = F.rms_norm(x, hidden_shape, w.post_norm, w.post_norm_eps)
+            gate, up = F.linear(h, w.gate_up_weight, w.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(act(gate) * up, w.down_weight, w.down_bias)
+        return x
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = F.rms_norm(hidden, (self.hidden_size,), self._final_norm, self._final_norm_eps)
+        return F.linear(hidden, self._lm_head, self._lm_head_bias)

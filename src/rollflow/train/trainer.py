@@ -1,0 +1,427 @@
+"""The single-process torch trainer: one optimizer step of the GRPO-family loss per ``TrainBatch``.
+
+It trains on exactly the tokens the sampler produced: each sample's input is ``prompt_token_ids +
+completion_token_ids``, the loss covers the completion tokens only, and ``pi_old`` is the logprob the sampler
+recorded for each of them. Advantages come from each sample's prompt group (``advantages.py``); the loss is a
+token mean over the whole step (``losses.py``), so micro-batching changes memory use, not the update.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from rollflow.config import TrainerConfig
+from rollflow.errors import CheckpointError
+from rollflow.messages import Sample, StepResult, TrainBatch
+from rollflow.train.advantages import compute_advantages
+from rollflow.train.losses import entropy_from_logits, ppo_clip_loss, token_logprobs
+
+log = structlog.get_logger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Right-padded tensors of one forward/backward pass.
+
+    Logits at position ``t`` predict token ``t + 1``, so every per-token tensor has length ``time - 1`` and
+    is aligned with ``target_ids = input_ids[:, 1:]``: index ``i`` describes the token at input position ``i + 1``.
+    """
+
+    input_ids: torch.Tensor  # [batch, time] long, padded with pad_token_id
+    attention_mask: torch.Tensor  # [batch, time] long, 1 on real tokens
+    target_ids: torch.Tensor  # [batch, time - 1] long
+    loss_mask: torch.Tensor  # [batch, time - 1] bool, true exactly on the sampled completion tokens
+    old_logprobs: torch.Tensor  # [batch, time - 1] float32 behaviour logprobs, 0 off the loss mask
+    advantages: torch.Tensor  # [batch, time - 1] float32, the sample's advantage on its loss tokens
+
+
+def build_micro_batch(
+    samples: Sequence[Sample],
+    advantages: Sequence[float],
+    *,
+    pad_token_id: int,
+    device: torch.device | str = "cpu",
+) -> MicroBatch:
+    """Collate samples into one right-padded micro-batch.
+
+    With an empty prompt, the first completion token has no logits predicting it and is left out of the loss.
+
+    Raises:
+        ValueError: a sample's ``logprobs`` and ``completion_token_ids`` differ in length, or it has no tokens.
+    """
+    for sample in samples:
+        if len(sample.logprobs) != len(sample.completion_token_ids):
+            raise ValueError(
+                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has "
+                f"{len(sample.logprobs)} logprobs for {len(sample.completion_token_ids)} completion tokens; "
+                "the sampler must record one logprob per sampled token"
+            )
+        if sample.loss_mask is not None and len(sample.loss_mask) != len(sample.completion_token_ids):
+            raise ValueError(
+                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has a "
+                f"loss_mask of {len(sample.loss_mask)} entries for {len(sample.completion_token_ids)} "
+                "completion tokens"
+            )
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+    if min(lengths, default=0) < 1:
+        raise ValueError("every sample of a micro-batch needs at least one token")
+    batch, time_len = len(samples), max(lengths)
+    input_ids = torch.full((batch, time_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, time_len), dtype=torch.long)
+    loss_mask = torch.zeros((batch, time_len - 1), dtype=torch.bool)
+    old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
+    token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
+    for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
+        prompt_len = len(sample.prompt_token_ids)
+        input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
+        attention_mask[row, :length] = 1
+        # Completion token j sits at input position prompt_len + j, predicted from position prompt_len + j - 1.
+        first = max(prompt_len - 1, 0)
+        skipped = first - (prompt_len - 1)  # 1 when the prompt is empty, else 0
+        if sample.loss_mask is None:
+            loss_mask[row, first : length - 1] = True
+        else:
+            loss_mask[row, first : length - 1] = torch.tensor(sample.loss_mask[skipped:], dtype=torch.bool)
+        old_logprobs[row, first : length - 1] = torch.tensor(sample.logprobs[skipped:], dtype=torch.float32)
+        token_advantages[row, first : length - 1] = advantage
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        target_ids=input_ids[:, 1:].to(device),
+        loss_mask=loss_mask.to(device),
+        old_logprobs=old_logprobs.to(device),
+        advantages=token_advantages.to(device),
+    )
+
+
+class Trainer:
+    """Trains a Hugging Face causal LM in this process with AdamW and gradient accumulation.
+
+    One ``train_step`` is one optimizer step. The gradients a step computed stay in ``param.grad`` until the
+    next step computes new ones; a step skipped for non-finite values clears them.
+
+    Args:
+        model: a causal LM whose forward takes ``input_ids`` and ``attention_mask`` and returns ``.logits``.
+        config: optimizer, micro-batching, advantage and loss settings.
+        temperature: the sampler's temperature; logprobs are ``log_softmax(logits / temperature)`` so they
+            are comparable with the ones the sampler recorded.
+        pad_token_id: id used to right-pad micro-batches (never part of the loss).
+        seed: seeds the trainer's own torch generator (global RNG state is left alone).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        *,
+        temperature: float = 1.0,
+        pad_token_id: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if temperature <= 0:
+            raise ValueError(
+                f"temperature = {temperature} cannot be trained on: greedy sampling has no logprobs to "
+                "compare; sample with sampling.temperature > 0"
+            )
+        # Fixed settings
+        self.config = config
+        self.temperature = temperature
+        self.pad_token_id = pad_token_id
+        # Model and optimizer
+        self.model = model
+        # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
+        self.reference_model: torch.nn.Module | None = None
+        if config.kl_coef > 0:
+            self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.model.train()
+        self.device = next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=tuple(config.betas),
+            weight_decay=config.weight_decay,
+        )
+        # Runtime state
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: TrainBatch) -> StepResult:
+        """Run one optimizer step on ``batch``; blocking (call it from a worker thread).
+
+        The update is skipped (``updated=False``, weights and optimizer state untouched) when the batch has
+        no trainable tokens, or when the loss or the gradient norm is not finite.
+
+        Raises:
+            ValueError: a sample's logprobs do not match its completion tokens.
+        """
+        started = time.perf_counter()
+        samples, advantages = self._samples_with_advantages(batch)
+        trainable = [(s, a) for s, a in zip(samples, advantages, strict=True) if not s.masked]
+        metrics: dict[str, float] = {
+            "num_samples": float(len(samples)),
+            "num_masked_samples": float(len(samples) - len(trainable)),
+            "advantage_abs_mean": _mean([abs(a) for _, a in trainable]),
+        }
+
+        size = self.config.micro_batch_size
+        micro_batches = [
+            build_micro_batch(
+                [s for s, _ in chunk],
+                [a for _, a in chunk],
+                pad_token_id=self.pad_token_id,
+                device=self.device,
+            )
+            for chunk in (trainable[i : i + size] for i in range(0, len(trainable), size))
+        ]
+        # Every micro-batch divides by the step's token count, so their gradients add up to the step's mean.
+        num_loss_tokens = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
+        metrics["num_loss_tokens"] = float(num_loss_tokens)
+        if num_loss_tokens == 0:
+            log.warning("skipped optimizer step: no trainable tokens", step=batch.step, **metrics)
+            return self._skipped(batch, metrics, started)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, torch.Tensor] = {}
+        mismatch_max = torch.zeros((), device=self.device)
+        for micro_batch in micro_batches:
+            for name, value in self._forward_backward(micro_batch, num_loss_tokens).items():
+                if name == "logprob_mismatch_max":
+                    mismatch_max = torch.maximum(mismatch_max, value)
+                else:
+                    totals[name] = totals.get(name, 0.0) + value
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+
+        metrics.update({name: float(value) for name, value in totals.items()})
+        metrics["logprob_mismatch_max"] = float(mismatch_max)
+        metrics["grad_norm"] = float(grad_norm)
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            self.optimizer.zero_grad(set_to_none=True)
+            log.warning(
+                "skipped optimizer step: non-finite loss or gradient norm",
+                step=batch.step,
+                loss=metrics["loss"],
+                grad_norm=metrics["grad_norm"],
+            )
+            return self._skipped(batch, metrics, started)
+
+        self.optimizer.step()
+        metrics["skipped_update"] = 0.0
+        metrics["train_time_s"] = time.perf_counter() - started
+        return StepResult(step=batch.step, metrics=metrics, updated=True)
+
+    def _samples_with_advantages(self, batch: TrainBatch) -> tuple[list[Sample], list[float]]:
+        samples: list[Sample] = []
+        advantages: list[float] = []
+        for group in batch.groups:
+            samples.extend(group.samples)
+            advantages.extend(
+                compute_advantages(
+                    [s.reward for s in group.samples],
+                    [not s.masked for s in group.samples],
+                    self.config.advantage,
+                )
+            )
+        return samples, advantages
+
+    def _forward_backward(self, micro_batch: MicroBatch, num_step_tokens: int) -> dict[str, torch.Tensor]:
+        """Loss and backward of one micro-batch; returns its (detached) shares of the step's metrics."""
+        logits = self._logits(self.model, micro_batch)
+        new_logprobs = token_logprobs(logits, micro_batch.target_ids, self.temperature)
+        ref_logprobs = None
+        if self.reference_model is not None:
+            with torch.no_grad():
+                ref_logits = self._logits(self.reference_model, micro_batch)
+                ref_logprobs = token_logprobs(ref_logits, micro_batch.target_ids, self.temperature)
+        result = ppo_clip_loss(
+            new_logprobs,
+            micro_batch.old_logprobs,
+            micro_batch.advantages,
+            micro_batch.loss_mask,
+            clip_low=self.config.clip_low,
+            clip_high=self.config.clip_high,
+            num_step_tokens=num_step_tokens,
+            ref_logprobs=ref_logprobs,
+            kl_coef=self.config.kl_coef,
+        )
+        result.loss.backward()
+
+        with torch.no_grad():
+            mask = micro_batch.loss_mask
+            # Both measured on this forward pass, i.e. before the step's update.
+            mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[mask].abs()
+            entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
+            shares = {
+                "loss": result.loss.detach(),
+                "clip_fraction": result.clip_fraction,
+                "ratio_mean": result.ratio_mean,
+                "entropy": entropy.sum() / num_step_tokens,
+                "logprob_mismatch": mismatch.sum() / num_step_tokens,
+                "logprob_mismatch_max": mismatch.max() if mismatch.numel() else mismatch.new_zeros(()),
+            }
+            if result.kl is not None:
+                shares["kl"] = result.kl
+        return shares
+
+    @staticmethod
+    def _logits(model: torch.nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
+        output = model(
+            input_ids=micro_batch.input_ids, attention_mask=micro_batch.attention_mask, use_cache=False
+        )
+        # Drop the last position: it predicts a token after the sequence, which has no target.
+        return output.logits[:, :-1]
+
+    def _skipped(self, batch: TrainBatch, metrics: dict[str, float], started: float) -> StepResult:
+        metrics["skipped_update"] = 1.0
+        metrics["train_time_s"] = time.perf_counter() - started
+        return StepResult(step=batch.step, metrics=metrics, updated=False)
+
+    # ------------------------------------------------------------------ weights and checkpoints
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of every entry of the model's state dict, detached, for pushing to engines.
+
+        Names are the Hugging Face ones; tied weights appear under both names (e.g. ``lm_head.weight`` and
+        ``model.embed_tokens.weight``), sharing memory. Tensors are live views: copy them to keep a snapshot.
+        """
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model weights, optimizer state and the trainer's RNG state (live tensors, not copies)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng_state": self.generator.get_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what ``state_dict`` returned.
+
+        Raises:
+            CheckpointError: the state is incomplete or does not fit this model and optimizer.
+        """
+        missing = {"model", "optimizer", "rng_state"} - state.keys()
+        if missing:
+            raise CheckpointError(
+                f"trainer state lacks {sorted(missing)}; pass what Trainer.state_dict() returns"
+            )
+        self._check_weights(state["model"], source="trainer state")
+        self._load_optimizer_and_rng(state["optimizer"], state["rng_state"], source="trainer state")
+        self.model.load_state_dict(state["model"], strict=False)
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Write ``model.safetensors`` (+ ``config.json`` when the model has one) and ``optimizer.pt``.
+
+        Tied duplicates are dropped from the safetensors file (the first name of each shared tensor is kept,
+        as ``save_pretrained`` does), so with ``config.json`` the directory also loads with
+        ``from_pretrained``. Each file is written under a temporary name and renamed into place.
+        """
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = {name: tensor.contiguous() for name, tensor in _untied(self.model.state_dict()).items()}
+        _write_atomically(
+            directory / WEIGHTS_FILE, lambda path: save_file(weights, path, metadata={"format": "pt"})
+        )
+        if (model_config := getattr(self.model, "config", None)) is not None:
+            model_config.save_pretrained(directory)
+        state = {"optimizer": self.optimizer.state_dict(), "rng_state": self.generator.get_state()}
+        _write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore weights, optimizer state and RNG state written by ``save_checkpoint``.
+
+        Both files are read and checked before anything is changed, so a bad checkpoint leaves the trainer
+        as it was. The reference model (KL penalty) is not part of a checkpoint: it stays the model this
+        trainer was built from, which should be the run's initial policy.
+
+        Raises:
+            CheckpointError: a file is missing, unreadable, or does not fit this model and optimizer.
+        """
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        weights_path, optimizer_path = directory / WEIGHTS_FILE, directory / OPTIMIZER_FILE
+        for path in (weights_path, optimizer_path):
+            if not path.is_file():
+                raise CheckpointError(
+                    f"checkpoint {directory} has no {path.name}: it is incomplete or not a rollflow checkpoint; "
+                    "resume from a checkpoint directory written by Trainer.save_checkpoint"
+                )
+        try:
+            weights = load_file(weights_path, device=str(self.device))
+        except Exception as error:
+            raise CheckpointError(f"cannot read {weights_path} (corrupt or truncated?): {error}") from error
+        try:
+            state = torch.load(optimizer_path, map_location=self.device, weights_only=True)
+            optimizer_state, rng_state = state["optimizer"], state["rng_state"]
+        except Exception as error:
+            raise CheckpointError(
+                f"cannot read {optimizer_path} (corrupt or truncated?): {error!r}"
+            ) from error
+
+        self._check_weights(weights, source=str(weights_path))
+        self._load_optimizer_and_rng(optimizer_state, rng_state.cpu(), source=str(optimizer_path))
+        self.model.load_state_dict(weights, strict=False)
+
+    def _check_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
+        """Names and shapes must match the model (tied duplicates may be absent) before anything is loaded."""
+        expected = self.model.state_dict()
+        required = _untied(expected)
+        missing = sorted(set(required) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        wrong_shape = sorted(
+            f"{name} {tuple(weights[name].shape)} != {tuple(expected[name].shape)}"
+            for name in set(weights) & set(expected)
+            if weights[name].shape != expected[name].shape
+        )
+        if missing or unexpected or wrong_shape:
+            raise CheckpointError(
+                f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                f"wrong shape {wrong_shape[:5]}; resume with the model the checkpoint was trained from"
+            )
+
+    def _load_optimizer_and_rng(self, optimizer_state: dict, rng_state: torch.Tensor, source: str) -> None:
+        try:
+            # Validates the parameter groups before changing anything.
+            self.optimizer.load_state_dict(optimizer_state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            raise CheckpointError(f"{source}: optimizer state does not fit this model: {error}") from error
+        self.generator.set_state(rng_state)
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without later names of tensors that share memory with an earlier one."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    untied = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key not in seen:
+            seen.add(key)
+            untied[name] = tensor
+    return untied
+
+
+def _write_atomically(path: Path, write) -> None:
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    os.replace(partial, path)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values) if values else 0.0

@@ -1,0 +1,121 @@
+"""The real CLI in subprocesses: the quickstart learns, a killed run resumes exactly, Ctrl-C is clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import REPO_ROOT
+
+QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def rollflow(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rollflow", *args]
+
+
+def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(record["step"] >= step for record in read_jsonl(metrics_path)):
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"run exited early with {process.returncode}: {process.stderr.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout_s} s")
+
+
+def test_quickstart_learns_the_prompt_dependent_task(tmp_path):
+    """The README's run command: reward starts near chance and ends near 1 on the case task."""
+    started = time.monotonic()
+    result = subprocess.run(
+        rollflow("run", str(QUICKSTART), "--no-progress"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = read_jsonl(tmp_path / "runs" / "quickstart" / "metrics.jsonl")
+    rewards = [m["reward_mean"] for m in metrics]
+    assert len(rewards) == 200
+    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-10:])
+    mismatch = statistics.fmean(m["logprob_mismatch"] for m in metrics)
+    print(
+        f"quickstart: {elapsed:.0f} s, reward first 5 {first:.3f}, last 10 {last:.3f}, mismatch {mismatch:.2e}"
+    )
+    assert first <= 0.6
+    assert last >= 0.9
+    assert mismatch < 1e-4
+    assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "step_000200" / "model.safetensors").exists()
+
+
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+    args = [
+        "run",
+        str(QUICKSTART),
+        "--no-progress",
+        "--set",
+        "orchestrator.steps=10",
+        "--set",
+        "checkpoint.every=4",
+        "--set",
+        "orchestrator.prompts_per_step=4",
+    ]
+    run_dir = tmp_path / "runs" / "quickstart"
+    process = subprocess.Popen(rollflow(*args), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 6, process)
+    finally:
+        process.kill()
+        process.wait()
+    assert (run_dir / "checkpoints" / "step_000004" / "state.json").exists()
+
+    resumed = subprocess.run(
+        rollflow("run", "--resume", str(run_dir), "--no-progress"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 11))
+    prompts = [r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
+    assert sorted(prompts) == list(range(10 * 4)), "each prompt consumed exactly once"
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path):
+    run_dir = tmp_path / "runs" / "quickstart"
+    process = subprocess.Popen(
+        rollflow("run", str(QUICKSTART), "--no-progress", "--set", "checkpoint.every=2"),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 3, process)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr[-3000:]
+    assert "--resume" in stderr
+    assert "Traceback" not in stderr
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(records) >= 3
+    assert (run_dir / "checkpoints" / "step_000002" / "state.json").exists()

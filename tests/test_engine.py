@@ -1,0 +1,449 @@
+"""TorchEngine: exactness against Hugging Face, continuous batching, sampling, pause modes, weights, failures.
+
+Greedy comparisons use a copy of the tiny model with re-drawn, larger weights: the random-init tiny model
+repeats one token greedily, which would let a broken KV cache or position bookkeeping pass unnoticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.inference.engine import TorchEngine
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.models.tiny import ensure_tiny_model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def varied_model(tiny_model):
+    """The tiny model with matrices re-drawn at std 0.3 (seeded): its greedy continuations vary token to token."""
+    model = copy.deepcopy(tiny_model)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.3, generator=generator)
+    return model
+
+
+@pytest.fixture
+async def engine(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=8, max_model_len=512)
+    yield engine
+    await engine.shutdown()
+
+
+def make_prompts(lengths: list[int], seed: int = 0, vocab_size: int = 1000) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def request(prompt: list[int], params: SamplingParams = GREEDY, request_id: str = "") -> GenerateRequest:
+    return GenerateRequest(prompt_token_ids=prompt, sampling=params, request_id=request_id)
+
+
+def hf_logprobs(model, prompt: list[int], output: GenerateOutput, temperature: float = 1.0) -> list[float]:
+    """log_softmax(logits / temperature) of a full forward on prompt + output, at the output tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output.token_ids])).logits[0]
+    scaled = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    return logprobs.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0].tolist()
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.001)
+
+
+# ---------------------------------------------------------------------------- exactness
+
+
+async def test_greedy_matches_hf_generate(engine, varied_model):
+    prompts = make_prompts([5, 17, 9, 30, 1])
+    eos = varied_model.config.eos_token_id
+    params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=(eos,))
+    outputs = await asyncio.gather(*(engine.generate(request(p, params)) for p in prompts))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            expected = varied_model.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert output.token_ids == expected
+        assert output.prompt_len == len(prompt)
+        reason = FinishReason.STOP if expected[-1] == eos else FinishReason.LENGTH
+        assert output.finish_reason == reason
+    assert len({tuple(o.token_ids) for o in outputs}) == len(prompts)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_hf_forward(engine, varied_model, temperature):
+    prompts = make_prompts([4, 11, 23], seed=1)
+    # top_k filters the draw, not the reported logprob: it must still be the unfiltered one.
+    params = SamplingParams(max_tokens=20, temperature=temperature, top_k=20, seed=7)
+    outputs = await asyncio.gather(*(engine.generate(request(p, params)) for p in prompts))
+    diffs = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert len(output.logprobs) == len(output.token_ids) == 20
+        expected = hf_logprobs(varied_model, prompt, output, temperature)
+        diffs += [abs(a - b) for a, b in zip(output.logprobs, expected, strict=True)]
+    mean_diff = sum(diffs) / len(diffs)
+    print(f"temperature {temperature}: mean |engine - HF| logprob diff {mean_diff:.2e}, max {max(diffs):.2e}")
+    assert mean_diff < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+async def test_other_llama_style_architectures_match_hf(model_type):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if model_type == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, tie_word_embeddings=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape))  # q/k/v biases, no q/k norm
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3)
+    model.eval()
+    engine = TorchEngine(model, max_batch_size=4, max_model_len=128)
+    try:
+        prompts = make_prompts([3, 9], vocab_size=300)
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=3)
+        outputs = await asyncio.gather(*(engine.generate(request(p, params)) for p in prompts))
+    finally:
+        await engine.shutdown()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected = hf_logprobs(model, prompt, output)
+        assert max(abs(a - b) for a, b in zip(output.logprobs, expected, strict=True)) < 1e-4
+
+
+def test_unsupported_architecture_names_model_type():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=100, n_positions=64))
+    with pytest.raises(EngineError, match="'gpt2'"):
+        TorchEngine(model.eval())
+
+
+def test_engine_package_import_does_not_import_torch():
+    code = "import sys, rollflow.inference.engine; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- scheduling
+
+
+async def test_continuous_batching_matches_solo_results(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=3, max_model_len=256)
+    try:
+        prompts = make_prompts([7, 3, 25, 12, 5, 18, 9], seed=2)
+        max_tokens = [5, 200, 150, 12, 60, 1, 25]
+        requests = [
+            request(p, SamplingParams(max_tokens=n, temperature=0.0), request_id=f"r{i}")
+            for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+        solo = [await engine.generate(r) for r in requests]
+
+        seen_running = set()
+
+        async def watch() -> None:
+            while True:
+                seen_running.add(engine.num_running)
+                await asyncio.sleep(0.001)
+
+        watcher = asyncio.create_task(watch())
+        # Four requests for three slots, released at once: one has to queue (prefill of three ragged prompts).
+        await engine.pause("keep")
+        tasks = [asyncio.create_task(engine.generate(r)) for r in requests[:4]]
+        await wait_until(lambda: engine.num_waiting == 4)
+        await engine.resume()
+        # r0 and then r3 (in r0's slot) finish: slot 0 is empty while slots 1 and 2 decode.
+        await wait_until(lambda: engine.num_running == 2 and engine.num_waiting == 0)
+        for r in requests[4:]:  # later ones join while the long ones are decoding
+            await asyncio.sleep(0.005)
+            tasks.append(asyncio.create_task(engine.generate(r)))
+        together = await asyncio.gather(*tasks)
+        watcher.cancel()
+    finally:
+        await engine.shutdown()
+    for alone, batched, n in zip(solo, together, max_tokens, strict=True):
+        assert batched.token_ids == alone.token_ids
+        assert batched.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+        assert batched.request_id == alone.request_id
+        assert len(batched.token_ids) == n and batched.finish_reason == FinishReason.LENGTH
+    assert max(seen_running) == 3
+    assert engine.total_generated_tokens == 2 * sum(max_tokens)
+
+
+async def test_context_limit_finishes_with_length(engine):
+    prompt = make_prompts([505])[0]
+    output = await engine.generate(request(prompt, SamplingParams(max_tokens=100, temperature=0.0)))
+    assert len(output.token_ids) == 512 - 505
+    assert output.finish_reason == FinishReason.LENGTH
+    # The longest allowed prompt (max_model_len - 1) still gets one token.
+    output = await engine.generate(request(make_prompts([511])[0]))
+    assert len(output.token_ids) == 1 and output.finish_reason == FinishReason.LENGTH
+
+
+async def test_overlong_prompt_is_rejected_and_engine_keeps_serving(engine):
+    with pytest.raises(EngineError, match="max_model_len is 512"):
+        await engine.generate(request(make_prompts([512])[0]))
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        await engine.generate(request([5, 10**6]))
+    output = await engine.generate(request(make_prompts([8])[0]))
+    assert len(output.token_ids) == GREEDY.max_tokens
+
+
+async def test_cancelled_callers_free_their_slot_and_queue_place(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=1, max_model_len=512)
+    try:
+        running = asyncio.create_task(engine.generate(request([5, 6, 7], SamplingParams(max_tokens=400))))
+        await wait_until(lambda: engine.num_running == 1)
+        # Frozen, the requests could only leave through the cancellations.
+        await engine.pause("keep")
+        queued = asyncio.create_task(engine.generate(request([1, 2], SamplingParams(max_tokens=400))))
+        await wait_until(lambda: engine.num_waiting == 1)
+        for task in (running, queued):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        await wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout_s=2.0)
+        await engine.resume()
+        output = await asyncio.wait_for(engine.generate(request([8, 9], SamplingParams(max_tokens=2))), 5.0)
+        assert len(output.token_ids) == 2
+        assert engine.num_running == 0 and engine.num_waiting == 0
+        assert engine.total_generated_tokens < 400, "a cancelled request kept generating"
+    finally:
+        await engine.shutdown()
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+async def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(engine):
+    prompt = make_prompts([10], seed=3)[0]
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, top_k=50, seed=123)
+    alone = await engine.generate(request(prompt, params))
+    again = await engine.generate(request(prompt, params))
+    others = [
+        request(p, SamplingParams(max_tokens=30, temperature=1.0, seed=s))
+        for p, s in zip(make_prompts([3, 20, 7, 15], seed=4), [None, 5, None, 9], strict=True)
+    ]
+    crowded = await asyncio.gather(
+        *(engine.generate(r) for r in [*others[:2], request(prompt, params), *others[2:]])
+    )
+    other_seed = await engine.generate(
+        request(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=124))
+    )
+    assert again.token_ids == alone.token_ids
+    assert crowded[2].token_ids == alone.token_ids
+    assert other_seed.token_ids != alone.token_ids
+
+
+async def test_temperature_zero_and_top_k_one_are_greedy(engine, varied_model):
+    prompts = make_prompts([6, 13], seed=5)
+    greedy = await asyncio.gather(*(engine.generate(request(p)) for p in prompts))
+    top1 = SamplingParams(max_tokens=12, temperature=0.8, top_k=1)
+    top_one = await asyncio.gather(*(engine.generate(request(p, top1)) for p in prompts))
+    for g, t, prompt in zip(greedy, top_one, prompts, strict=True):
+        assert t.token_ids == g.token_ids
+        # Temperature 0 reports plain log_softmax; top_k=1 at 0.8 reports log_softmax(logits / 0.8), not 0.
+        assert g.logprobs == pytest.approx(hf_logprobs(varied_model, prompt, g), abs=1e-4)
+        assert t.logprobs == pytest.approx(hf_logprobs(varied_model, prompt, t, 0.8), abs=1e-4)
+
+
+async def test_stop_token_ends_generation_and_is_included(engine):
+    prompt = make_prompts([9], seed=6)[0]
+    full = await engine.generate(request(prompt))
+    stop = full.token_ids[4]
+    end = full.token_ids.index(stop) + 1
+    output = await engine.generate(
+        request(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop,)))
+    )
+    assert output.token_ids == full.token_ids[:end]
+    assert output.token_ids[-1] == stop
+    assert output.finish_reason == FinishReason.STOP
+
+
+# ---------------------------------------------------------------------------- pause / resume
+
+
+async def test_pause_abort_returns_partial_tokens_and_holds_new_requests(engine):
+    long = SamplingParams(max_tokens=480, temperature=1.0)
+    tasks = [asyncio.create_task(engine.generate(request(p, long))) for p in make_prompts([5, 9])]
+    await wait_until(lambda: engine.total_generated_tokens >= 10)
+    await engine.pause("abort")
+    assert engine.is_paused
+    for output in await asyncio.gather(*tasks):
+        assert output.finish_reason == FinishReason.ABORT
+        assert 0 < len(output.token_ids) < 480
+        assert len(output.logprobs) == len(output.policy_versions) == len(output.token_ids)
+    late = asyncio.create_task(engine.generate(request([3, 4, 5])))
+    await asyncio.sleep(0.2)
+    assert not late.done() and engine.num_waiting == 1
+    await engine.resume()
+    assert not engine.is_paused
+    assert len((await asyncio.wait_for(late, 5.0)).token_ids) == GREEDY.max_tokens
+
+
+async def test_pause_wait_drains_running_requests(engine):
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    tasks = [asyncio.create_task(engine.generate(request(p, params))) for p in make_prompts([4, 8])]
+    await wait_until(lambda: engine.num_running == 2)
+    await engine.pause("wait")
+    assert engine.num_running == 0
+    for output in await asyncio.gather(*tasks):
+        assert len(output.token_ids) == 60 and output.finish_reason == FinishReason.LENGTH
+    late = asyncio.create_task(engine.generate(request([3, 4, 5])))
+    await asyncio.sleep(0.2)
+    assert not late.done()
+    await engine.resume()
+    assert (await asyncio.wait_for(late, 5.0)).finish_reason == FinishReason.LENGTH
+
+
+async def test_pause_keep_freezes_and_continues_unchanged(engine):
+    prompt = make_prompts([6], seed=7)[0]
+    params = SamplingParams(max_tokens=400, temperature=0.0)
+    baseline = await engine.generate(request(prompt, params))
+    generated_before = engine.total_generated_tokens
+    task = asyncio.create_task(engine.generate(request(prompt, params)))
+    await wait_until(lambda: engine.total_generated_tokens - generated_before >= 5)
+    await engine.pause("keep")
+    frozen_at = engine.total_generated_tokens
+    await asyncio.sleep(0.2)
+    assert engine.total_generated_tokens == frozen_at and not task.done()
+    assert engine.num_running == 1 and frozen_at - generated_before < 400
+    await engine.resume()
+    output = await asyncio.wait_for(task, 10.0)
+    assert output.token_ids == baseline.token_ids
+    assert output.finish_reason == FinishReason.LENGTH
+
+
+async def test_bad_pause_mode_names_the_allowed_modes(engine):
+    with pytest.raises(ValueError, match="'abort', 'wait', 'keep'"):
+        await engine.pause("drop")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+async def test_load_weights_changes_outputs_and_policy_versions(engine, varied_model, tiny_model):
+    prompt = make_prompts([8], seed=8)[0]
+    before = await engine.generate(request(prompt))
+    assert before.policy_versions == [0] * len(before.token_ids)
+    # The tiny model's weights; its tied lm_head.weight is absent from named_parameters, as from a trainer.
+    await engine.load_weights(list(tiny_model.named_parameters()), policy_version=3)
+    assert engine.policy_version == 3
+    after = await engine.generate(request(prompt))
+    assert after.token_ids != before.token_ids
+    assert after.policy_versions == [3] * len(after.token_ids)
+    assert after.logprobs == pytest.approx(hf_logprobs(tiny_model, prompt, after), abs=1e-4)
+
+
+async def test_load_weights_mid_request_stamps_new_version(engine, varied_model):
+    task = asyncio.create_task(engine.generate(request([5, 6], SamplingParams(max_tokens=400))))
+    await wait_until(lambda: engine.total_generated_tokens >= 3)
+    await engine.load_weights(list(varied_model.named_parameters()), policy_version=1)
+    versions = (await task).policy_versions
+    assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
+
+
+async def test_load_weights_rejects_unknown_names_atomically(engine):
+    prompt = make_prompts([8], seed=9)[0]
+    before = await engine.generate(request(prompt))
+    zeros = torch.zeros_like(engine.model.model.norm.weight)
+    with pytest.raises(EngineError, match=r"model\.layers\.0\.not_a_weight"):
+        await engine.load_weights(
+            [("model.norm.weight", zeros), ("model.layers.0.not_a_weight", zeros)], policy_version=1
+        )
+    with pytest.raises(EngineError, match="wrong shape"):
+        await engine.load_weights([("model.norm.weight", torch.zeros(3))], policy_version=1)
+    assert engine.policy_version == 0
+    after = await engine.generate(request(prompt))
+    assert after.token_ids == before.token_ids and after.policy_versions[0] == 0
+
+
+# ---------------------------------------------------------------------------- lifecycle and failures
+
+
+async def test_shutdown_aborts_requests_and_is_idempotent(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=1, max_model_len=512)
+    long = SamplingParams(max_tokens=400)
+    running = asyncio.create_task(engine.generate(request([5, 6], long)))
+    waiting = asyncio.create_task(engine.generate(request([7, 8], long)))
+    await wait_until(lambda: engine.total_generated_tokens >= 2)
+    await engine.shutdown()
+    await engine.shutdown()
+    running_output, waiting_output = await asyncio.gather(running, waiting)
+    assert running_output.finish_reason == waiting_output.finish_reason == FinishReason.ABORT
+    assert len(running_output.token_ids) > 0 and waiting_output.token_ids == []
+    with pytest.raises(EngineDeadError):
+        await engine.generate(request([5]))
+
+
+async def test_idle_engine_releases_its_worker_thread(engine):
+    def workers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "rollflow-torch-engine"]
+
+    await engine.generate(request([5, 6, 7]))
+    await wait_until(lambda: not workers(), timeout_s=2.0)
+    # The next call starts a new worker.
+    assert len((await engine.generate(request([5, 6, 7]))).token_ids) == GREEDY.max_tokens
+
+
+async def test_engine_thread_count_stays_inside_its_worker(engine):
+    """The worker runs with one intra-op thread; threads that start using torch later keep the process's count."""
+    process_count = torch.get_num_threads()
+    worker_counts = []
+    decode = engine.runner.decode
+
+    def counting_decode(*args):
+        worker_counts.append(torch.get_num_threads())
+        return decode(*args)
+
+    engine.runner.decode = counting_decode
+    await engine.generate(request([5, 6, 7]))
+    assert set(worker_counts) == {1}
+    fresh_counts = []
+    fresh = threading.Thread(target=lambda: fresh_counts.append(torch.get_num_threads()))
+    fresh.start()
+    fresh.join()
+    assert fresh_counts == [process_count]
+
+
+async def test_loop_failure_reaches_callers(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=4, max_model_len=128)
+
+    def broken_decode(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    engine.runner.decode = broken_decode
+    try:
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            await asyncio.wait_for(engine.generate(request([5, 6, 7])), 5.0)
+        with pytest.raises(EngineDeadError):
+            await engine.generate(request([5, 6, 7]))
+        with pytest.raises(EngineDeadError):
+            await engine.pause("abort")
+    finally:
+        await engine.shutdown()

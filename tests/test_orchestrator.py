@@ -1,0 +1,128 @@
+"""The orchestrator end to end on the real tiny model: embedded use, policy versions, reward failures,
+run-directory rules and resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollflow import Orchestrator, load_config
+from rollflow.errors import CheckpointError, ConfigError
+from rollflow.rollout.tasks import TaskItem
+
+SMALL = [
+    "orchestrator.prompts_per_step=4",
+    "sampling.samples_per_prompt=4",
+    "sampling.max_tokens=4",
+    "data.task='digit'",
+]
+
+
+def small_config(tmp_path: Path, *overrides: str):
+    return load_config([], [f"output_dir='{tmp_path / 'runs'}'", "name=t", *SMALL, *overrides])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def test_start_run_stop_in_a_running_loop(tmp_path):
+    config = small_config(tmp_path, "orchestrator.steps=3")
+    orchestrator = await Orchestrator.start(config)
+    try:
+        first = await orchestrator.run(steps=2)
+        rest = await orchestrator.run()  # up to orchestrator.steps in total
+    finally:
+        await orchestrator.stop()
+    assert [m["step"] for m in first + rest] == [1, 2, 3]
+    assert orchestrator.state.policy_version == 3
+    assert orchestrator.state.data_position == 3 * 4
+    run_dir = config.run_dir
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert json.loads((run_dir / "config.json").read_text())["name"] == "t"
+    for metrics in first + rest:
+        assert metrics["num_samples"] == 16
+        assert metrics["logprob_mismatch"] < 1e-4
+        for key in ("loss", "grad_norm", "entropy", "clip_fraction", "tokens_per_s", "reward_mean"):
+            assert key in metrics, key
+
+
+async def test_every_sample_records_the_policy_version_it_was_sampled_with(tmp_path):
+    config = small_config(tmp_path, "orchestrator.steps=3")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run()
+    rollouts = read_jsonl(config.run_dir / "rollouts.jsonl")
+    assert len(rollouts) == 3 * 4
+    # Sync schedule: step t trains on samples of policy version t - 1, never older, never newer.
+    assert all(record["min_policy_version"] == record["step"] - 1 for record in rollouts)
+    assert sorted(record["prompt_index"] for record in rollouts) == list(range(12))
+
+
+calls = {"n": 0}
+
+
+def flaky_reward(completion: str, item: TaskItem) -> float:
+    calls["n"] += 1
+    if calls["n"] % 3 == 0:
+        raise ValueError("judge unavailable")
+    return 1.0 if any(char.isdigit() for char in completion) else 0.0
+
+
+async def test_a_raising_reward_masks_samples_and_the_run_goes_on(tmp_path):
+    config = small_config(
+        tmp_path, "orchestrator.steps=2", "data.reward='tests.test_orchestrator:flaky_reward'"
+    )
+    async with Orchestrator(config) as orchestrator:
+        metrics = await orchestrator.run()
+    assert len(metrics) == 2
+    assert all(m["reward_errors"] > 0 for m in metrics)
+    assert all(m["num_masked_samples"] == m["reward_errors"] for m in metrics)
+
+
+async def test_existing_run_directory_needs_resume(tmp_path):
+    config = small_config(tmp_path, "orchestrator.steps=1")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run()
+    with pytest.raises(ConfigError, match="--resume"):
+        await Orchestrator.start(config)
+
+
+async def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        await Orchestrator.start(small_config(tmp_path), resume=True)
+
+
+async def test_resume_continues_where_the_checkpoint_left_off(tmp_path):
+    config = small_config(tmp_path, "orchestrator.steps=4", "checkpoint.every=2")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=3)  # checkpoint at step 2; step 3 is lost with the "crash"
+        weights_at_3 = {name: tensor.clone() for name, tensor in orchestrator.trainer.named_weights()}
+    async with Orchestrator(config, resume=True) as orchestrator:
+        assert orchestrator.state.step == 2
+        assert orchestrator.state.data_position == 2 * 4
+        await orchestrator.run()
+        weights_at_4 = dict(orchestrator.trainer.named_weights())
+    assert [m["step"] for m in read_jsonl(config.run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
+    prompts = [r["prompt_index"] for r in read_jsonl(config.run_dir / "rollouts.jsonl")]
+    assert sorted(prompts) == list(range(16))
+    assert any((weights_at_3[name] != tensor).any() for name, tensor in weights_at_4.items())
+
+
+async def test_quickstart_learns_inside_pytest_asyncio(tmp_path):
+    """The quickstart training, embedded: `await Orchestrator.start(...)` in an already running loop."""
+    import statistics
+
+    from .conftest import REPO_ROOT
+
+    config = load_config([REPO_ROOT / "examples" / "quickstart.toml"], [f"output_dir='{tmp_path}'"])
+    orchestrator = await Orchestrator.start(config)
+    try:
+        metrics = await orchestrator.run()
+    finally:
+        await orchestrator.stop()
+    rewards = [m["reward_mean"] for m in metrics]
+    assert len(rewards) == config.orchestrator.steps
+    assert statistics.fmean(rewards[:5]) <= 0.6
+    assert statistics.fmean(rewards[-10:]) >= 0.9
