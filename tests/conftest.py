@@ -18,3 +18,16 @@ def tiny_model_dir() -> Path:
     from rollflow.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def inference_servers(tmp_path_factory):
+    """Two real ``rollflow serve`` servers shared by the HTTP tests (see ``tests/inference_servers.py``).
+
+    Tests must leave them running and unpaused; a test that kills a server starts its own.
+    """
+    from .inference_servers import BackgroundServerGroup
+
+    servers = BackgroundServerGroup(2, tmp_path_factory.mktemp("inference-servers"))
+    yield servers
+    servers.close()

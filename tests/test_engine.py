@@ -447,3 +447,103 @@ async def test_loop_failure_reaches_callers(varied_model):
             await engine.pause("abort")
     finally:
         await engine.shutdown()
+
+
+# ---------------------------------------------------------------------------- prefix cache
+
+
+async def test_prefix_cache_reuses_prefixes_and_matches_uncached_and_hf(varied_model):
+    """Multi-turn shape: each turn's prompt extends the previous prompt and completion. Outputs with the cache
+    equal outputs without it, token for token (greedy), and logprobs stay within 1e-4 of a full HF forward."""
+    cached = TorchEngine(copy.deepcopy(varied_model), max_batch_size=4, max_model_len=256)
+    uncached = TorchEngine(
+        copy.deepcopy(varied_model), max_batch_size=4, max_model_len=256, enable_prefix_caching=False
+    )
+    try:
+        histories = make_prompts([9, 4, 21], seed=3)
+        diffs = []
+        for turn in range(3):
+            # All sessions of one turn are admitted together: a mix of cache hits and (turn 0) misses.
+            outputs = await asyncio.gather(*(cached.generate(request(h)) for h in histories))
+            expected = await asyncio.gather(*(uncached.generate(request(h)) for h in histories))
+            for history, output, reference in zip(histories, outputs, expected, strict=True):
+                assert output.token_ids == reference.token_ids, f"turn {turn}"
+                hf = hf_logprobs(varied_model, history, output)
+                diffs += [abs(a - b) for a, b in zip(output.logprobs, hf, strict=True)]
+            user_turns = make_prompts([3, 6, 2], seed=10 + turn)
+            histories = [h + o.token_ids + u for h, o, u in zip(histories, outputs, user_turns, strict=True)]
+        assert max(diffs) < 1e-4
+        assert cached.prefix_cache_queries == 9 and cached.prefix_cache_hits == 6
+        # Each hit reuses the previous turn's prompt plus all but the last completion token.
+        assert cached.prefix_cache_hit_tokens > 0.5 * cached.prefix_cache_query_tokens
+        assert uncached.prefix_cache_hits == uncached.prefix_cache_queries == 0
+    finally:
+        await cached.shutdown()
+        await uncached.shutdown()
+
+
+async def test_prefix_cache_identical_prompt_and_partial_overlap(engine):
+    prompt = make_prompts([30], seed=4)[0]
+    first = await engine.generate(request(prompt))
+    # The same prompt again: all but its last token come from the cache.
+    again = await engine.generate(request(prompt))
+    assert again.token_ids == first.token_ids
+    assert engine.prefix_cache_hits == 1 and engine.prefix_cache_hit_tokens == len(prompt) - 1
+    # A prompt that diverges halfway reuses the common half only.
+    branch = prompt[:15] + make_prompts([10], seed=5)[0]
+    reference = TorchEngine(copy.deepcopy(engine.model), max_batch_size=1, enable_prefix_caching=False)
+    try:
+        assert (await engine.generate(request(branch))).token_ids == (
+            await reference.generate(request(branch))
+        ).token_ids
+    finally:
+        await reference.shutdown()
+    assert engine.prefix_cache_hit_tokens == len(prompt) - 1 + 15
+
+
+async def test_prefix_cache_evicts_least_recently_used_and_resets(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=2, max_model_len=128)
+    try:
+        a, b, c = make_prompts([10, 10, 10], seed=6)
+        for prompt in (a, b, c):  # two slots: c evicts a, the least recently used
+            await engine.generate(request(prompt))
+        assert engine.prefix_cache_hits == 0
+        await engine.generate(request([*a, 5]))
+        assert engine.prefix_cache_hits == 0  # a was evicted; a+[5] now evicts b
+        await engine.generate(request([*c, 5]))
+        assert engine.prefix_cache_hits == 1
+        assert await engine.reset_prefix_cache() is True
+        await engine.generate(request([*c, 5, 6]))
+        assert engine.prefix_cache_hits == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_load_weights_drops_cached_prefixes(engine, tiny_model):
+    prompt = make_prompts([12], seed=7)[0]
+    await engine.generate(request(prompt))
+    await engine.load_weights(tiny_model.state_dict().items(), policy_version=1)
+    after = await engine.generate(request(prompt))
+    assert engine.prefix_cache_hits == 0
+    reference = TorchEngine(copy.deepcopy(tiny_model), max_batch_size=1, enable_prefix_caching=False)
+    try:
+        assert after.token_ids == (await reference.generate(request(prompt))).token_ids
+    finally:
+        await reference.shutdown()
+
+
+async def test_abort_by_request_id_returns_partials(varied_model):
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=1, max_model_len=512)
+    try:
+        long = SamplingParams(max_tokens=400)
+        running = asyncio.create_task(engine.generate(request([5, 6], long, request_id="run")))
+        waiting = asyncio.create_task(engine.generate(request([7, 8], long, request_id="wait")))
+        await wait_until(lambda: engine.total_generated_tokens >= 2)
+        assert await engine.abort(["nope"]) == 0
+        assert await engine.abort(["run", "wait"]) == 2
+        running_output, waiting_output = await asyncio.gather(running, waiting)
+        assert running_output.finish_reason == waiting_output.finish_reason == FinishReason.ABORT
+        assert len(running_output.token_ids) > 0 and waiting_output.token_ids == []
+        assert engine.num_running == engine.num_waiting == 0
+    finally:
+        await engine.shutdown()

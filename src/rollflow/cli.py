@@ -65,6 +65,76 @@ def _parser() -> argparse.ArgumentParser:
         help="continue the run in RUN_DIR from its last checkpoint (its saved config, then CONFIGs and --set)",
     )
     run.add_argument("--no-progress", action="store_true", help="plain lines instead of the progress display")
+
+    serve = commands.add_parser(
+        "serve", help="torch engine server speaking vLLM's HTTP API (prints a JSON ready line)"
+    )
+    serve.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH",
+        help="rollflow:tiny, a local HF model directory or a cached name",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    serve.add_argument(
+        "--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)"
+    )
+    serve.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=64,
+        help="KV-cache slots: requests decoded together (default 64)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt plus output tokens per request (default: the model's, at most 2048)",
+    )
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send (default: --model)"
+    )
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token required by control-plane endpoints (default: $ROLLFLOW_API_KEY, else none)",
+    )
+
+    router = commands.add_parser(
+        "router", help="session-aware HTTP router in front of inference servers (prints a JSON ready line)"
+    )
+    router.add_argument(
+        "--server",
+        dest="servers",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="base URL of an inference server, e.g. http://127.0.0.1:8000 (repeatable)",
+    )
+    router.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    router.add_argument(
+        "--port", type=int, default=8080, help="port to bind; 0 picks a free one (default 8080)"
+    )
+    router.add_argument(
+        "--health-check-interval-s", type=float, default=2.0, help="seconds between health probes (default 2)"
+    )
+    router.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="longest one proxied request may take (default 600)",
+    )
+    router.add_argument(
+        "--api-key", default=None, help="bearer token required by /add_worker and /remove_worker"
+    )
+
+    proxy = commands.add_parser(
+        "proxy",
+        help="standalone TITO proxy over an in-process engine of model.path (prints a JSON ready line)",
+    )
+    proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
+    proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    proxy.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)")
     return parser
 
 
@@ -122,12 +192,97 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from rollflow.inference.router import InferenceRouter, serve_router
+
+    try:
+        router = InferenceRouter(
+            args.servers,
+            host=args.host,
+            port=args.port,
+            health_check_interval_s=args.health_check_interval_s,
+            request_timeout_s=args.request_timeout_s,
+            api_key=args.api_key,
+        )
+    except ValueError as error:
+        raise ConfigError(f"rollflow router: {error}") from None
+
+    def ready(url: str) -> None:
+        sys.stdout.write(json.dumps({"event": "ready", "url": url}) + "\n")
+        sys.stdout.flush()
+
+    try:
+        asyncio.run(serve_router(router, ready))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except OSError as error:
+        sys.stderr.write(f"error: rollflow router could not listen on {args.host}:{args.port}: {error}\n")
+        return EXIT_FAILURE
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    """Admin endpoints take the bearer token from ROLLFLOW_ADMIN_TOKEN, or a generated one that the ready
+    line prints."""
+    import asyncio
+    import json
+    import os
+    import secrets
+
+    from rollflow.config import load_config
+    from rollflow.tito.proxy import serve_standalone
+
+    config = load_config([args.config])
+    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or None
+    generated = token is None
+    token = token or secrets.token_urlsafe(24)
+
+    def ready(proxy) -> None:
+        line = {"event": "ready", "url": proxy.base_url, "model": proxy.settings.model_name}
+        if generated:
+            line["admin_token"] = token
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+
+    try:
+        asyncio.run(serve_standalone(config, host=args.host, port=args.port, admin_token=token, ready=ready))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except OSError as error:
+        sys.stderr.write(f"error: rollflow proxy could not listen on {args.host}:{args.port}: {error}\n")
+        return EXIT_FAILURE
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rollflow.inference.engine.server import main as serve_main
+
+    try:
+        return serve_main(args)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except ValueError as error:
+        raise ConfigError(f"rollflow serve: {error}") from None
+    except OSError as error:
+        sys.stderr.write(f"error: rollflow serve could not listen on {args.host}:{args.port}: {error}\n")
+        return EXIT_FAILURE
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
         if args.command == "run":
             return _run(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "router":
+            return _router(args)
+        if args.command == "proxy":
+            return _proxy(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

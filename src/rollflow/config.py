@@ -7,6 +7,7 @@ module never imports torch.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -58,8 +59,33 @@ class SamplingConfig(Section):
 
 
 class InferenceConfig(Section):
-    mode: Literal["local"] = "local"
-    """``local``: torch engines in this process."""
+    mode: Literal["local", "http"] = "local"
+    """``local``: torch engines in this process. ``http``: engines behind HTTP servers, reached through a
+    router (see ``external_proxy_url`` / ``external_server_urls`` for which parts rollflow starts itself).
+    The environment variable ``ROLLFLOW_INFERENCE_MODE`` overrides this."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Server kind rollflow starts in ``http`` mode: ``torch`` (``rollflow serve``, CPU or GPU) or ``vllm``
+    (``vllm serve``; needs ``pip install 'rollflow[vllm]'`` and GPUs)."""
+    num_servers: Positive = 2
+    """Inference servers rollflow starts in ``http`` mode (unless ``external_server_urls`` are given)."""
+    colocate: bool = False
+    """Servers share the trainer's GPUs (sleep mode, CUDA IPC weight transfer); only with servers rollflow starts."""
+    external_proxy_url: str | None = None
+    """Data-plane URL of a router/proxy rollflow does not manage. Alone, it is also the control plane."""
+    external_server_urls: list[str] = []
+    """Base URLs of servers rollflow does not manage (the control plane). Without ``external_proxy_url``,
+    rollflow starts its own router over them."""
+    router_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
+    """Port of the router rollflow starts (on 127.0.0.1); 0 picks a free port."""
+    request_timeout_s: PositiveFloat = 600.0
+    """Longest one generate call may take over HTTP, including waiting while the servers are paused."""
+    control_timeout_s: PositiveFloat = 300.0
+    """Longest one control-plane call (pause, sleep, weight transfer …) to one server may take."""
+    startup_timeout_s: PositiveFloat = 300.0
+    """Longest the servers rollflow starts may take to become ready."""
+    health_check_interval_s: PositiveFloat = 2.0
+    """Seconds between the router's health probes (each generates one token); a dead server is taken out
+    within this interval."""
     num_engines: Positive = 1
     max_batch_size: Positive = 64
     """Sequences decoded together by one engine (its KV-cache slots)."""
@@ -146,6 +172,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
+    errors += _inference_errors(config.inference)
     if config.checkpoint.every > config.orchestrator.steps:
         errors.append(
             f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "
@@ -154,6 +181,60 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
     return errors
 
 
+def _inference_errors(inference: InferenceConfig) -> list[str]:
+    errors = []
+    external = []
+    if inference.external_proxy_url is not None:
+        external.append("inference.external_proxy_url")
+    if inference.external_server_urls:
+        external.append("inference.external_server_urls")
+    if inference.mode == "local" and external:
+        errors.append(
+            f"{' and '.join(external)} need inference.mode = 'http' (got 'local', which runs engines in "
+            "this process); set inference.mode = 'http' or remove them"
+        )
+    if inference.colocate and external:
+        errors.append(
+            f"inference.colocate = true cannot be combined with {' and '.join(external)}: colocation needs "
+            "servers that rollflow starts itself; remove the external URLs or set inference.colocate = false"
+        )
+    if inference.engine == "vllm" and inference.mode == "local":
+        errors.append(
+            "inference.engine = 'vllm' runs vLLM servers and needs inference.mode = 'http' "
+            "(local mode runs rollflow's torch engines in process)"
+        )
+    urls = (
+        [("inference.external_proxy_url", inference.external_proxy_url)]
+        if inference.external_proxy_url
+        else []
+    )
+    urls += [
+        (f"inference.external_server_urls[{i}]", url) for i, url in enumerate(inference.external_server_urls)
+    ]
+    for field, url in urls:
+        if not _BASE_URL.fullmatch(url):
+            errors.append(
+                f"{field} = {url!r} must be a base URL like 'http://host:8000' (http or https, no path)"
+            )
+    if len(set(inference.external_server_urls)) != len(inference.external_server_urls):
+        errors.append("inference.external_server_urls lists a server more than once")
+    return errors
+
+
+def _apply_env_overrides(data: dict[str, Any]) -> dict[str, Any]:
+    """``ROLLFLOW_INFERENCE_MODE`` overrides ``inference.mode`` (so one test suite runs in either mode)."""
+    mode = os.environ.get(INFERENCE_MODE_ENV)
+    if not mode:
+        return data
+    if mode not in ("local", "http"):
+        raise ConfigError(f"environment variable {INFERENCE_MODE_ENV}={mode!r} must be 'local' or 'http'")
+    inference = data.get("inference")
+    inference = dict(inference) if isinstance(inference, Mapping) else {}
+    return {**data, "inference": {**inference, "mode": mode}}
+
+
+INFERENCE_MODE_ENV = "ROLLFLOW_INFERENCE_MODE"
+_BASE_URL = re.compile(r"https?://[A-Za-z0-9._\-\[\]:]+(:[0-9]{1,5})?/?")
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -236,13 +317,16 @@ def read_toml_or_json(path: str | Path) -> dict[str, Any]:
 
 
 def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
-    """Validate a merged config dict into a RunConfig.
+    """Validate a merged config dict into a RunConfig; ``ROLLFLOW_INFERENCE_MODE``, when set, overrides
+    ``inference.mode``.
 
     Raises:
-        ConfigError: an unknown key, a wrong type or value, or a broken cross-field rule.
+        ConfigError: an unknown key, a wrong type or value, a broken cross-field rule, or a bad
+            ``ROLLFLOW_INFERENCE_MODE``.
     """
+    data = _apply_env_overrides(dict(data))
     try:
-        config = msgspec.convert(dict(data), RunConfig)
+        config = msgspec.convert(data, RunConfig)
     except msgspec.ValidationError as error:
         raise _translate(error, source) from None
     if errors := _cross_field_errors(config):

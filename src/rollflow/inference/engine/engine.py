@@ -9,6 +9,11 @@ idle and the next call starts another). Each loop iteration it:
 Results go back to each caller's event loop with ``loop.call_soon_threadsafe``, so the engine serves callers
 from any running asyncio loop (several at once, or one per test) and never blocks one.
 
+Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
+belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
+of its prompt (``ModelRunner.extend``); otherwise it takes an unlabelled slot, or evicts the least recently used
+label. Loading weights drops every label: keys and values computed under old weights are stale.
+
 A failure inside the loop kills the engine: every pending and later call raises ``EngineDeadError`` instead of
 hanging. Invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop.
 """
@@ -17,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -45,6 +49,22 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``; a binary search over slice
+    comparisons, which run in C (a Python loop over thousands of tokens per free slot would not)."""
+    hi = min(len(a), len(b), limit)
+    if a[:hi] == b[:hi]:
+        return hi
+    lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @dataclass(eq=False)
@@ -93,7 +113,8 @@ class _Sequence:
         )
 
 
-# Inbox messages: (kind, payload, reply). Kinds: "add", "cancel", "pause", "resume", "load", "shutdown".
+# Inbox messages: (kind, payload, reply). Kinds: "add", "cancel", "abort", "pause", "resume", "load",
+# "reset_prefix_cache", "shutdown".
 _Message = tuple[str, Any, _Reply | None]
 
 
@@ -112,6 +133,8 @@ class TorchEngine:
             to the caller's (the main thread's, the trainer's) makes every parallel op wait on its sleeping
             threads, which measured 2-3x slower per decode step on 2 cores than one thread. Raise it for
             models whose matmuls dominate (a large model, many cores, long prompts).
+        enable_prefix_caching: reuse the keys and values of earlier requests' prompt prefixes (see the module
+            docstring); False prefills every prompt from scratch.
 
     Stops only on ``SamplingParams.stop_token_ids`` (callers pass the tokenizer's eos there); the stop token is
     part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token, before
@@ -140,6 +163,7 @@ class TorchEngine:
         max_model_len: int = 1024,
         policy_version: int = 0,
         num_threads: int | None = 1,
+        enable_prefix_caching: bool = True,
     ):
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None (keep torch's count), got {num_threads}")
@@ -153,6 +177,7 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.vocab_size = self.runner.vocab_size
+        self.enable_prefix_caching = enable_prefix_caching
 
         # Runtime state shared with callers: the inbox, under _lock.
         self._lock = threading.Lock()
@@ -166,8 +191,11 @@ class TorchEngine:
         self.policy_version = policy_version
         self._waiting: deque[_Sequence] = deque()
         self._slots: list[_Sequence | None] = [None] * max_batch_size
-        # A min-heap: filling low slots first keeps the decoded prefix of slots dense.
-        self._free_slots = list(range(max_batch_size))
+        self._free_slots = set(range(max_batch_size))
+        # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
+        self._cached_prefixes: dict[int, list[int]] = {}
+        self._slot_last_used = [0] * max_batch_size
+        self._clock = 0
         self._num_running = 0
         self._paused = False
         self._frozen = False
@@ -181,6 +209,12 @@ class TorchEngine:
         self.total_prompt_tokens = 0
         self.num_steps = 0
         self.num_finished_requests = 0
+        self.num_cancelled_requests = 0
+        # Prefix cache, per admitted request: lookups, lookups that hit, and prompt tokens looked up / reused.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> TorchEngine:
@@ -204,6 +238,11 @@ class TorchEngine:
     def is_paused(self) -> bool:
         """True between a completed ``pause`` and the next ``resume``."""
         return self._paused
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the worker loop died (every call then raises ``EngineDeadError``)."""
+        return self._dead is not None
 
     @property
     def num_running(self) -> int:
@@ -285,6 +324,23 @@ class TorchEngine:
         """
         tensors = [(name, torch.as_tensor(value)) for name, value in named_tensors]
         await self._call("load", (tensors, policy_version))
+
+    async def abort(self, request_ids: Iterable[str] | None = None) -> int:
+        """End running and waiting requests whose ``request_id`` is in ``request_ids`` (all when None) now, with
+        finish reason ``abort`` and their partial tokens; returns how many were aborted.
+
+        Raises:
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        return await self._call("abort", None if request_ids is None else frozenset(request_ids))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (running requests keep their own keys and values). Returns True.
+
+        Raises:
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        return await self._call("reset_prefix_cache", None)
 
     async def shutdown(self) -> None:
         """Abort running and waiting requests (finish reason ``abort``) and stop the worker thread. Idempotent."""
@@ -402,6 +458,11 @@ class TorchEngine:
             self._waiting.append(payload)
         elif kind == "cancel":
             self._cancel(payload)
+        elif kind == "abort":
+            reply.send(self._abort(payload))
+        elif kind == "reset_prefix_cache":
+            self._cached_prefixes.clear()
+            reply.send(True)
         elif kind == "pause":
             self._pause(payload, reply)
         elif kind == "resume":
@@ -452,9 +513,28 @@ class TorchEngine:
         if sequence.slot >= 0:
             if self._slots[sequence.slot] is sequence:
                 self._free(sequence.slot)
+                self.num_cancelled_requests += 1
         else:
             with contextlib.suppress(ValueError):  # not waiting: it already finished
                 self._waiting.remove(sequence)
+                self.num_cancelled_requests += 1
+
+    def _abort(self, request_ids: frozenset[str] | None) -> int:
+        aborted = 0
+        for slot, sequence in enumerate(self._slots):
+            if sequence is not None and (request_ids is None or sequence.request.request_id in request_ids):
+                self._finish(slot, FinishReason.ABORT)
+                aborted += 1
+        kept: deque[_Sequence] = deque()
+        for sequence in self._waiting:
+            if request_ids is None or sequence.request.request_id in request_ids:
+                sequence.reply.send(sequence.output(FinishReason.ABORT))
+                aborted += 1
+            else:
+                kept.append(sequence)
+        self._waiting = kept
+        self._reply_drained()
+        return aborted
 
     def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict(keep_vars=True)
@@ -472,36 +552,83 @@ class TorchEngine:
         ]
         if mismatched:
             raise EngineError(f"load_weights got tensors of the wrong shape: {'; '.join(mismatched[:10])}")
+        if not named_tensors:
+            return  # only the policy version changes
         with torch.inference_mode(False), torch.no_grad():
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
         self.runner.refresh_weights()
+        self._cached_prefixes.clear()  # computed under the old weights
 
     # ------------------------------------------------------------------ scheduling
 
     def _step(self) -> None:
-        admitted: list[_Sequence] = []
+        fresh: list[_Sequence] = []
+        resumed: list[tuple[_Sequence, int]] = []  # (sequence, cached prefix length)
         if not self._paused:
             while self._waiting and self._free_slots:
                 sequence = self._waiting.popleft()
-                sequence.slot = heapq.heappop(self._free_slots)
+                sequence.slot, cached_len = self._take_slot(sequence.request.prompt_token_ids)
                 self._slots[sequence.slot] = sequence
-                admitted.append(sequence)
-            self._num_running += len(admitted)
-        if admitted:
-            logits = self.runner.prefill(
-                [s.slot for s in admitted], [s.request.prompt_token_ids for s in admitted]
+                if cached_len:
+                    resumed.append((sequence, cached_len))
+                else:
+                    fresh.append(sequence)
+            self._num_running += len(fresh) + len(resumed)
+        if fresh:
+            logits = self.runner.prefill([s.slot for s in fresh], [s.request.prompt_token_ids for s in fresh])
+            self.total_prompt_tokens += sum(s.prompt_len for s in fresh)
+            self._append_samples(fresh, logits)
+        if resumed:
+            sequences = [s for s, _ in resumed]
+            logits = self.runner.extend(
+                [s.slot for s in sequences],
+                [s.request.prompt_token_ids for s in sequences],
+                [cached_len for _, cached_len in resumed],
             )
-            self.total_prompt_tokens += sum(len(s.request.prompt_token_ids) for s in admitted)
-            self._append_samples(admitted, logits)
+            self.total_prompt_tokens += sum(s.prompt_len for s in sequences)
+            self._append_samples(sequences, logits)
         if self._num_running and not self._frozen:
             self._decode()
         self.num_steps += 1
 
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
+        """A free slot for ``prompt`` and how many of its first tokens that slot already holds keys and values for.
+
+        The slot with the longest cached prefix of the prompt wins (at least one prompt token is left to run,
+        for the logits); without one, the lowest unlabelled slot (low slots keep decode rows dense), else the
+        least recently used labelled slot, whose label is evicted.
+        """
+        best_slot, best_len = -1, 0
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += 1
+            self.prefix_cache_query_tokens += len(prompt)
+            limit = len(prompt) - 1
+            for slot, cached in self._cached_prefixes.items():
+                if cached[0] == prompt[0]:
+                    length = _common_prefix_len(cached, prompt, limit)
+                    if length > best_len:
+                        best_slot, best_len = slot, length
+        if best_len:
+            self.prefix_cache_hits += 1
+            self.prefix_cache_hit_tokens += best_len
+            slot = best_slot
+        else:
+            unlabelled = [s for s in self._free_slots if s not in self._cached_prefixes]
+            if unlabelled:
+                slot = min(unlabelled)
+            else:
+                slot = min(self._free_slots, key=self._slot_last_used.__getitem__)
+        self._free_slots.remove(slot)
+        self._cached_prefixes.pop(slot, None)
+        self._clock += 1
+        self._slot_last_used[slot] = self._clock
+        return slot, best_len
+
     def _decode(self) -> None:
         num_rows = max(slot for slot, s in enumerate(self._slots) if s is not None) + 1
         token_ids = [0] * num_rows
-        positions = [0] * num_rows
+        positions = [-1] * num_rows  # -1: an empty slot, whose cache the runner leaves alone
         running: list[_Sequence] = []
         for slot in range(num_rows):
             sequence = self._slots[slot]
@@ -536,9 +663,16 @@ class TorchEngine:
         sequence.reply.send(sequence.output(reason))
 
     def _free(self, slot: int) -> None:
+        sequence = self._slots[slot]
         self._slots[slot] = None
-        heapq.heappush(self._free_slots, slot)
+        self._free_slots.add(slot)
         self._num_running -= 1
+        if self.enable_prefix_caching and sequence is not None:
+            # The last sampled token was never fed back, so its keys and values are not in the cache.
+            tokens = sequence.request.prompt_token_ids + sequence.token_ids[:-1]
+            self._cached_prefixes[slot] = tokens
+            self._clock += 1
+            self._slot_last_used[slot] = self._clock
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

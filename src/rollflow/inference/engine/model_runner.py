@@ -16,6 +16,7 @@ number of torch calls per step (at small sizes a step costs Python and dispatch 
 
 The KV cache holds keys and values of one layer in one tensor ``[max_batch_size, 2 * kv_heads, max_model_len,
 head_dim]`` (keys in the first ``kv_heads`` heads), so one ``index_copy_`` per layer writes a decode step.
+``extend`` is a prefill that starts after a prefix already in the slot (the engine's prefix cache).
 """
 
 from __future__ import annotations
@@ -232,17 +233,72 @@ class ModelRunner:
         last = torch.tensor(lengths, device=self.device) - 1
         return self._logits(hidden[torch.arange(n, device=self.device), last])
 
+    def extend(self, slots: list[int], prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Prefill whose rows resume from a cached prefix: slot ``slots[i]`` already holds the keys and values
+        of ``prompts[i][:starts[i]]`` (``0 < starts[i] < len(prompts[i])``), so only the rest is run, at
+        positions ``starts[i]..len-1``. Returns last-token logits [n, vocab], as ``prefill`` does.
+        """
+        n = len(prompts)
+        new_lens = [len(prompt) - start for prompt, start in zip(prompts, starts, strict=True)]
+        seq_len, kv_len = max(new_lens), max(len(prompt) for prompt in prompts)
+        padded = [
+            prompt[start:] + [0] * (seq_len - new_len)
+            for prompt, start, new_len in zip(prompts, starts, new_lens, strict=True)
+        ]
+        input_ids = torch.tensor(padded, device=self.device)
+        offsets = torch.arange(seq_len, device=self.device)[None]
+        # Padding queries get a clamped (valid) position; their keys and values are never written.
+        positions = (torch.tensor(starts, device=self.device)[:, None] + offsets).clamp_(
+            max=self.max_model_len - 1
+        )
+        valid = offsets < torch.tensor(new_lens, device=self.device)[:, None]
+        slot_index = torch.tensor(slots, device=self.device)
+        write_slots = slot_index[:, None].expand(n, seq_len)[valid]
+        write_positions = positions[valid]
+        # Query j of row i sees cache positions 0..starts[i]+j: its cached prefix, then causal over new tokens.
+        mask = torch.zeros(n, 1, seq_len, kv_len, device=self.device, dtype=self.dtype).masked_fill_(
+            (self._key_index[:kv_len][None, None] > positions[:, :, None])[:, None], float("-inf")
+        )
+        kv_heads = self.num_kv_heads
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer_cache = self._kv_cache[layer]
+            layer_cache[write_slots, :, write_positions] = torch.cat((k, v), dim=2)[valid]
+            cache = layer_cache[slot_index, :, :kv_len]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                cache[:, :kv_heads],
+                cache[:, kv_heads:],
+                attn_mask=mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            return out.transpose(1, 2).reshape(n, seq_len, -1)
+
+        cos = self._cos[positions][:, :, None]
+        sin = self._sin_signed[positions][:, :, None]
+        hidden = self._layers_forward(F.embedding(input_ids, self._embed), cos, sin, attend)
+        last = torch.tensor(new_lens, device=self.device) - 1
+        return self._logits(hidden[torch.arange(n, device=self.device), last])
+
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step over slots ``0..len(token_ids)-1``: slot i feeds ``token_ids[i]`` at ``positions[i]``.
 
-        Each row attends to its own cache positions ``0..positions[i]``. Rows of empty slots may pass any token
-        at position 0; they compute garbage that the caller ignores. Returns logits [n, vocab].
+        Each row attends to its own cache positions ``0..positions[i]``. Rows of empty slots pass position -1:
+        they compute garbage that the caller ignores and write nothing, so a free slot keeps the keys and values
+        the prefix cache labelled it with. Returns logits [n, vocab].
         """
         n = len(token_ids)
         kv_len = max(positions) + 1
         input_ids = torch.tensor(token_ids, device=self.device)[:, None]
         position = torch.tensor(positions, device=self.device)
-        write_rows = (self._row_offsets[:n] + position[:, None]).flatten()
+        empty_rows = min(positions) < 0
+        if empty_rows:
+            written = position >= 0
+            position = position.clamp(min=0)
+            write_rows = (self._row_offsets[:n] + position[:, None])[written].flatten()
+        else:
+            write_rows = (self._row_offsets[:n] + position[:, None]).flatten()
         # Additive mask (0 / -inf), built once per step and shared by every layer.
         mask = torch.zeros(n, 1, 1, kv_len, device=self.device, dtype=self.dtype).masked_fill_(
             (self._key_index[:kv_len] > position[:, None])[:, None, None], float("-inf")
@@ -250,7 +306,10 @@ class ModelRunner:
         kv_heads, group = self.num_kv_heads, self.num_q_heads // self.num_kv_heads
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self._kv_flat[layer].index_copy_(0, write_rows, torch.cat((k, v), dim=2).view(-1, self.head_dim))
+            kv = torch.cat((k, v), dim=2)
+            if empty_rows:
+                kv = kv[written]
+            self._kv_flat[layer].index_copy_(0, write_rows, kv.reshape(-1, self.head_dim))
             cache = self._kv_cache[layer, :n, :, :kv_len]
             # GQA without repeat_kv: the query heads of one kv head act as that head's query positions.
             q = q.reshape(n, kv_heads, group, self.head_dim)

@@ -1,0 +1,229 @@
+"""Many concurrent agent sessions through the TITO proxy, against calling the engine directly.
+
+``--sessions`` sessions (default 1,000) run at once, each two turns (the second bridged), through the proxy
+over HTTP with aiohttp clients in this same process, on a real engine of the tiny model. The baseline sends
+the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
+this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
+Added latency is the proxy's percentile minus the baseline's.
+
+Then trace memory: one trace with ``--branches`` branches (default 64) that share one long prefix, measured
+with tracemalloc, against the bytes of its unique tokens (id int32 + sampled logprob float64 + policy
+version int32) and, for the total, plus its unique message text.
+
+Prints one JSON line per figure, e.g.
+{"benchmark": "tito_load", "figure": "requests_per_s", "proxy": ..., "direct": ..., "unit": "1/s"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+import tracemalloc
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODEL = "rollflow:tiny"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def direct_phase(engine, renderer, sessions: int, max_tokens: int) -> tuple[list[float], float, int]:
+    from rollflow.messages import GenerateRequest, SamplingParams
+
+    stop = tuple(renderer.get_stop_token_ids())
+    latencies: list[float] = []
+
+    async def one(i: int) -> None:
+        history = [{"role": "user", "content": f"task {i}: say something"}]
+        for turn in range(2):
+            prompt = renderer.render_ids(history, add_generation_prompt=True)
+            sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, stop_token_ids=stop)
+            start = time.perf_counter()
+            output = await engine.generate(GenerateRequest(prompt, sampling, f"d{i}-{turn}", f"s{i}"))
+            latencies.append(time.perf_counter() - start)
+            text = renderer.parse_response(output.token_ids).content
+            history += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(sessions)))
+    return latencies, time.perf_counter() - start, 0
+
+
+async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[list[float], float, int]:
+    import aiohttp
+
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.tito import TITOProxy
+
+    latencies: list[float] = []
+    errors = 0
+    client = LocalInferenceClient([engine])
+    async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
+        connector = aiohttp.TCPConnector(limit=sessions)
+        async with aiohttp.ClientSession(connector=connector) as http:
+
+            async def one(i: int) -> None:
+                nonlocal errors
+                session = await proxy.open_session()
+                history = [{"role": "user", "content": f"task {i}: say something"}]
+                for _ in range(2):
+                    body = {"model": MODEL, "messages": history, "max_tokens": max_tokens, "seed": i}
+                    start = time.perf_counter()
+                    async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
+                        data = await response.json()
+                    latencies.append(time.perf_counter() - start)
+                    if response.status != 200:
+                        errors += 1
+                        return
+                    history += [data["choices"][0]["message"], {"role": "user", "content": "go on"}]
+                trace = await proxy.close_session(session)
+                errors += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(sessions)))
+            elapsed = time.perf_counter() - start
+    return latencies, elapsed, errors
+
+
+async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, float]:
+    from rollflow.tito.renderer import TITORenderer
+    from rollflow.tito.trace import Sampled, Trace
+
+    renderer = TITORenderer(chat.renderer, chat.tokenizer)
+    reply = chat.tokenizer.encode("a short reply with a few words", add_special_tokens=False)
+    reply.append(renderer.stop_token_ids[0])
+    long_text = " ".join(f"word{i % 97}" for i in range(prefix_words))
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    trace = Trace(renderer)
+    base = [{"role": "user", "content": long_text}]
+    prepared = await trace.prepare(base, None)
+    first = await trace.commit(
+        prepared,
+        Sampled(reply, [-0.5] * len(reply), [0] * len(reply), "stop"),
+        {"role": "assistant", "content": "a short reply with a few words"},
+        finish_reason="stop",
+        response_id="0",
+    )
+    for b in range(branches):
+        messages = [*base, first.message, {"role": "user", "content": f"branch {b} asks"}]
+        prepared = await trace.prepare(messages, None)
+        await trace.commit(
+            prepared,
+            Sampled(reply, [-0.5] * len(reply), [0] * len(reply), "stop"),
+            {"role": "assistant", "content": "a short reply with a few words"},
+            finish_reason="stop",
+            response_id=str(b + 1),
+        )
+    del prepared, first
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    nodes = trace.nodes[1:]
+    unique_tokens = sum(len(n.token_ids) for n in nodes)
+    sampled_tokens = sum(len(n.token_ids) - n.num_prompt for n in nodes if n.sampled)
+    token_bytes = unique_tokens * 4 + sampled_tokens * (8 + 4)
+    text_bytes = sum(len(json.dumps(n.message)) for n in nodes)
+    token_storage = sum(
+        n.token_ids.itemsize * len(n.token_ids)
+        + (
+            n.logprobs.itemsize * len(n.logprobs) + n.policy_versions.itemsize * len(n.policy_versions)
+            if n.sampled
+            else 0
+        )
+        for n in nodes
+    )
+    assert len(trace.leaves()) == branches
+    return {
+        "unique_tokens": unique_tokens,
+        "token_storage_ratio": token_storage / token_bytes,
+        "total_ratio": used / (token_bytes + text_bytes),
+        "trace_bytes": used,
+    }
+
+
+async def run(args) -> None:
+    from tests.tito_fixtures import TinyChat
+
+    from rollflow.config import ModelConfig
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import create_chat_renderer, load_causal_lm, load_tokenizer
+    from rollflow.models.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model()
+    tokenizer = load_tokenizer(model_dir)
+    chat = TinyChat(model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
+    results: dict[str, list] = {"direct": [], "proxy": []}
+    for _ in range(args.repeats):
+        results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
+        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens))
+    await engine.shutdown()
+
+    def summary(kind: str) -> tuple[float, float, float, int]:
+        runs = results[kind]
+        rate = statistics.median(len(lat) / elapsed for lat, elapsed, _ in runs)
+        latencies = [x for lat, _, _ in runs for x in lat]
+        return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(e for _, _, e in runs)
+
+    direct, proxy = summary("direct"), summary("proxy")
+    common = {"benchmark": "tito_load", "sessions": args.sessions, "turns_per_session": 2}
+    lines = [
+        {
+            "figure": "requests_per_s",
+            "proxy": round(proxy[0], 1),
+            "direct": round(direct[0], 1),
+            "unit": "1/s",
+        },
+        {
+            "figure": "p50_latency_ms",
+            "proxy": round(proxy[1] * 1e3, 1),
+            "direct": round(direct[1] * 1e3, 1),
+            "added": round((proxy[1] - direct[1]) * 1e3, 1),
+            "unit": "ms",
+        },
+        {
+            "figure": "p99_latency_ms",
+            "proxy": round(proxy[2] * 1e3, 1),
+            "direct": round(direct[2] * 1e3, 1),
+            "added": round((proxy[2] - direct[2]) * 1e3, 1),
+            "unit": "ms",
+        },
+        {"figure": "errors", "proxy": proxy[3], "direct": direct[3], "unit": "requests"},
+    ]
+    memory = await trace_memory(chat, args.branches, args.prefix_words)
+    lines.append(
+        {
+            "figure": "trace_memory_vs_unique_tokens",
+            "branches": args.branches,
+            "unique_tokens": memory["unique_tokens"],
+            "token_storage_ratio": round(memory["token_storage_ratio"], 3),
+            "total_ratio_incl_messages": round(memory["total_ratio"], 3),
+            "trace_bytes": memory["trace_bytes"],
+            "target": 1.2,
+            "unit": "ratio",
+        }
+    )
+    for line in lines:
+        print(json.dumps(common | line), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--branches", type=int, default=64)
+    parser.add_argument("--prefix-words", type=int, default=4000)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Proxy-side cost per turn as one conversation grows, against re-rendering the history every turn.
+
+One agent conversation of ``--turns`` turns (assistant reply, then a tool result) runs through a TITO
+``Session`` whose client returns scripted tokens, so only proxy work is timed:
+- ``rollflow_render_commit_ms``: the trace's prepare (bridge or render) plus commit of the turn;
+- ``rollflow_request_ms``: the same plus normalizing the request's messages (what a real request adds);
+- ``baseline_full_render_ms``: ``tokenizer.apply_chat_template`` of the whole history (what a proxy that
+  re-renders each turn pays), measured on the same history in the same process.
+Each figure is the median over the turns within ±``--window`` of the reported turn and over ``--repeats``
+conversations. Target: turn 200 costs at most 1.5x turn 1 for rollflow, while the baseline grows.
+
+Prints one JSON line per reported turn:
+{"benchmark": "tito_turns", "turn": 200, "rollflow_render_commit_ms": ..., "rollflow_request_ms": ...,
+ "baseline_full_render_ms": ..., "rollflow_vs_turn1": ..., "baseline_vs_turn1": ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+TOOL_REPLY = (
+    '<tool_call>\n{{"name": "lookup", "arguments": {{"query": "item {n}", "page": {n}}}}}\n</tool_call>'
+)
+TOOLS = [
+    {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+]
+
+
+async def conversation(chat, turns: int) -> dict[int, tuple[float, float, float]]:
+    import msgspec
+    from tests.tito_fixtures import as_history_message, make_session
+
+    from rollflow.tito.renderer import normalize_message, normalize_tools
+    from rollflow.tito.session import _assistant_message
+    from rollflow.tito.trace import Sampled
+    from rollflow.tito.wire import ChatCompletionRequest
+
+    session = make_session(None, chat)
+    trace, renderer = session.trace, session.trace.renderer
+    history: list[dict] = [
+        {"role": "system", "content": "You look things up with the lookup tool."},
+        {"role": "user", "content": "Find the items one after another."},
+    ]
+    timings = {}
+    for turn in range(1, turns + 1):
+        request = msgspec.convert({"model": "m", "messages": history, "tools": TOOLS}, ChatCompletionRequest)
+        completion = [
+            *chat.tokenizer.encode(TOOL_REPLY.format(n=turn), add_special_tokens=False),
+            renderer.stop_token_ids[0],
+        ]
+        sampled = Sampled(completion, [-0.5] * len(completion), [0] * len(completion), "stop")
+
+        start = time.perf_counter()
+        messages = [normalize_message(m) for m in request.messages]
+        tools = normalize_tools(request.tools)
+        normalized = time.perf_counter()
+        prepared = await trace.prepare(messages, tools)
+        parsed = renderer.parse(completion, tools, prepared.prompt_ids)
+        message, finish = _assistant_message(parsed, "stop")
+        committed = await trace.commit(
+            prepared, sampled, message, finish_reason=finish, response_id=str(turn)
+        )
+        end = time.perf_counter()
+        assert turn == 1 or committed.render.method == "bridge", committed.render
+
+        baseline_start = time.perf_counter()
+        chat.tokenizer.apply_chat_template(
+            history,
+            tools=[t["function"] for t in TOOLS],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        baseline = time.perf_counter() - baseline_start
+        timings[turn] = ((end - normalized) * 1e3, (end - start) * 1e3, baseline * 1e3)
+        call_id = message["tool_calls"][0]["id"]
+        history += [
+            as_history_message(committed),
+            {"role": "tool", "tool_call_id": call_id, "content": f"item {turn}: found on shelf {turn % 7}"},
+        ]
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=200)
+    parser.add_argument("--report", default="1,50,100,200")
+    parser.add_argument("--window", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from tests.tito_fixtures import TinyChat
+
+    from rollflow.config import ModelConfig
+    from rollflow.models.loading import create_chat_renderer, load_tokenizer
+    from rollflow.models.tiny import ensure_tiny_model
+
+    model_dir = ensure_tiny_model()
+    tokenizer = load_tokenizer(model_dir)
+    chat = TinyChat(model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    runs = [asyncio.run(conversation(chat, args.turns)) for _ in range(args.repeats + 1)][
+        1:
+    ]  # first: warm-up
+
+    def figure(turn: int, column: int) -> float:
+        turns = range(max(1, turn - args.window), min(args.turns, turn + args.window) + 1)
+        return statistics.median(run[t][column] for run in runs for t in turns)
+
+    reported = [int(t) for t in args.report.split(",")]
+    first = [figure(reported[0], c) for c in range(3)]
+    for turn in reported:
+        render_commit, request, baseline = (figure(turn, c) for c in range(3))
+        line = {
+            "benchmark": "tito_turns",
+            "turn": turn,
+            "rollflow_render_commit_ms": round(render_commit, 4),
+            "rollflow_request_ms": round(request, 4),
+            "baseline_full_render_ms": round(baseline, 4),
+            "rollflow_vs_turn1": round(render_commit / first[0], 3),
+            "rollflow_request_vs_turn1": round(request / first[1], 3),
+            "baseline_vs_turn1": round(baseline / first[2], 3),
+        }
+        print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    main()

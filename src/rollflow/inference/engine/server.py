@@ -1,0 +1,748 @@
+"""``rollflow serve``: an aiohttp server over one ``TorchEngine`` that speaks the RL subset of vLLM 0.33's HTTP API.
+
+The same ``RemoteInferenceClient`` and router drive vLLM on GPUs and this server on CPUs, so paths, field names,
+status codes and the error JSON follow vLLM (``shared/reference/vllm-http-api.md``). The data-plane handlers live
+in ``server_routes``; this module holds the server's state, the control plane, the middlewares and the process
+entry point. Where it departs from vLLM:
+
+- One worker: ``/get_world_size`` is 1. ``/sleep`` on CPU keeps the weights in memory (level 1 drops the KV
+  cache, i.e. the prefix cache); the sleep state is tracked as vLLM reports it.
+- Token logprobs are the sampled token's only: a top-k count above 0 (``logprobs``, ``top_logprobs``) is a 400.
+  Stop strings, ``min_p``, ``min_tokens``, penalties, prompt logprobs and streaming are 400s naming the field.
+- Every choice also carries ``policy_versions``: the policy version that sampled each token.
+- ``/pause?mode=wait`` returns once running requests finished; requests still queued behind a full batch start
+  after ``/resume`` (vLLM drains those too).
+
+Every malformed request gets a 4xx with ``{"error": {"message", "type", "param", "code"}}``, including those
+aiohttp rejects before routing (a bad ``Content-Length``): the server's request handler writes that JSON too.
+Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
+cancels its handler, which aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+from rollflow.errors import ConfigError, EngineDeadError, EngineError
+from rollflow.inference.client import PAUSE_MODES
+from rollflow.inference.engine.engine import TorchEngine
+from rollflow.inference.engine.server_protocol import (
+    AbortBody,
+    ApiError,
+    FinishWeightUpdateBody,
+    InferenceAbortBody,
+    InitWeightTransferBody,
+    ResetPrefixCacheBody,
+    StartWeightUpdateBody,
+    UpdateWeightsBody,
+    bad_request,
+    decode_body,
+    error_body,
+    error_response,
+)
+
+log = structlog.get_logger(__name__)
+
+# Request bodies above this are refused with 413 (a 128k-token prompt is about 1 MB of JSON).
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+# Paths that need the bearer token when the server has an API key.
+CONTROL_PATHS = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/is_paused",
+        "/sleep",
+        "/wake_up",
+        "/is_sleeping",
+        "/reset_prefix_cache",
+        "/abort_requests",
+        "/inference/v1/abort_requests",
+        "/get_world_size",
+        "/init_weight_transfer_engine",
+        "/shutdown_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/weight_info",
+    }
+)
+
+# create_receiver(init_info, worker_rank) -> receiver with receive(update_info) and close(); both blocking.
+ReceiverFactory = Callable[[dict[str, Any], int], Any]
+
+
+def _default_receiver_factory(init_info: dict[str, Any], worker_rank: int) -> Any:
+    from rollflow.weights.receiver import create_receiver
+
+    return create_receiver(init_info, worker_rank)
+
+
+def json_response(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(payload), content_type="application/json")
+
+
+def query_bool(request: web.Request, name: str, default: bool) -> bool:
+    """A boolean query parameter as FastAPI parses it (true/false, 1/0, yes/no, on/off)."""
+    value = request.query.get(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise bad_request(f"query parameter {name}={value!r} is not a boolean; use true or false", name)
+
+
+class EngineServer:
+    """State and handlers of one engine server. Build with ``from_model`` (blocking: loads the model) or
+    directly around an engine; ``await start(host, port)`` serves, ``await close()`` stops.
+
+    Args:
+        engine: the engine served; ``close`` shuts it down.
+        tokenizer: the model's Hugging Face tokenizer (text endpoints, eos ids).
+        served_model_name: the ``model`` name clients must send (or omit); others get 404.
+        renderer: a ``renderers`` chat renderer for ``/v1/chat/completions``; None disables chat (400).
+        api_key: bearer token the control-plane endpoints require; None leaves them open.
+        receiver_factory: builds the weight receiver on ``/init_weight_transfer_engine``; the default is
+            ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
+        eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
+        max_body_bytes: larger request bodies get 413.
+    """
+
+    def __init__(
+        self,
+        engine: TorchEngine,
+        tokenizer: Any,
+        *,
+        served_model_name: str,
+        model_path: str = "",
+        renderer: Any = None,
+        api_key: str | None = None,
+        receiver_factory: ReceiverFactory | None = None,
+        eos_token_ids: tuple[int, ...] | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        # Fixed components.
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.renderer = renderer
+        self.served_model_name = served_model_name
+        self.model_path = model_path or served_model_name
+        self.api_key = api_key or None
+        self.max_body_bytes = max_body_bytes
+        self.receiver_factory = receiver_factory or _default_receiver_factory
+        if eos_token_ids is None:
+            eos = getattr(tokenizer, "eos_token_id", None)
+            eos_token_ids = (eos,) if eos is not None else ()
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.created = int(time.time())
+
+        # Runtime state: pause and sleep. A pause from /pause and one from /sleep are tracked apart, so that
+        # /resume does not wake a sleeping server and /wake_up does not resume a paused one.
+        self.pause_mode: str | None = None
+        self.sleep_mode: str | None = None
+        self.sleep_level: int | None = None
+        self.sleeping_tags: set[str] = set()
+        self._control_lock = asyncio.Lock()
+
+        # Runtime state: weight transfer (vLLM's lifecycle: init once; then start -> update* -> finish).
+        self._receiver: Any = None
+        self._init_info: dict[str, Any] = {}
+        self._update_active = False
+        self._pending_version = 0
+        self._weights_lock = asyncio.Lock()
+
+        self._runner: web.AppRunner | None = None
+        self.url: str | None = None
+
+    # ------------------------------------------------------------------ construction and lifecycle
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str,
+        *,
+        max_batch_size: int = 64,
+        max_model_len: int | None = None,
+        served_model_name: str | None = None,
+        api_key: str | None = None,
+        **kwargs: Any,
+    ) -> EngineServer:
+        """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
+
+        ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 2048.
+
+        Raises:
+            ModelNotFoundError: the model cannot be resolved locally.
+            EngineError: the architecture is not supported.
+            ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
+        """
+        from rollflow.config import ModelConfig
+        from rollflow.models.loading import (
+            create_chat_renderer,
+            load_causal_lm,
+            load_tokenizer,
+            resolve_model_path,
+        )
+
+        model_dir = resolve_model_path(model)
+        tokenizer = load_tokenizer(model_dir)
+        causal_lm = load_causal_lm(model_dir)
+        if max_model_len is None:
+            max_model_len = min(getattr(causal_lm.config, "max_position_embeddings", 2048) or 2048, 2048)
+        engine = TorchEngine(causal_lm, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        try:
+            renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))
+        except ConfigError as error:
+            log.warning("chat completions disabled: no chat renderer", model=model, error=str(error))
+            renderer = None
+        eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        generation_eos = getattr(getattr(causal_lm, "generation_config", None), "eos_token_id", None)
+        if isinstance(generation_eos, int):
+            eos_ids.add(generation_eos)
+        elif isinstance(generation_eos, list):
+            eos_ids.update(generation_eos)
+        return cls(
+            engine,
+            tokenizer,
+            served_model_name=served_model_name or model,
+            model_path=str(model_dir),
+            renderer=renderer,
+            api_key=api_key,
+            eos_token_ids=tuple(sorted(eos_ids)),
+            **kwargs,
+        )
+
+    def build_app(self) -> web.Application:
+        """The aiohttp application (middlewares and routes). Serve it with ``handler_cancellation=True``."""
+        from rollflow.inference.engine.server_routes import DataPlane
+
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=[self._error_middleware, self._auth_middleware]
+        )
+        data = DataPlane(self)
+        app.router.add_routes(
+            [
+                web.post("/inference/v1/generate", data.generate),
+                web.post("/v1/completions", data.completions),
+                web.post("/v1/chat/completions", data.chat_completions),
+                web.post("/tokenize", data.tokenize),
+                web.post("/detokenize", data.detokenize),
+                web.get("/v1/models", data.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.post("/pause", self.pause),
+                web.post("/resume", self.resume),
+                web.get("/is_paused", self.is_paused),
+                web.post("/sleep", self.sleep),
+                web.post("/wake_up", self.wake_up),
+                web.get("/is_sleeping", self.is_sleeping),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.post("/abort_requests", self.abort_requests),
+                web.post("/inference/v1/abort_requests", self.inference_abort_requests),
+                web.get("/get_world_size", self.get_world_size),
+                web.post("/init_weight_transfer_engine", self.init_weight_transfer_engine),
+                web.post("/shutdown_weight_transfer_engine", self.shutdown_weight_transfer_engine),
+                web.post("/start_weight_update", self.start_weight_update),
+                web.post("/update_weights", self.update_weights),
+                web.post("/finish_weight_update", self.finish_weight_update),
+                web.get("/weight_info", self.weight_info),
+            ]
+        )
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on ``host:port`` (port 0 picks a free one) and return the base URL.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        runner = _JsonErrorAppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, host, port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        bound_host, bound_port = runner.addresses[0][:2]
+        shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.url = f"http://{shown_host}:{bound_port}"
+        return self.url
+
+    async def close(self) -> None:
+        """Stop listening, shut the engine down (aborting requests) and close the weight receiver. Idempotent."""
+        # Engine first: its aborted requests answer their clients before the runner drops the connections.
+        await self.engine.shutdown()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        await self._close_receiver()
+
+    # ------------------------------------------------------------------ shared by the data plane
+
+    def check_accepting(self) -> None:
+        """Raise 503 ``ServiceUnavailableError`` while paused (or asleep) in abort or wait mode."""
+        for state, mode in (("paused", self.pause_mode), ("sleeping", self.sleep_mode)):
+            if mode in ("abort", "wait"):
+                raise ApiError(
+                    503,
+                    f"the server is {state} (mode={mode}) and takes no new requests; retry after it resumes",
+                )
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in (self.served_model_name, self.model_path):
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    # ------------------------------------------------------------------ middlewares
+
+    @web.middleware
+    async def _error_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            # Also for endpoints that never read their body (aiohttp checks the size only on read).
+            if request.content_length is not None and request.content_length > self.max_body_bytes:
+                raise ApiError(
+                    413, f"request body of {request.content_length} bytes exceeds {self.max_body_bytes}"
+                )
+            return await handler(request)
+        except ApiError as error:
+            return error.response()
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            message = (
+                error.reason if error.text is None or error.text.startswith(str(error.status)) else error.text
+            )
+            if error.status == 413:
+                message = f"request body exceeds {self.max_body_bytes} bytes: {error.text}"
+            elif error.status in (404, 405):
+                message = f"{error.reason}: {request.method} {request.path}"
+            return error_response(error.status, message)
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("unhandled error in handler", path=request.path)
+            return error_response(500, "internal server error; see the server log")
+
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.api_key is not None and request.path in CONTROL_PATHS:
+            header = request.headers.get("Authorization", "")
+            scheme, _, token = header.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                raise ApiError(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
+        return await handler(request)
+
+    # ------------------------------------------------------------------ health and metrics
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.engine.is_dead:
+            raise ApiError(503, "the engine loop died; restart the server")
+        return web.Response(status=200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        label = '{model_name="' + self.served_model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_text: str, value: float, labels: str = label) -> None:
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{'_total' if kind == 'counter' else ''}{labels} {value}")
+
+        metric("vllm:num_requests_running", "gauge", "Requests holding a KV-cache slot.", engine.num_running)
+        metric(
+            "vllm:num_requests_waiting", "gauge", "Requests waiting for a KV-cache slot.", engine.num_waiting
+        )
+        metric(
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "Fraction of KV-cache slots in use.",
+            engine.num_running / engine.max_batch_size,
+        )
+        metric(
+            "vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+            engine.prefix_cache_query_tokens,
+        )  # fmt: skip
+        metric(
+            "vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
+            engine.prefix_cache_hit_tokens,
+        )  # fmt: skip
+        metric(
+            "rollflow:prefix_cache_query_requests", "counter", "Requests looked up in the prefix cache.",
+            engine.prefix_cache_queries,
+        )  # fmt: skip
+        metric(
+            "rollflow:prefix_cache_hit_requests", "counter", "Requests that reused a cached prefix.",
+            engine.prefix_cache_hits,
+        )  # fmt: skip
+        metric("vllm:prompt_tokens", "counter", "Prompt tokens processed.", engine.total_prompt_tokens)
+        metric("vllm:generation_tokens", "counter", "Tokens generated.", engine.total_generated_tokens)
+        metric(
+            "vllm:request_success", "counter", "Requests finished.", engine.num_finished_requests
+        )  # fmt: skip
+        metric(
+            "rollflow:policy_version", "gauge", "Policy version of the loaded weights.", engine.policy_version
+        )
+        lines.append("# HELP vllm:engine_sleep_state Engine sleep state (1 for the current one).")
+        lines.append("# TYPE vllm:engine_sleep_state gauge")
+        current = {None: "awake", 0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.sleep_level]
+        for state in ("awake", "weights_offloaded", "discard_all"):
+            model_label = label[1:-1]
+            lines.append(
+                f'vllm:engine_sleep_state{{{model_label},sleep_state="{state}"}} {int(state == current)}'
+            )
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
+
+    # ------------------------------------------------------------------ pause, resume, sleep
+
+    async def _read(self, request: web.Request, type_: type, *, empty_ok: bool = False) -> Any:
+        return decode_body(await request.read(), type_, empty_ok=empty_ok)
+
+    async def _engine_call(self, call: Awaitable[Any]) -> Any:
+        try:
+            return await call
+        except EngineDeadError as error:
+            raise ApiError(503, f"the engine is not running: {error}") from None
+
+    async def _stop_engine(self, mode: str) -> None:
+        await self._engine_call(self.engine.pause(mode))
+        if mode == "abort":
+            # The engine's abort pause ends running requests; vLLM's also ends those still queued.
+            await self._engine_call(self.engine.abort())
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise bad_request(
+                f"mode={mode!r} is not a pause mode; use one of {', '.join(PAUSE_MODES)}", "mode"
+            )
+        clear_cache = query_bool(request, "clear_cache", True)
+        async with self._control_lock:
+            self.pause_mode = mode  # before waiting: new requests get 503 while running ones drain
+            await self._stop_engine(mode)
+            if clear_cache and mode != "keep":
+                await self._engine_call(self.engine.reset_prefix_cache())
+        return json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        async with self._control_lock:
+            self.pause_mode = None
+            if not self.sleeping_tags:
+                await self._engine_call(self.engine.resume())
+        return json_response({"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return json_response({"is_paused": self.pause_mode is not None or bool(self.sleeping_tags)})
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        raw_level = request.query.get("level", "1")
+        try:
+            level = int(raw_level)
+        except ValueError:
+            level = -1
+        if level not in (0, 1, 2):
+            raise bad_request(f"level={raw_level!r} is not a sleep level; use 0, 1 or 2", "level")
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise bad_request(
+                f"mode={mode!r} is not a pause mode; use one of {', '.join(PAUSE_MODES)}", "mode"
+            )
+        async with self._control_lock:
+            self.sleep_mode, self.sleep_level = mode, level
+            # Level 0 pauses scheduling only; 1 and 2 also release weights and KV cache (on CPU: the KV cache).
+            self.sleeping_tags = {"scheduling"} if level == 0 else set(SLEEP_TAGS)
+            await self._stop_engine(mode)
+            if level >= 1:
+                await self._engine_call(self.engine.reset_prefix_cache())
+        return json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", [])
+        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
+        if unknown:
+            raise bad_request(f"unknown wake_up tags {unknown}; use {', '.join(SLEEP_TAGS)}", "tags")
+        async with self._control_lock:
+            if self.sleeping_tags:
+                self.sleeping_tags -= set(tags) if tags else set(SLEEP_TAGS)
+                if not self.sleeping_tags:  # scheduling resumes only once everything is awake
+                    self.sleep_mode = self.sleep_level = None
+                    if self.pause_mode is None:
+                        await self._engine_call(self.engine.resume())
+        status = "sleeping" if self.sleeping_tags else "awake"
+        return json_response({"status": status, "tags": tags or None})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return json_response({"is_sleeping": bool(self.sleeping_tags)})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        query_bool(request, "reset_running_requests", False)
+        query_bool(request, "reset_external", False)
+        await self._read(request, ResetPrefixCacheBody, empty_ok=True)
+        success = await self._engine_call(self.engine.reset_prefix_cache())
+        return json_response({"success": bool(success)})
+
+    async def abort_requests(self, request: web.Request) -> web.Response:
+        body = await self._read(request, AbortBody, empty_ok=True)
+        aborted = await self._engine_call(self.engine.abort(body.request_ids or None))
+        return json_response({"status": "aborted", "aborted": aborted})
+
+    async def inference_abort_requests(self, request: web.Request) -> web.Response:
+        body = await self._read(request, InferenceAbortBody)
+        if body.request_ids:
+            await self._engine_call(self.engine.abort(body.request_ids))
+        return web.Response(status=200)
+
+    async def get_world_size(self, request: web.Request) -> web.Response:
+        query_bool(request, "include_dp", True)
+        return json_response({"world_size": 1})
+
+    # ------------------------------------------------------------------ weight transfer
+
+    async def _close_receiver(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None and hasattr(receiver, "close"):
+            try:
+                await asyncio.to_thread(receiver.close)
+            except Exception:
+                log.exception("closing the weight receiver failed")
+
+    async def _shielded(self, work: Awaitable[Any]) -> Any:
+        # A client that disconnects mid-transfer must not leave the weights or the receiver half-set.
+        return await asyncio.shield(asyncio.ensure_future(work))
+
+    async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        body = await self._read(request, InitWeightTransferBody)
+
+        async def init() -> None:
+            async with self._weights_lock:
+                await self._close_receiver()
+                try:
+                    # Blocking, and may join a torch.distributed group: off the event loop.
+                    self._receiver = await asyncio.to_thread(self.receiver_factory, body.init_info, 0)
+                except (ValueError, TypeError, KeyError) as error:
+                    raise bad_request(f"invalid init_info: {error}", "init_info") from None
+                except Exception as error:  # the trainer's group did not form: a failure, named
+                    log.exception("weight transfer init failed")
+                    raise ApiError(
+                        500, f"weight transfer init failed: {type(error).__name__}: {error}"
+                    ) from None
+                self._init_info = body.init_info
+
+        await self._shielded(init())
+        return json_response({"message": "Weight transfer initialized"})
+
+    async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        async with self._weights_lock:
+            await self._close_receiver()
+            self._update_active = False
+        return json_response({"message": "Weight transfer shut down"})
+
+    async def start_weight_update(self, request: web.Request) -> web.Response:
+        await self._read(request, StartWeightUpdateBody, empty_ok=True)
+        async with self._weights_lock:
+            if self._update_active:
+                raise bad_request(
+                    "start_weight_update was already called; call finish_weight_update before starting another"
+                )
+            self._update_active = True
+            self._pending_version = self.engine.policy_version + 1
+        return json_response({"message": "Weight update started"})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await self._read(request, UpdateWeightsBody)
+
+        async def update() -> None:
+            async with self._weights_lock:
+                if not self._update_active:
+                    raise bad_request("start_weight_update must be called before update_weights.")
+                if self._receiver is None:
+                    raise bad_request("init_weight_transfer_engine must be called before update_weights.")
+                update_info = body.update_info
+                if isinstance(update_info, list):
+                    # One entry per global inference worker; this server's single worker follows the trainer.
+                    index = int(self._init_info.get("rank_offset", 1)) - 1
+                    if not 0 <= index < len(update_info):
+                        raise bad_request(
+                            f"update_info is a list of {len(update_info)} but this worker's global index is "
+                            f"{index} (init_info.rank_offset - 1)",
+                            "update_info",
+                        )
+                    update_info = update_info[index]
+                version = update_info.get("policy_version", self._pending_version)
+                if isinstance(version, bool) or not isinstance(version, int):
+                    raise bad_request(
+                        f"update_info.policy_version must be an integer, got {version!r}", "update_info"
+                    )
+                try:
+                    tensors = await asyncio.to_thread(self._receiver.receive, update_info)
+                except (ValueError, TypeError, KeyError) as error:
+                    raise bad_request(f"invalid update_info: {error}", "update_info") from None
+                except Exception as error:  # a broken or timed-out transfer: a failure, named
+                    log.exception("weight transfer failed")
+                    raise ApiError(500, f"weight transfer failed: {type(error).__name__}: {error}") from None
+                try:
+                    await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
+                except EngineError as error:
+                    raise bad_request(str(error), "update_info") from None
+                self._pending_version = version
+
+        await self._shielded(update())
+        return json_response({"message": "Weights updated"})
+
+    async def finish_weight_update(self, request: web.Request) -> web.Response:
+        body = await self._read(request, FinishWeightUpdateBody, empty_ok=True)
+        version: int | None = None
+        if body.weight_version is not None:
+            try:
+                version = int(body.weight_version)
+            except ValueError:
+                raise bad_request(
+                    f"weight_version {body.weight_version!r} is not an integer policy version",
+                    "weight_version",
+                ) from None
+        async with self._weights_lock:
+            if not self._update_active:
+                raise bad_request("start_weight_update must be called before finish_weight_update.")
+            if version is not None and version != self.engine.policy_version:
+                await self._engine_call(self.engine.load_weights([], policy_version=version))
+            self._update_active = False
+        return json_response({"message": "Weight update finished"})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        version = self.engine.policy_version
+        return json_response({"weight_version": str(version), "policy_version": version})
+
+
+# ------------------------------------------------------------------ JSON errors from the HTTP parser
+
+
+class _JsonErrorRequestHandler(RequestHandler):
+    """aiohttp answers requests it cannot parse (a bad ``Content-Length``, a broken request line) itself, in
+    plain text; this handler answers them with the error JSON instead."""
+
+    def handle_error(
+        self,
+        request: Any,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request", exc_info=exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response was already being sent; cannot send an error response")
+        text = message if status < 500 and message else HTTPStatus(status).phrase
+        response = web.Response(status=status, body=error_body(status, text), content_type="application/json")
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _JsonErrorAppRunner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # same state, JSON parse errors
+        return server
+
+
+# ------------------------------------------------------------------ process entry point
+
+
+async def serve(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_batch_size: int = 64,
+    max_model_len: int | None = None,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    ready: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
+
+    Once listening, calls ``ready`` with ``{"event": "ready", "url", "host", "port", "model"}``.
+
+    Raises:
+        ModelNotFoundError, EngineError, ValueError: as ``EngineServer.from_model``.
+        OSError: the address cannot be bound.
+    """
+    server = await asyncio.to_thread(
+        EngineServer.from_model,
+        model,
+        max_batch_size=max_batch_size,
+        max_model_len=max_model_len,
+        served_model_name=served_model_name,
+        api_key=api_key,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        url = await server.start(host, port)
+        bound_port = int(url.rsplit(":", 1)[1])
+        log.info("serving", url=url, model=server.served_model_name)
+        if ready is not None:
+            ready(
+                {
+                    "event": "ready",
+                    "url": url,
+                    "host": host,
+                    "port": bound_port,
+                    "model": server.served_model_name,
+                }
+            )
+        await stop.wait()
+        log.info("shutting down", url=url)
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await server.close()
+
+
+def main(args: Any) -> int:
+    """``rollflow serve``: prints one JSON ready line on stdout once listening; returns the exit status."""
+
+    def ready(event: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    asyncio.run(
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            max_batch_size=args.max_batch_size,
+            max_model_len=args.max_model_len,
+            served_model_name=args.served_model_name,
+            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
+            ready=ready,
+        )
+    )
+    return 0
+
+
+__all__ = ["CONTROL_PATHS", "EngineServer", "main", "serve"]

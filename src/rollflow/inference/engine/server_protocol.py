@@ -1,0 +1,275 @@
+"""Wire types and errors of the engine server: the request bodies of the vLLM 0.33 endpoints it implements.
+
+Bodies are decoded straight into these Structs (``decode_body``), so a wrong type or a missing field becomes a
+400 naming the field (``$.sampling_params.max_tokens``). Unknown fields are ignored, as vLLM does, because
+OpenAI clients send fields the engine has no use for (``user``, ``stream_options``). Fields the torch engine
+cannot honour are decoded anyway and rejected by the handlers with a message that names them.
+
+No torch here: only the wire.
+"""
+
+from __future__ import annotations
+
+import re
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+# ------------------------------------------------------------------ errors
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "UnauthorizedError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestEntityTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_type(status: int) -> str:
+    """vLLM's ``error.type`` for an HTTP status (``BadRequestError`` for 400, and so on)."""
+    return _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """The vLLM/OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    return msgspec.json.encode(
+        {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+    )
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=error_body(status, message, param), content_type="application/json"
+    )
+
+
+class ApiError(Exception):
+    """A request the server refuses; the handler's middleware turns it into the error JSON with ``status``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def response(self) -> web.Response:
+        return error_response(self.status, self.message, self.param)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+T = TypeVar("T")
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, type_: type[T], *, empty_ok: bool = False) -> T:
+    """Decode a JSON request body into ``type_``.
+
+    Raises:
+        ApiError: 400 for an empty body (unless ``empty_ok``: then the type's defaults), malformed JSON, or a
+            value of the wrong type (``param`` names the field).
+    """
+    if not body.strip():
+        if empty_ok:
+            return msgspec.convert({}, type_)
+        raise bad_request(f"the request body is empty; expected a JSON object for {type_.__name__}")
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as error:
+        match = _PATH.search(str(error))
+        raise bad_request(f"invalid request body: {error}", match.group(1) if match else None) from None
+    except msgspec.DecodeError as error:
+        raise bad_request(f"malformed JSON in the request body: {error}") from None
+
+
+# ------------------------------------------------------------------ data plane bodies
+
+
+class VllmSamplingParams(msgspec.Struct, kw_only=True):
+    """vLLM ``SamplingParams`` as JSON (``/inference/v1/generate``); vLLM's defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 or -1: no top-k filtering.
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    # None: what the context has left after the prompt (vLLM's server default for this endpoint).
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    # A top-k count, not a bool: 0 returns the sampled token's logprob only.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Overwritten by the server in vLLM; accepted and ignored.
+    output_kind: int | None = None
+
+
+class GenerateBody(msgspec.Struct, kw_only=True):
+    """``POST /inference/v1/generate`` (tokens mode)."""
+
+    token_ids: list[int]
+    sampling_params: VllmSamplingParams = msgspec.field(default_factory=VllmSamplingParams)
+    model: str | None = None
+    # Lets the caller abort this request by id (``/inference/v1/abort_requests``); generated when absent.
+    request_id: str | None = None
+    stream: bool = False
+    return_token_ids: bool | None = None
+    output_mode: str = "tokens"
+    cache_salt: str | None = None
+    priority: int = 0
+    session_id: str | None = None
+
+
+class CompletionBody(msgspec.Struct, kw_only=True):
+    """``POST /v1/completions``. ``prompt`` is checked by hand: msgspec cannot decode a union of list types."""
+
+    prompt: Any
+    model: str | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool = False
+    add_special_tokens: bool = True
+    echo: bool | None = False
+    stream: bool | None = False
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+
+
+class ChatBody(msgspec.Struct, kw_only=True):
+    """``POST /v1/chat/completions`` (plain use: no streaming, no tools parsing beyond the renderer's)."""
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    stream: bool | None = False
+    return_token_ids: bool | None = None
+    skip_special_tokens: bool | None = None
+    request_id: str | None = None
+    session_id: str | None = None
+
+
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /tokenize``: either ``prompt`` (text) or ``messages`` (chat, rendered)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
+# ------------------------------------------------------------------ control plane bodies
+
+
+class AbortBody(msgspec.Struct, kw_only=True):
+    """``POST /abort_requests``: no ids (or an empty list) aborts every request."""
+
+    request_ids: list[str] | None = None
+
+
+class InferenceAbortBody(msgspec.Struct, kw_only=True):
+    """``POST /inference/v1/abort_requests``: ids are required."""
+
+    request_ids: list[str]
+
+
+class ResetPrefixCacheBody(msgspec.Struct, kw_only=True):
+    """SkyRL sends ``/reset_prefix_cache`` a JSON body; vLLM 0.33 reads the query. Both are accepted."""
+
+    reset_running_requests: bool = False
+    reset_external: bool = False
+
+
+class InitWeightTransferBody(msgspec.Struct, kw_only=True):
+    """``POST /init_weight_transfer_engine``: ``init_info`` goes to the receiver as is."""
+
+    init_info: dict[str, Any]
+
+
+class StartWeightUpdateBody(msgspec.Struct, kw_only=True):
+    """``POST /start_weight_update``: no body in vLLM 0.33; older layouts sent these flags (ignored)."""
+
+    is_checkpoint_format: bool | None = None
+    include_draft: bool | None = None
+
+
+class UpdateWeightsBody(msgspec.Struct, kw_only=True):
+    """``POST /update_weights``: one ``update_info``, or a list indexed by global worker rank."""
+
+    update_info: dict[str, Any] | list[dict[str, Any]]
+
+
+class FinishWeightUpdateBody(msgspec.Struct, kw_only=True):
+    """``POST /finish_weight_update``: ``weight_version`` labels the new weights (an integer policy version)."""
+
+    weight_version: str | int | None = None

@@ -1,0 +1,549 @@
+"""Data-plane handlers of the engine server: vLLM 0.33's token and OpenAI-compatible generation endpoints.
+
+Each handler decodes its body (``server_protocol``), validates every value against the engine's limits (so bad
+input is a 400 naming the field, never an engine failure), runs one engine request per prompt and sample, and
+shapes the response as vLLM does. A handler cancelled by a client disconnect cancels its engine requests, which
+frees their KV-cache slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from rollflow.errors import EngineDeadError, EngineError
+from rollflow.inference.engine.server_protocol import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    GenerateBody,
+    TokenizeBody,
+    bad_request,
+    decode_body,
+)
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from rollflow.inference.engine.server import EngineServer
+
+# vLLM clamps -inf logprobs to this (JSON has no infinity).
+CLAMPED_LOGPROB = -9999.0
+MAX_N = 64
+_INT64 = 2**63
+
+
+def _json(payload: Any) -> web.Response:
+    return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
+
+
+def _logprob(value: float) -> float:
+    return value if math.isfinite(value) else CLAMPED_LOGPROB
+
+
+def _unsupported(**fields: tuple[Any, Any]) -> None:
+    """400 for the first field whose value differs from the one value the torch engine supports."""
+    for name, (value, supported) in fields.items():
+        if value is not None and value != supported:
+            raise bad_request(
+                f"{name}={value!r} is not supported by the rollflow torch engine (only {supported!r})",
+                name.rsplit(".", 1)[-1],
+            )
+
+
+@dataclass(slots=True)
+class _Sampling:
+    """Sampling values of one request, normalized across the three endpoints (``prefix`` names the fields)."""
+
+    n: int
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    prefix: str = ""
+
+
+class DataPlane:
+    """The data-plane handlers; they share the server's engine, tokenizer, renderer and pause state."""
+
+    def __init__(self, server: EngineServer):
+        self.server = server
+        self.engine = server.engine
+        self.tokenizer = server.tokenizer
+
+    # ------------------------------------------------------------------ validation and generation
+
+    def _check_tokens(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(f"{param} is empty; pass at least one token id", param)
+        vocab = self.engine.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            bad = next(t for t in token_ids if not 0 <= t < vocab)
+            raise bad_request(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab})", param)
+
+    def _params(self, spec: _Sampling, prompt_len: int) -> list[SamplingParams]:
+        """One ``SamplingParams`` per sample, after checking every value against the engine's limits."""
+        p, max_model_len = spec.prefix, self.engine.max_model_len
+        if not 1 <= spec.n <= MAX_N:
+            raise bad_request(f"{p}n must be between 1 and {MAX_N}, got {spec.n}", "n")
+        if prompt_len >= max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for output. Please reduce the length of the prompt.",
+                "prompt",
+            )
+        max_tokens = spec.max_tokens
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_len
+        elif max_tokens < 1:
+            raise bad_request(f"{p}max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        elif prompt_len + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or completion.",
+                "max_tokens",
+            )
+        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+            raise bad_request(f"{p}temperature must be >= 0, got {spec.temperature}", "temperature")
+        if not 0 < spec.top_p <= 1:
+            raise bad_request(f"{p}top_p must be in (0, 1], got {spec.top_p}", "top_p")
+        if not -1 <= spec.top_k < _INT64:
+            raise bad_request(f"{p}top_k must be -1, 0 (disabled) or positive, got {spec.top_k}", "top_k")
+        if spec.seed is not None and not 0 <= spec.seed < _INT64 - MAX_N:
+            raise bad_request(f"{p}seed must be in [0, 2**63 - {MAX_N}), got {spec.seed}", "seed")
+        bad_stop = [t for t in spec.stop_token_ids if not 0 <= t < _INT64]
+        if bad_stop:
+            raise bad_request(f"{p}stop_token_ids must be non-negative, got {bad_stop[0]}", "stop_token_ids")
+        stop = list(spec.stop_token_ids)
+        if not spec.ignore_eos:
+            stop += [t for t in self.server.eos_token_ids if t not in stop]
+        return [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=spec.temperature,
+                top_p=spec.top_p,
+                top_k=spec.top_k if spec.top_k > 0 else -1,
+                # Samples of one seeded request differ from each other but are each reproducible.
+                seed=None if spec.seed is None else spec.seed + i,
+                stop_token_ids=tuple(stop),
+            )
+            for i in range(spec.n)
+        ]
+
+    async def _generate(
+        self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], session_id: str | None
+    ) -> list[GenerateOutput]:
+        """Run every (prompt, params) job on the engine concurrently, all under ``request_id``."""
+        self.server.check_accepting()
+        requests = [
+            GenerateRequest(
+                prompt_token_ids=prompt, sampling=params, request_id=request_id, session_id=session_id
+            )
+            for prompt, params in jobs
+        ]
+        try:
+            return await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        except EngineError as error:
+            raise bad_request(str(error)) from None
+        except EngineDeadError as error:
+            raise ApiError(503, f"the engine is not running: {error}") from None
+
+    def _stop_reason(self, output: GenerateOutput, user_stop_ids: list[int]) -> int | None:
+        if (
+            output.finish_reason is FinishReason.STOP
+            and output.token_ids
+            and output.token_ids[-1] in user_stop_ids
+        ):
+            return output.token_ids[-1]
+        return None  # vLLM: null on EOS, length and abort
+
+    @staticmethod
+    def _session_id(request: web.Request, body_session_id: str | None) -> str | None:
+        return request.headers.get("X-Session-ID") or body_session_id
+
+    @staticmethod
+    def _usage(prompt_tokens: int, outputs: list[GenerateOutput]) -> dict[str, int]:
+        completion = sum(len(o.token_ids) for o in outputs)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ /inference/v1/generate
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), GenerateBody)
+        self.server.check_model(body.model)
+        sp = body.sampling_params
+        _unsupported(
+            stream=(body.stream, False),
+            output_mode=(body.output_mode, "tokens"),
+            **{
+                "sampling_params.logprobs": (sp.logprobs if sp.logprobs else None, 0),
+                "sampling_params.prompt_logprobs": (sp.prompt_logprobs, None),
+                "sampling_params.min_p": (sp.min_p, 0.0),
+                "sampling_params.min_tokens": (sp.min_tokens, 0),
+                "sampling_params.repetition_penalty": (sp.repetition_penalty, 1.0),
+                "sampling_params.presence_penalty": (sp.presence_penalty, 0.0),
+                "sampling_params.frequency_penalty": (sp.frequency_penalty, 0.0),
+                "sampling_params.stop": (sp.stop or None, None),
+            },
+        )
+        if sp.logprobs is not None and sp.logprobs < 0:
+            raise bad_request(f"sampling_params.logprobs must be >= 0, got {sp.logprobs}", "logprobs")
+        self._check_tokens(body.token_ids, "token_ids")
+        spec = _Sampling(
+            n=sp.n,
+            max_tokens=sp.max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=sp.seed,
+            stop_token_ids=sp.stop_token_ids or [],
+            ignore_eos=sp.ignore_eos,
+            prefix="sampling_params.",
+        )
+        params = self._params(spec, len(body.token_ids))
+        request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
+        outputs = await self._generate(
+            request_id, [(body.token_ids, p) for p in params], self._session_id(request, body.session_id)
+        )
+        choices = []
+        for index, output in enumerate(outputs):
+            logprobs = None
+            if sp.logprobs is not None:
+                logprobs = {
+                    "content": [
+                        {"token_id": token, "logprob": _logprob(value), "top_logprobs": []}
+                        for token, value in zip(output.token_ids, output.logprobs, strict=True)
+                    ]
+                }
+            choices.append(
+                {
+                    "index": index,
+                    "finish_reason": output.finish_reason.value,
+                    "stop_reason": self._stop_reason(output, spec.stop_token_ids),
+                    "token_ids": output.token_ids,
+                    "logprobs": logprobs,
+                    "routed_experts": None,
+                    "policy_versions": output.policy_versions,
+                }
+            )
+        return _json(
+            {
+                "request_id": request_id,
+                "model": self.server.served_model_name,
+                "created": int(time.time()),
+                "output_mode": "tokens",
+                "choices": choices,
+                "usage": self._usage(len(body.token_ids), outputs),
+                "prompt_logprobs": None,
+                "prompt_token_ids": body.token_ids if body.return_token_ids else None,
+                "kv_transfer_params": None,
+            }
+        )
+
+    # ------------------------------------------------------------------ /v1/completions
+
+    def _completion_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
+        """``prompt`` as a list of token-id prompts: token ids, a batch of them, a string or strings."""
+
+        def is_ids(value: Any) -> bool:
+            return isinstance(value, list) and all(type(t) is int for t in value)
+
+        if isinstance(prompt, str):
+            prompts = [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+        elif is_ids(prompt) and prompt:
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+            prompts = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
+        else:
+            raise bad_request(
+                "prompt must be a non-empty list of token ids, a list of such lists, a string or a list of strings",
+                "prompt",
+            )
+        for prompt_ids in prompts:
+            self._check_tokens(prompt_ids, "prompt")
+        return prompts
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), CompletionBody)
+        self.server.check_model(body.model)
+        _unsupported(
+            stream=(body.stream or None, False),
+            echo=(body.echo or None, False),
+            logprobs=(body.logprobs if body.logprobs else None, 0),
+            prompt_logprobs=(body.prompt_logprobs, None),
+            min_p=(body.min_p or None, 0.0),
+            min_tokens=(body.min_tokens, 0),
+            repetition_penalty=(body.repetition_penalty, 1.0),
+            presence_penalty=(body.presence_penalty or None, 0.0),
+            frequency_penalty=(body.frequency_penalty or None, 0.0),
+            stop=(body.stop or None, None),
+        )
+        if body.logprobs is not None and body.logprobs < 0:
+            raise bad_request(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
+        prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
+        spec = _Sampling(
+            n=body.n,
+            max_tokens=body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+        per_prompt = [self._params(spec, len(p)) for p in prompts]
+        request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
+        jobs = [
+            (prompt, params)
+            for prompt, samples in zip(prompts, per_prompt, strict=True)
+            for params in samples
+        ]
+        outputs = await self._generate(request_id, jobs, self._session_id(request, body.session_id))
+        skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
+        choices = []
+        for index, ((prompt, _), output) in enumerate(zip(jobs, outputs, strict=True)):
+            text = self._decode(output.token_ids, skip_special)
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": output.finish_reason.value,
+                "stop_reason": self._stop_reason(output, spec.stop_token_ids),
+                "prompt_logprobs": None,
+                "policy_versions": output.policy_versions,
+            }
+            if body.logprobs is not None:
+                choice["logprobs"] = self._completion_logprobs(output, bool(body.return_tokens_as_token_ids))
+            if body.return_token_ids:
+                choice["token_ids"] = output.token_ids
+                choice["prompt_token_ids"] = prompt
+            choices.append(choice)
+        prompt_tokens = sum(len(p) for p in prompts)
+        return _json(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.server.served_model_name,
+                "choices": choices,
+                "usage": self._usage(prompt_tokens, outputs),
+            }
+        )
+
+    def _completion_logprobs(self, output: GenerateOutput, as_token_ids: bool) -> dict[str, Any]:
+        if as_token_ids:
+            tokens = [f"token_id:{t}" for t in output.token_ids]
+        else:
+            tokens = [self._decode([t], False) for t in output.token_ids]
+        values = [_logprob(v) for v in output.logprobs]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": values,
+            "tokens": tokens,
+            # logprobs=0: the sampled token only.
+            "top_logprobs": [{token: value} for token, value in zip(tokens, values, strict=True)],
+        }
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> list[int]:
+        renderer = self.server.renderer
+        if renderer is None:
+            raise bad_request(
+                f"chat is unavailable: no chat renderer for model {self.server.served_model_name!r}"
+            )
+        for index, message in enumerate(messages):
+            if not isinstance(message.get("role"), str):
+                raise bad_request(f"messages[{index}].role must be a string", "messages")
+            content = message.get("content")
+            if not (content is None or isinstance(content, str | list)):
+                raise bad_request(
+                    f"messages[{index}].content must be a string, a list of content parts or null, "
+                    f"got {type(content).__name__}",
+                    "messages",
+                )
+        try:
+            return list(
+                renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            )
+        except Exception as error:  # the renderer validates the conversation; its errors are the caller's
+            raise bad_request(
+                f"could not render messages: {type(error).__name__}: {error}", "messages"
+            ) from None
+
+    async def chat_completions(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), ChatBody)
+        self.server.check_model(body.model)
+        _unsupported(
+            stream=(body.stream or None, False),
+            top_logprobs=(body.top_logprobs or None, 0),
+            continue_final_message=(body.continue_final_message or None, False),
+            chat_template=(body.chat_template, None),
+            min_p=(body.min_p or None, 0.0),
+            min_tokens=(body.min_tokens, 0),
+            repetition_penalty=(body.repetition_penalty, 1.0),
+            presence_penalty=(body.presence_penalty or None, 0.0),
+            frequency_penalty=(body.frequency_penalty or None, 0.0),
+            stop=(body.stop or None, None),
+        )
+        if not body.messages:
+            raise bad_request("messages is empty; pass at least one message", "messages")
+        prompt = self._render(body.messages, body.tools, body.add_generation_prompt)
+        self._check_tokens(prompt, "messages")
+        stop_ids = list(body.stop_token_ids or [])
+        if not body.ignore_eos:
+            stop_ids += [t for t in self.server.renderer.get_stop_token_ids() if t not in stop_ids]
+        spec = _Sampling(
+            n=1 if body.n is None else body.n,
+            max_tokens=body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            seed=body.seed,
+            stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos,
+        )
+        params = self._params(spec, len(prompt))
+        request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        outputs = await self._generate(
+            request_id, [(prompt, p) for p in params], self._session_id(request, body.session_id)
+        )
+        choices = []
+        for index, output in enumerate(outputs):
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": self._message(prompt, output, body.tools),
+                "logprobs": None,
+                "finish_reason": output.finish_reason.value,
+                "stop_reason": self._stop_reason(output, list(body.stop_token_ids or [])),
+                "policy_versions": output.policy_versions,
+            }
+            if choice["message"].get("tool_calls") and output.finish_reason is FinishReason.STOP:
+                choice["finish_reason"] = "tool_calls"
+            if body.logprobs:
+                content = []
+                for token, value in zip(output.token_ids, output.logprobs, strict=True):
+                    text = self._decode([token], False)
+                    content.append(
+                        {
+                            "token": text,
+                            "logprob": _logprob(value),
+                            "bytes": list(text.encode()),
+                            "top_logprobs": [],
+                        }
+                    )
+                choice["logprobs"] = {"content": content}
+            if body.return_token_ids:
+                choice["token_ids"] = output.token_ids
+            choices.append(choice)
+        response: dict[str, Any] = {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.server.served_model_name,
+            "choices": choices,
+            "usage": self._usage(len(prompt), outputs),
+        }
+        if body.return_token_ids:
+            response["prompt_token_ids"] = prompt
+        return _json(response)
+
+    def _message(self, prompt: list[int], output: GenerateOutput, tools: Any) -> dict[str, Any]:
+        try:
+            parsed = self.server.renderer.parse_response(output.token_ids, tools=tools, prompt_ids=prompt)
+        except Exception:  # a truncated or aborted reply may not parse: fall back to its plain text
+            return {"role": "assistant", "content": self._decode(output.token_ids, True)}
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        if parsed.reasoning_content:
+            message["reasoning_content"] = parsed.reasoning_content
+        calls = [c for c in parsed.tool_calls if getattr(c.status, "name", "OK") == "OK" and c.name]
+        if calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {
+                        "name": call.name,
+                        "arguments": call.arguments
+                        if isinstance(call.arguments, str)
+                        else msgspec.json.encode(call.arguments or {}).decode(),
+                    },
+                }
+                for call in calls
+            ]
+        return message
+
+    # ------------------------------------------------------------------ tokenizer and models
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), TokenizeBody)
+        self.server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("pass exactly one of prompt (text) or messages (chat)", "prompt")
+        if body.prompt is not None:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            if not body.messages:
+                raise bad_request("messages is empty; pass at least one message", "messages")
+            tokens = self._render(body.messages, body.tools, body.add_generation_prompt)
+        response: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": self.engine.max_model_len,
+            "tokens": tokens,
+        }
+        if body.return_token_strs:
+            response["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
+        return _json(response)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = decode_body(await request.read(), DetokenizeBody)
+        self.server.check_model(body.model)
+        if body.tokens:
+            self._check_tokens(body.tokens, "tokens")
+        return _json({"prompt": self._decode(body.tokens, False)})
+
+    async def models(self, request: web.Request) -> web.Response:
+        server = self.server
+        return _json(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": server.served_model_name,
+                        "object": "model",
+                        "created": server.created,
+                        "owned_by": "rollflow",
+                        "root": server.model_path,
+                        "parent": None,
+                        "max_model_len": self.engine.max_model_len,
+                        "permission": [],
+                    }
+                ],
+            }
+        )

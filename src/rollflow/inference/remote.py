@@ -1,0 +1,634 @@
+"""``RemoteInferenceClient``: the ``InferenceClient`` protocol over vLLM-compatible HTTP servers.
+
+Two planes, as in vLLM RL deployments:
+
+- the **data plane** (generate, chat/completions, tokenize) goes to one URL, the router or an external proxy,
+  with ``X-Session-ID`` when a request belongs to a session, so the router keeps a session on one server;
+- the **control plane** (pause, resume, sleep, weight transfer, world size) fans out to every server URL at
+  once, each call bounded by ``control_timeout_s``; failures name the server.
+
+Paths and field names are vLLM 0.33's (``/inference/v1/generate``, ``/pause?mode=``, ``/update_weights`` …),
+so the same client drives vLLM on GPUs and rollflow's torch engine server on CPUs. The client is picklable
+(its aiohttp session is created lazily per event loop and dropped on pickling) so it can be shipped to other
+processes. This module must not import torch at module scope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import aiohttp
+import msgspec
+import structlog
+
+from rollflow.errors import RollflowError
+from rollflow.inference.client import PAUSE_MODES, PauseMode
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest
+
+log = structlog.get_logger(__name__)
+
+# Generous: thousands of concurrent generate calls share one session (aiohttp's default of 100 throttles RL).
+DEFAULT_CONNECTION_LIMIT = 10_000
+# The router and servers answer 503 while paused in abort/wait mode; generate polls with this back-off
+# (capped) until resume, so a caller sees the same "wait while paused" as with in-process engines.
+_PAUSED_RETRY_S = (0.02, 0.5)
+_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
+
+
+class RemoteInferenceError(RollflowError):
+    """An HTTP call to an inference server, router or proxy failed; the message names the URL.
+
+    Attributes:
+        url: the URL that failed.
+        status: the HTTP status, or None when no response came back (connection error, timeout).
+        body: the decoded JSON error body, when the server sent one.
+    """
+
+    def __init__(self, message: str, *, url: str, status: int | None = None, body: Any = None):
+        super().__init__(message)
+        self.url = url
+        self.status = status
+        self.body = body
+
+
+class ControlPlaneError(RemoteInferenceError):
+    """A control-plane call failed on at least one server; ``failures`` maps each failed server URL to
+    its error, and the message lists them all."""
+
+    def __init__(self, action: str, failures: dict[str, RemoteInferenceError]):
+        lines = "; ".join(f"{url}: {error}" for url, error in failures.items())
+        first = next(iter(failures.values()))
+        super().__init__(
+            f"{action} failed on {len(failures)} server(s): {lines}", url=first.url, status=first.status
+        )
+        self.failures = failures
+
+
+def _error_message(body: Any, text: str) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", body["error"]))
+    if isinstance(body, dict) and "error" in body:
+        return str(body["error"])
+    return text[:500] or "(empty body)"
+
+
+class RemoteInferenceClient:
+    """Drives vLLM-compatible inference servers over HTTP (see the module docstring).
+
+    Args:
+        data_url: base URL of the data plane: a router, an external proxy, or a single server.
+        server_urls: base URLs of every server, for the control plane. Defaults to ``[data_url]`` (a proxy
+            that is also the control plane).
+        api_key: sent as ``Authorization: Bearer …`` on every call.
+        model: the ``model`` field of generate requests (vLLM's served model name); None omits it.
+        data_parallel_size: server URLs per deployment that each report the deployment's whole world size
+            (vLLM with one HTTP server per DP rank); 1 when each URL is its own deployment.
+        request_timeout_s: longest one data-plane call may take, including waiting while servers are paused.
+        control_timeout_s: longest one control-plane call to one server may take. Weight-transfer calls block
+            until the trainer's broadcast completes, so this bounds them too.
+        connect_retries: data-plane retries after a connection error (refused, reset, disconnected).
+        drop_unreachable_servers: a server that refuses connections during a control-plane fan-out is dropped
+            from ``server_urls`` (logged) and the call succeeds on the rest; otherwise it is an error.
+        connection_limit: most simultaneous connections (0: unlimited).
+        policy_version: stamped on generated tokens when the server does not report per-token versions;
+            ``finish_weight_update(weight_version=…)`` advances it.
+    """
+
+    def __init__(
+        self,
+        data_url: str,
+        server_urls: Sequence[str] | None = None,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        data_parallel_size: int = 1,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 300.0,
+        connect_retries: int = 3,
+        drop_unreachable_servers: bool = False,
+        connection_limit: int = DEFAULT_CONNECTION_LIMIT,
+        policy_version: int = 0,
+    ):
+        server_urls = [data_url] if server_urls is None else list(server_urls)
+        if not server_urls:
+            raise ValueError("RemoteInferenceClient needs at least one server URL for the control plane")
+        if data_parallel_size < 1 or len(server_urls) % data_parallel_size:
+            raise ValueError(
+                f"data_parallel_size ({data_parallel_size}) must be >= 1 and divide the number of server "
+                f"URLs ({len(server_urls)})"
+            )
+        self.data_url = data_url.rstrip("/")
+        self.server_urls = [url.rstrip("/") for url in server_urls]
+        self.api_key = api_key
+        self.model = model
+        self.data_parallel_size = data_parallel_size
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.connect_retries = connect_retries
+        self.drop_unreachable_servers = drop_unreachable_servers
+        self.connection_limit = connection_limit
+        self.policy_version = policy_version
+        # Runtime state, never pickled.
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._world_size: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_session"] = None
+        state["_session_loop"] = None
+        return state
+
+    async def __aenter__(self) -> RemoteInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the HTTP session (servers are left running; their owner stops them). Idempotent."""
+        session, self._session, self._session_loop = self._session, None, None
+        if session is not None and not session.closed:
+            await session.close()
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # A session belongs to one loop; a client used from another loop (after pickling, or from
+            # a fresh asyncio.run) gets its own.
+            connector = aiohttp.TCPConnector(limit=self.connection_limit, limit_per_host=0)
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=None),
+                json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
+            )
+            self._session_loop = loop
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        *,
+        json: Any = None,
+        params: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float,
+    ) -> Any:
+        """One HTTP call; returns the decoded JSON body (None for an empty one).
+
+        Raises:
+            RemoteInferenceError: a 4xx/5xx answer (with the server's message), a timeout, or a connection
+                error (``status`` None; the cause is chained).
+        """
+        session = self._get_session()
+        try:
+            async with session.request(
+                method,
+                url,
+                json=json,
+                params=params,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                raw = await response.read()
+                status = response.status
+        except TimeoutError:
+            raise RemoteInferenceError(f"{method} {url} timed out after {timeout_s} s", url=url) from None
+        except aiohttp.ClientConnectionError:
+            raise  # callers decide: retry (data plane) or drop the server (control plane)
+        except aiohttp.ClientError as error:
+            raise RemoteInferenceError(f"{method} {url} failed: {error!r}", url=url) from error
+        body: Any = None
+        if raw:
+            try:
+                body = msgspec.json.decode(raw)
+            except msgspec.DecodeError:
+                body = None
+        if status >= 400:
+            text = raw.decode(errors="replace")
+            raise RemoteInferenceError(
+                f"{method} {url} returned HTTP {status}: {_error_message(body, text)}",
+                url=url,
+                status=status,
+                body=body,
+            )
+        return body
+
+    async def _data_call(
+        self, method: str, path: str, *, json: Any = None, session_id: str | None = None
+    ) -> Any:
+        """A data-plane call: retried on connection errors (bounded) and while servers answer 503 (paused),
+        within ``request_timeout_s`` overall."""
+        url = f"{self.data_url}{path}"
+        headers = {"X-Session-ID": session_id} if session_id else None
+        deadline = time.monotonic() + self.request_timeout_s
+        connect_failures = 0
+        paused_wait = _PAUSED_RETRY_S[0]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteInferenceError(
+                    f"{method} {url} did not complete within request_timeout_s = {self.request_timeout_s} s",
+                    url=url,
+                )
+            try:
+                return await self._request(method, url, json=json, headers=headers, timeout_s=remaining)
+            except aiohttp.ClientConnectionError as error:
+                connect_failures += 1
+                if connect_failures > self.connect_retries:
+                    raise RemoteInferenceError(
+                        f"{method} {url} failed after {connect_failures} connection attempts: {error!r}",
+                        url=url,
+                    ) from error
+                await asyncio.sleep(min(0.1 * 2**connect_failures, 2.0, max(remaining, 0)))
+            except RemoteInferenceError as error:
+                if error.status != 503:
+                    raise
+                # Paused (vLLM's ServiceUnavailableError) or no healthy server behind the router yet.
+                await asyncio.sleep(min(paused_wait, max(remaining, 0)))
+                paused_wait = min(paused_wait * 2, _PAUSED_RETRY_S[1])
+
+    async def _fan_out(
+        self,
+        action: str,
+        call: Callable[[str], Awaitable[Any]],
+    ) -> dict[str, Any]:
+        """Run ``call(server_url)`` on every server concurrently; returns ``{url: body}``.
+
+        Raises:
+            ControlPlaneError: naming every server that failed (after dropping unreachable ones, if enabled).
+        """
+        urls = list(self.server_urls)
+        results = await asyncio.gather(*(call(url) for url in urls), return_exceptions=True)
+        answers: dict[str, Any] = {}
+        failures: dict[str, RemoteInferenceError] = {}
+        unreachable: list[str] = []
+        for url, result in zip(urls, results, strict=True):
+            if isinstance(result, aiohttp.ClientConnectionError):
+                unreachable.append(url)
+                failures[url] = RemoteInferenceError(f"unreachable: {result!r}", url=url)
+            elif isinstance(result, RemoteInferenceError):
+                failures[url] = result
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                answers[url] = result
+        if self.drop_unreachable_servers and unreachable and len(unreachable) < len(urls):
+            for url in unreachable:
+                del failures[url]
+                self._drop_server(url, action)
+        if failures:
+            raise ControlPlaneError(action, failures)
+        return answers
+
+    def _drop_server(self, url: str, action: str) -> None:
+        if url in self.server_urls:
+            self.server_urls.remove(url)
+            self._world_size = None
+            log.warning("dropped unreachable inference server", server=url, during=action)
+
+    async def _control(
+        self,
+        action: str,
+        method: str,
+        path: str,
+        *,
+        params: Any = None,
+        json: Any = None,
+        per_server_json: Sequence[Any] | None = None,
+    ) -> dict[str, Any]:
+        payloads = dict(zip(self.server_urls, per_server_json, strict=True)) if per_server_json else {}
+
+        async def call(url: str) -> Any:
+            body = payloads.get(url, json)
+            return await self._request(
+                method, f"{url}{path}", params=params, json=body, timeout_s=self.control_timeout_s
+            )
+
+        return await self._fan_out(action, call)
+
+    # ------------------------------------------------------------------ data plane
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate through ``/inference/v1/generate`` (token ids in and out).
+
+        Waits (polling) while the servers are paused, like in-process engines. Per-token policy versions are
+        the server's (``policy_versions``, or vLLM's ``weight_versions``) when it reports them, else this
+        client's ``policy_version``.
+
+        Raises:
+            RemoteInferenceError: the server rejected the request (4xx, with its message), or it failed after
+                the bounded connection retries, or ``request_timeout_s`` passed.
+        """
+        params = request.sampling
+        sampling: dict[str, Any] = {
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": 0,
+            "detokenize": False,
+            # Like in-process engines, stop only on the request's stop_token_ids (callers add eos there).
+            "ignore_eos": True,
+        }
+        if params.seed is not None:
+            sampling["seed"] = params.seed
+        if params.stop_token_ids:
+            sampling["stop_token_ids"] = list(params.stop_token_ids)
+        payload: dict[str, Any] = {"token_ids": request.prompt_token_ids, "sampling_params": sampling}
+        if request.request_id:
+            payload["request_id"] = request.request_id
+        if self.model is not None:
+            payload["model"] = self.model
+        if request.session_id:
+            payload["session_id"] = request.session_id
+        body = await self._data_call(
+            "POST", "/inference/v1/generate", json=payload, session_id=request.session_id
+        )
+        return self._parse_generate(body, request)
+
+    def _parse_generate(self, body: Any, request: GenerateRequest) -> GenerateOutput:
+        url = f"{self.data_url}/inference/v1/generate"
+        try:
+            choice = body["choices"][0]
+            token_ids = [int(token) for token in choice["token_ids"]]
+            content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [float(entry["logprob"]) for entry in content]
+            finish_reason = _FINISH_REASONS[choice.get("finish_reason") or "stop"]
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            raise RemoteInferenceError(
+                f"unexpected generate response from {url}: {error!r} in {str(body)[:300]}", url=url
+            ) from None
+        if len(logprobs) != len(token_ids):
+            raise RemoteInferenceError(
+                f"generate response from {url} has {len(token_ids)} tokens but {len(logprobs)} logprobs",
+                url=url,
+            )
+        # rollflow's server reports ``policy_versions`` per token; vLLM's ``weight_versions`` when it has them.
+        versions = choice.get("policy_versions") or choice.get("weight_versions")
+        try:
+            policy_versions = [int(version) for version in versions or ()]
+        except (TypeError, ValueError):
+            policy_versions = []
+        if len(policy_versions) != len(token_ids):
+            policy_versions = [self.policy_version] * len(token_ids)
+        return GenerateOutput(
+            request_id=str(body.get("request_id") or request.request_id),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish_reason,
+            policy_versions=policy_versions,
+            prompt_len=len(request.prompt_token_ids),
+        )
+
+    async def chat_completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/chat/completions`` with ``body`` as given; a ``session_id`` in it also goes in the
+        ``X-Session-ID`` header. Returns the server's JSON.
+
+        Raises:
+            RemoteInferenceError: as ``generate``.
+        """
+        return await self._data_call(
+            "POST", "/v1/chat/completions", json=dict(body), session_id=body.get("session_id")
+        )
+
+    async def completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """``POST /v1/completions`` pass-through (see ``chat_completion``).
+
+        Raises:
+            RemoteInferenceError: as ``generate``.
+        """
+        return await self._data_call(
+            "POST", "/v1/completions", json=dict(body), session_id=body.get("session_id")
+        )
+
+    async def tokenize(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt`` by the server's tokenizer (``POST /tokenize``).
+
+        Raises:
+            RemoteInferenceError: as ``generate``.
+        """
+        body = await self._data_call(
+            "POST", "/tokenize", json={"prompt": prompt, "add_special_tokens": add_special_tokens}
+        )
+        return list(body["tokens"])
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` by the server's tokenizer (``POST /detokenize``).
+
+        Raises:
+            RemoteInferenceError: as ``generate``.
+        """
+        body = await self._data_call("POST", "/detokenize", json={"tokens": list(token_ids)})
+        return str(body["prompt"])
+
+    async def finish_session(self, session_id: str | None) -> None:
+        """Tell the router that ``session_id`` is done, so it can forget the session's server.
+
+        Best effort: a failure is logged, never raised (an external proxy may not know the call).
+        """
+        if not session_id:
+            return
+        url = f"{self.data_url}/finish_session"
+        try:
+            await self._request(
+                "POST",
+                url,
+                params={"session_id": session_id},
+                timeout_s=min(self.control_timeout_s, 10.0),
+            )
+        except (RemoteInferenceError, aiohttp.ClientError) as error:
+            log.debug("finish_session failed", url=url, session_id=session_id, error=str(error))
+
+    # ------------------------------------------------------------------ control plane
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause every server (``POST /pause?mode=``); see ``InferenceClient.pause`` for the modes.
+
+        Raises:
+            ValueError: ``mode`` is not abort, wait or keep.
+            ControlPlaneError: naming each server that failed.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+        await self._control("pause", "POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """Resume every server (``POST /resume``).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        await self._control("resume", "POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        """True when every server reports ``is_paused``.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._control("is_paused", "GET", "/is_paused")
+        return all(bool(body["is_paused"]) for body in answers.values())
+
+    async def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None:
+        """Put every server to sleep (``POST /sleep?level=``): 0 pauses scheduling, 1 offloads weights and
+        drops the KV cache, 2 drops everything. ``tags`` are sent along; vLLM 0.33 ignores them.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        params: list[tuple[str, str]] = [("level", str(level))]
+        params += [("tags", tag) for tag in tags or ()]
+        await self._control("sleep", "POST", "/sleep", params=params)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Wake every server (``POST /wake_up?tags=…``); ``tags`` among weights, kv_cache, scheduling; none
+        wakes everything.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        await self._control("wake_up", "POST", "/wake_up", params=[("tags", tag) for tag in tags or ()])
+
+    async def is_sleeping(self) -> bool:
+        """True when every server reports ``is_sleeping``.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._control("is_sleeping", "GET", "/is_sleeping")
+        return all(bool(body["is_sleeping"]) for body in answers.values())
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Drop every server's prefix cache (vLLM 0.33 reads the flag from the query string).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        params = {"reset_running_requests": "true" if reset_running_requests else "false"}
+        await self._control("reset_prefix_cache", "POST", "/reset_prefix_cache", params=params)
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """Abort ``request_ids`` (all requests when None or empty) on every server; returns how many the
+        servers aborted in total.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._control(
+            "abort", "POST", "/abort_requests", json={"request_ids": list(request_ids or [])}
+        )
+        return sum(int((body or {}).get("aborted", 0)) for body in answers.values())
+
+    async def get_world_size(self) -> int:
+        """Total inference workers across all servers (what a weight broadcast must reach).
+
+        Each server reports its own world size (TP·PP·DP); all must agree. The total is ``per_server ×
+        len(server_urls) // data_parallel_size``. Asked once and cached (until a server is dropped).
+
+        Raises:
+            ControlPlaneError: a server failed, or the servers disagree (the message lists each one's size).
+        """
+        if self._world_size is None:
+            answers = await self._control("get_world_size", "GET", "/get_world_size")
+            sizes = {url: int(body["world_size"]) for url, body in answers.items()}
+            if len(set(sizes.values())) != 1:
+                errors = {
+                    url: RemoteInferenceError(f"reports world_size {size}", url=url)
+                    for url, size in sizes.items()
+                }
+                raise ControlPlaneError("get_world_size (servers must report the same size)", errors)
+            per_server = next(iter(sizes.values()))
+            total = per_server * len(sizes) // self.data_parallel_size
+            self._world_size = (total, per_server)
+        return self._world_size[0]
+
+    async def get_world_size_per_server(self) -> int:
+        """World size one server reports (TP·PP·DP of its deployment).
+
+        Raises:
+            ControlPlaneError: as ``get_world_size``.
+        """
+        await self.get_world_size()
+        assert self._world_size is not None
+        return self._world_size[1]
+
+    async def init_weight_update_communicator(
+        self, init_info: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> None:
+        """``POST /init_weight_transfer_engine {"init_info": …}`` to every server.
+
+        ``init_info`` is one dict for all servers, or a sequence with one dict per entry of ``server_urls``
+        (e.g. each with its own ``rank_offset``). For NCCL/gloo this blocks until the trainer joins the
+        process group: run it as a task alongside the trainer's side.
+
+        Raises:
+            ValueError: a per-server sequence whose length is not ``len(server_urls)``.
+            ControlPlaneError: naming each server that failed.
+        """
+        if isinstance(init_info, Mapping):
+            await self._control(
+                "init_weight_transfer_engine",
+                "POST",
+                "/init_weight_transfer_engine",
+                json={"init_info": dict(init_info)},
+            )
+            return
+        if len(init_info) != len(self.server_urls):
+            raise ValueError(
+                f"init_info has {len(init_info)} per-server entries but there are "
+                f"{len(self.server_urls)} servers ({', '.join(self.server_urls)})"
+            )
+        await self._control(
+            "init_weight_transfer_engine",
+            "POST",
+            "/init_weight_transfer_engine",
+            per_server_json=[{"init_info": dict(info)} for info in init_info],
+        )
+
+    async def start_weight_update(self) -> None:
+        """``POST /start_weight_update`` (no body, vLLM 0.33) to every server.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        await self._control("start_weight_update", "POST", "/start_weight_update")
+
+    async def update_named_weights(self, update_info: Mapping[str, Any] | Sequence[Any]) -> None:
+        """``POST /update_weights {"update_info": …}`` to every server, as given (a dict, or vLLM's list
+        indexed by global worker rank). For NCCL/gloo it blocks until the trainer's broadcast is done: run it
+        as a task alongside the broadcast.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        info = dict(update_info) if isinstance(update_info, Mapping) else list(update_info)
+        await self._control("update_weights", "POST", "/update_weights", json={"update_info": info})
+
+    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+        """``POST /finish_weight_update`` to every server; with ``weight_version``, the servers label their
+        weights with it and this client stamps later tokens with it (when servers report no versions).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        body = None if weight_version is None else {"weight_version": str(weight_version)}
+        await self._control("finish_weight_update", "POST", "/finish_weight_update", json=body)
+        if weight_version is not None:
+            self.policy_version = weight_version
+
+    async def weight_info(self) -> dict[str, Any]:
+        """``GET /weight_info`` of every server: ``{url: {"weight_version": …}}``.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        return await self._control("weight_info", "GET", "/weight_info")

@@ -1,0 +1,584 @@
+"""``InferenceRouter``: a session-aware reverse proxy in front of vLLM-compatible inference servers.
+
+Routing:
+- A request with a session (header ``X-Session-ID``, else a ``session_id`` string in the JSON body) sticks to
+  one server, so a multi-turn session keeps hitting the server that holds its prefix cache. A new session is
+  placed by consistent hashing over the healthy servers (64 virtual nodes each), then remembered until
+  ``POST /finish_session`` (or until the table's LRU bound), so adding a server does not move live sessions.
+- A request without a session goes to the healthy server with the fewest outstanding requests.
+
+Failure handling:
+- Every ``health_check_interval_s`` each server must generate one token (``/inference/v1/generate``,
+  ``max_tokens`` 1). A refused connection marks it dead at once; a timeout counts as alive only if
+  ``/health`` still answers (a server paused in ``keep`` mode queues the probe). Dead servers leave the hash
+  ring, their sessions are re-placed on their next request, and they rejoin once a probe succeeds.
+- A proxied request that fails on the connection before any response byte reached the caller is retried once
+  on another server. All proxied endpoints are treated as idempotent: generation keeps no server state the
+  caller could observe, and the failed attempt returned nothing.
+
+Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
+``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
+through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+from collections import OrderedDict
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware
+
+log = structlog.get_logger(__name__)
+
+VIRTUAL_NODES = 64
+# Data-plane routes proxied to one server; every other path is a 404.
+PROXIED_POST = (
+    "/inference/v1/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/detokenize",
+)
+PROXIED_GET = ("/v1/models",)
+# Response header naming the server that answered (for debugging and affinity checks).
+WORKER_HEADER = "X-Rollflow-Worker"
+# Not forwarded either way (RFC 9110 §7.6.1), plus what aiohttp recomputes.
+_HOP_HEADERS = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+        "Date",
+        "Server",
+    )
+)
+_HEALTH_PROBE = msgspec.json.encode(
+    {
+        "token_ids": [0],
+        "sampling_params": {"max_tokens": 1, "temperature": 0.0},
+        "request_id": "router-health",
+    }
+)
+
+
+class _SessionField(msgspec.Struct):
+    """The only body field the router reads; decoding into it also checks the body is a JSON object."""
+
+    session_id: str | None = None
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+def validate_server_url(url: Any) -> str:
+    """``http(s)://host[:port]`` without a path, normalized (no trailing slash).
+
+    Raises:
+        ValueError: anything else; the message says what is wrong.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"server URL must be a non-empty string, got {url!r}")
+    parts = urlsplit(url.rstrip("/"))
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"server URL must look like http://host:port, got {url!r}")
+    if parts.path or parts.query or parts.fragment:
+        raise ValueError(f"server URL must have no path or query (give the server's base URL), got {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a port outside 0-65535
+    except ValueError:
+        raise ValueError(f"server URL has an invalid port: {url!r}") from None
+    return url.rstrip("/")
+
+
+class _Worker:
+    __slots__ = ("failures", "healthy", "outstanding", "requests", "url")
+
+    def __init__(self, url: str):
+        self.url = url
+        self.healthy = True
+        self.outstanding = 0
+        self.requests = 0
+        self.failures = 0  # proxied requests that failed on the connection
+
+
+class InferenceRouter:
+    """Session-aware reverse proxy over inference servers (see the module docstring).
+
+    Args:
+        server_urls: base URLs of the servers (more can be added at runtime with ``/add_worker``).
+        host: interface to bind; 127.0.0.1 unless you mean to expose the router.
+        port: port to bind; 0 picks a free one (read ``url`` after ``start``).
+        health_check_interval_s: seconds between health probes of each server.
+        health_check_timeout_s: longest a probe may take before ``/health`` decides.
+        request_timeout_s: longest one proxied request may take.
+        connect_timeout_s: longest connecting to a server may take before it counts as unreachable.
+        max_body_bytes: larger request bodies get 413.
+        max_sessions: sessions remembered at most (least recently used are forgotten first).
+        api_key: when set, ``/add_worker`` and ``/remove_worker`` need ``Authorization: Bearer <api_key>``.
+
+    Use ``async with InferenceRouter(urls) as router:`` or ``await router.start()`` / ``await router.stop()``.
+    """
+
+    def __init__(
+        self,
+        server_urls: list[str] | tuple[str, ...] = (),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        health_check_interval_s: float = 2.0,
+        health_check_timeout_s: float = 10.0,
+        request_timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        max_body_bytes: int = 64 * 1024 * 1024,
+        max_sessions: int = 100_000,
+        api_key: str | None = None,
+    ):
+        self.host = host
+        self.port = port
+        self.health_check_interval_s = health_check_interval_s
+        self.health_check_timeout_s = health_check_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_body_bytes = max_body_bytes
+        self.max_sessions = max_sessions
+        self.api_key = api_key
+        self.workers: dict[str, _Worker] = {}
+        for url in server_urls:
+            url = validate_server_url(url)
+            self.workers[url] = _Worker(url)
+        # Routing state.
+        self._ring: list[tuple[int, str]] = []
+        self._ring_keys: list[int] = []
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._tie_breaker = 0
+        self._rebuild_ring()
+        # Counters for /metrics.
+        self.num_requests = 0
+        self.num_retries = 0
+        self.num_errors = 0
+        # Runtime.
+        self._runner: web.AppRunner | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self.url: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> str:
+        """Bind and start serving and health-checking; returns the router's URL.
+
+        Raises:
+            OSError: the port could not be bound.
+        """
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
+            auto_decompress=False,  # bodies pass through byte for byte, with their Content-Encoding
+        )
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[json_errors_middleware])
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/metrics", self._handle_metrics)
+        app.router.add_get("/list_workers", self._handle_list_workers)
+        app.router.add_post("/add_worker", self._handle_add_worker)
+        app.router.add_post("/remove_worker", self._handle_remove_worker)
+        app.router.add_post("/finish_session", self._handle_finish_session)
+        for path in PROXIED_POST:
+            app.router.add_post(path, self._handle_proxy)
+        for path in PROXIED_GET:
+            app.router.add_get(path, self._handle_proxy)
+        # handler_cancellation: a caller that disconnects cancels the upstream request, so the server
+        # sees the disconnect and aborts the engine request.
+        self._runner = JSONErrorAppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await self.stop()
+            raise
+        sockets = self._runner.addresses
+        bound_port = sockets[0][1]
+        self.url = f"http://{self.host}:{bound_port}"
+        self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
+        log.info("router started", url=self.url, workers=list(self.workers))
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop health checks and serving; close upstream connections. Idempotent."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def __aenter__(self) -> InferenceRouter:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------ membership and routing
+
+    def add_worker(self, url: str) -> bool:
+        """Add a server (healthy until a probe says otherwise); False if it was already there.
+
+        Raises:
+            ValueError: ``url`` is not an ``http(s)://host:port`` base URL.
+        """
+        url = validate_server_url(url)
+        if url in self.workers:
+            return False
+        self.workers[url] = _Worker(url)
+        self._rebuild_ring()
+        log.info("worker added", worker=url)
+        return True
+
+    def remove_worker(self, url: str) -> bool:
+        """Remove a server and forget its sessions; False if it was not there."""
+        url = url.rstrip("/") if isinstance(url, str) else url
+        if url not in self.workers:
+            return False
+        del self.workers[url]
+        self._forget_sessions_of(url)
+        self._rebuild_ring()
+        log.info("worker removed", worker=url)
+        return True
+
+    def _rebuild_ring(self) -> None:
+        ring = [
+            (_hash(f"{url}#{index}"), url)
+            for url, worker in self.workers.items()
+            if worker.healthy
+            for index in range(VIRTUAL_NODES)
+        ]
+        ring.sort()
+        self._ring = ring
+        self._ring_keys = [key for key, _ in ring]
+
+    def _forget_sessions_of(self, url: str) -> None:
+        for session_id in [sid for sid, owner in self._sessions.items() if owner == url]:
+            del self._sessions[session_id]
+
+    def _mark_dead(self, worker: _Worker, reason: str) -> None:
+        if worker.healthy:
+            worker.healthy = False
+            self._forget_sessions_of(worker.url)
+            self._rebuild_ring()
+            log.warning("worker taken out", worker=worker.url, reason=reason)
+
+    def _mark_alive(self, worker: _Worker) -> None:
+        if not worker.healthy and worker.url in self.workers:
+            worker.healthy = True
+            self._rebuild_ring()
+            log.info("worker back in", worker=worker.url)
+
+    def _ring_lookup(self, session_id: str, exclude: set[str]) -> _Worker | None:
+        if not self._ring:
+            return None
+        start = bisect.bisect(self._ring_keys, _hash(session_id))
+        for offset in range(len(self._ring)):
+            url = self._ring[(start + offset) % len(self._ring)][1]
+            if url not in exclude:
+                return self.workers[url]
+        return None
+
+    def _least_loaded(self, exclude: set[str]) -> _Worker | None:
+        candidates = [w for w in self.workers.values() if w.healthy and w.url not in exclude]
+        if not candidates:
+            return None
+        # Rotate the start so ties spread round-robin instead of always hitting the first server.
+        self._tie_breaker += 1
+        offset = self._tie_breaker % len(candidates)
+        rotated = candidates[offset:] + candidates[:offset]
+        return min(rotated, key=lambda worker: worker.outstanding)
+
+    def pick(self, session_id: str | None, exclude: set[str] | None = None) -> _Worker | None:
+        """The server for a request: sticky per session, else least outstanding; None if none is healthy."""
+        exclude = exclude or set()
+        if not session_id:
+            return self._least_loaded(exclude)
+        owner = self._sessions.get(session_id)
+        if owner is not None:
+            worker = self.workers.get(owner)
+            if worker is not None and worker.healthy and owner not in exclude:
+                self._sessions.move_to_end(session_id)
+                return worker
+        worker = self._ring_lookup(session_id, exclude)
+        if worker is not None:
+            self._sessions[session_id] = worker.url
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return worker
+
+    # ------------------------------------------------------------------ proxy
+
+    async def _handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()  # over client_max_size: 413 via the middleware
+        session_id = request.headers.get("X-Session-ID") or None
+        if request.method == "POST":
+            try:
+                fields = msgspec.json.decode(body, type=_SessionField)
+            except msgspec.ValidationError as error:
+                return json_error(400, f"invalid request body: {error}", param="session_id")
+            except msgspec.DecodeError as error:
+                return json_error(400, f"request body is not valid JSON: {error}")
+            session_id = session_id or fields.session_id or None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        self.num_requests += 1
+        tried: set[str] = set()
+        last_error = "no healthy inference server"
+        for attempt in range(2):
+            worker = self.pick(session_id, tried)
+            if worker is None:
+                break
+            tried.add(worker.url)
+            if attempt:
+                self.num_retries += 1
+            response, error = await self._forward(request, worker, body, headers)
+            if response is not None:
+                return response
+            last_error = f"{worker.url}: {error!r}"
+        self.num_errors += 1
+        status = 503 if not tried else 502
+        return json_error(status, f"{request.method} {request.path} failed: {last_error}")
+
+    async def _forward(
+        self, request: web.Request, worker: _Worker, body: bytes, headers: dict[str, str]
+    ) -> tuple[web.StreamResponse | None, BaseException | None]:
+        """Proxy to ``worker``; ``(None, error)`` when the connection failed before anything was sent back
+        (the caller may retry elsewhere)."""
+        assert self._client is not None
+        target = f"{worker.url}{request.path_qs}"
+        worker.outstanding += 1
+        worker.requests += 1
+        response: web.StreamResponse | None = None
+        try:
+            async with self._client.request(request.method, target, data=body, headers=headers) as upstream:
+                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+                out_headers[WORKER_HEADER] = worker.url
+                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type:
+                    data = await upstream.read()
+                    return web.Response(body=data, status=upstream.status, headers=out_headers), None
+                response = web.StreamResponse(status=upstream.status, headers=out_headers)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response, None
+        except aiohttp.ClientConnectorError as error:
+            worker.failures += 1
+            self._mark_dead(worker, f"connection failed: {error}")
+            if response is not None:
+                raise
+            return None, error
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as error:
+            worker.failures += 1
+            # Maybe dying, maybe a stale keep-alive socket: let a probe decide now rather than guess.
+            asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            if response is not None:
+                raise
+            return None, error
+        except TimeoutError:
+            if response is not None:
+                raise
+            return (
+                json_error(
+                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
+                ),
+                None,
+            )
+        finally:
+            worker.outstanding -= 1
+
+    # ------------------------------------------------------------------ health
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_check_interval_s)
+            await asyncio.gather(*(self._probe(worker) for worker in list(self.workers.values())))
+
+    async def _probe(self, worker: _Worker) -> None:
+        """Ask ``worker`` for one token; mark it dead or alive from the answer."""
+        assert self._client is not None
+        try:
+            async with self._client.post(
+                f"{worker.url}/inference/v1/generate",
+                data=_HEALTH_PROBE,
+                headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(
+                    total=self.health_check_timeout_s, sock_connect=self.connect_timeout_s
+                ),
+            ) as response:
+                await response.read()
+                # 503: paused in abort/wait mode, alive. Other 4xx: alive but rejecting the probe (logged).
+                alive = response.status < 500 or response.status == 503
+                if 400 <= response.status < 500:
+                    log.debug("health probe rejected", worker=worker.url, status=response.status)
+        except aiohttp.ClientConnectorError as error:
+            self._mark_dead(worker, f"health probe could not connect: {error}")
+            return
+        except TimeoutError:
+            alive = await self._answers_health(worker)
+        except aiohttp.ClientError:
+            alive = await self._answers_health(worker)
+        if alive:
+            self._mark_alive(worker)
+        else:
+            self._mark_dead(worker, "health probe failed")
+
+    async def _answers_health(self, worker: _Worker) -> bool:
+        """A slow probe may just be a busy or keep-paused server: does ``GET /health`` still answer 200?"""
+        assert self._client is not None
+        try:
+            async with self._client.get(
+                f"{worker.url}/health", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
+            ) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    # ------------------------------------------------------------------ admin endpoints
+
+    def _check_auth(self, request: web.Request) -> web.Response | None:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return json_error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
+        return None
+
+    async def _url_param(self, request: web.Request) -> str | web.Response:
+        url = request.query.get("url")
+        if url is None and request.can_read_body:
+            try:
+                data = msgspec.json.decode(await request.read())
+            except msgspec.DecodeError as error:
+                return json_error(400, f"request body is not valid JSON: {error}")
+            url = data.get("url") if isinstance(data, dict) else None
+        if url is None:
+            return json_error(400, "missing server URL: give ?url=http://host:port", param="url")
+        return url
+
+    async def _handle_add_worker(self, request: web.Request) -> web.Response:
+        if denied := self._check_auth(request):
+            return denied
+        url = await self._url_param(request)
+        if isinstance(url, web.Response):
+            return url
+        try:
+            added = self.add_worker(url)
+        except ValueError as error:
+            return json_error(400, str(error), param="url")
+        return web.json_response({"status": "added" if added else "exists", "url": url.rstrip("/")})
+
+    async def _handle_remove_worker(self, request: web.Request) -> web.Response:
+        if denied := self._check_auth(request):
+            return denied
+        url = await self._url_param(request)
+        if isinstance(url, web.Response):
+            return url
+        if not isinstance(url, str) or not self.remove_worker(url):
+            return json_error(404, f"no such worker: {url!r}", param="url")
+        return web.json_response({"status": "removed", "url": url.rstrip("/")})
+
+    async def _handle_finish_session(self, request: web.Request) -> web.Response:
+        session_id = request.query.get("session_id") or request.headers.get("X-Session-ID")
+        if session_id is None and request.can_read_body:
+            try:
+                fields = msgspec.json.decode(await request.read(), type=_SessionField)
+            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+                return json_error(400, f"invalid request body: {error}", param="session_id")
+            session_id = fields.session_id
+        if not session_id:
+            return json_error(400, "missing session_id: give ?session_id=…", param="session_id")
+        found = self._sessions.pop(session_id, None) is not None
+        return web.json_response({"status": "finished", "session_id": session_id, "found": found})
+
+    async def _handle_health(self, request: web.Request) -> web.Response:
+        healthy = sum(worker.healthy for worker in self.workers.values())
+        if not healthy:
+            return json_error(503, f"no healthy inference server (of {len(self.workers)})")
+        return web.json_response({"status": "ok", "healthy_workers": healthy, "workers": len(self.workers)})
+
+    def worker_table(self) -> list[dict[str, Any]]:
+        """One dict per server: url, healthy, outstanding, requests, failures, sessions."""
+        sessions: dict[str, int] = {}
+        for owner in self._sessions.values():
+            sessions[owner] = sessions.get(owner, 0) + 1
+        return [
+            {
+                "url": worker.url,
+                "healthy": worker.healthy,
+                "outstanding": worker.outstanding,
+                "requests": worker.requests,
+                "failures": worker.failures,
+                "sessions": sessions.get(worker.url, 0),
+            }
+            for worker in self.workers.values()
+        ]
+
+    async def _handle_list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": self.worker_table()})
+
+    async def _handle_metrics(self, request: web.Request) -> web.Response:
+        lines = [
+            "# HELP rollflow_router_requests_total Proxied requests.",
+            "# TYPE rollflow_router_requests_total counter",
+            f"rollflow_router_requests_total {self.num_requests}",
+            "# HELP rollflow_router_retries_total Requests retried on another server after a connection error.",
+            "# TYPE rollflow_router_retries_total counter",
+            f"rollflow_router_retries_total {self.num_retries}",
+            "# HELP rollflow_router_errors_total Requests that failed on every server tried.",
+            "# TYPE rollflow_router_errors_total counter",
+            f"rollflow_router_errors_total {self.num_errors}",
+            "# HELP rollflow_router_sessions Sessions pinned to a server.",
+            "# TYPE rollflow_router_sessions gauge",
+            f"rollflow_router_sessions {len(self._sessions)}",
+        ]
+        per_worker = (
+            ("worker_healthy", "gauge", "1 if the server passes health checks.", "healthy"),
+            ("worker_outstanding_requests", "gauge", "Requests in flight on the server.", "outstanding"),
+            ("worker_requests_total", "counter", "Requests sent to the server.", "requests"),
+            ("worker_failures_total", "counter", "Connection failures of the server.", "failures"),
+            ("worker_sessions", "gauge", "Sessions pinned to the server.", "sessions"),
+        )
+        table = self.worker_table()
+        for name, kind, help_text, key in per_worker:
+            lines += [f"# HELP rollflow_router_{name} {help_text}", f"# TYPE rollflow_router_{name} {kind}"]
+            lines += [f'rollflow_router_{name}{{worker="{row["url"]}"}} {int(row[key])}' for row in table]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+async def serve_router(router: InferenceRouter, ready: Any = None) -> None:
+    """Run ``router`` until cancelled; ``ready(url)`` is called once it listens (the CLI prints the line)."""
+    url = await router.start()
+    try:
+        if ready is not None:
+            ready(url)
+        await asyncio.Event().wait()
+    finally:
+        await router.stop()

@@ -1,0 +1,133 @@
+"""``get_inference_client(config)``: build the inference topology a config asks for, and tear it down.
+
+``inference.mode = "local"``: ``inference.num_engines`` torch engines in this process.
+
+``inference.mode = "http"``, by which external endpoints are given:
+
+=========================  =====================  ======================================================
+external_proxy_url         external_server_urls   what rollflow starts
+=========================  =====================  ======================================================
+–                          –                      ``num_servers`` servers (ServerGroup) and a router
+–                          set                    a router over the given servers
+set                        –                      nothing; the proxy is data plane and control plane
+set                        set                    nothing (fully external)
+=========================  =====================  ======================================================
+
+The router listens on 127.0.0.1:``router_port`` in this process. Servers' logs go to
+``{run_dir}/logs/inference/server-{i}.log``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+if TYPE_CHECKING:
+    from rollflow.config import RunConfig
+    from rollflow.inference.client import InferenceClient, LocalInferenceClient
+
+log = structlog.get_logger(__name__)
+
+
+def _build_local_client(config: RunConfig) -> LocalInferenceClient:
+    """Blocking: load ``num_engines`` model copies into torch engines."""
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import load_causal_lm, resolve_model_path
+
+    model_dir = resolve_model_path(config.model.path)
+    engines = [
+        TorchEngine(
+            load_causal_lm(model_dir),
+            max_batch_size=config.inference.max_batch_size,
+            max_model_len=config.inference.max_model_len,
+        )
+        for _ in range(config.inference.num_engines)
+    ]
+    return LocalInferenceClient(engines)
+
+
+@contextlib.asynccontextmanager
+async def get_inference_client(
+    config: RunConfig, run_dir: str | Path | None = None
+) -> AsyncIterator[InferenceClient]:
+    """Yield the ``InferenceClient`` for ``config.inference`` (see the module docstring for the topologies);
+    on exit, close it and stop whatever was started here (servers, router), also on error or cancellation.
+
+    Args:
+        config: the run config.
+        run_dir: where server logs go (``{run_dir}/logs/inference``); defaults to ``config.run_dir``.
+
+    Raises:
+        ServerStartError: a server did not become ready within ``inference.startup_timeout_s``.
+        OSError: the router port is taken (set ``inference.router_port = 0`` for a free one).
+        MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
+    """
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.inference.router import InferenceRouter
+    from rollflow.inference.server_group import ServerGroup
+
+    inference = config.inference
+    if inference.mode == "local":
+        local = await anyio.to_thread.run_sync(_build_local_client, config)
+        try:
+            yield local
+        finally:
+            with anyio.CancelScope(shield=True):
+                await local.close()
+        return
+
+    run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    stack = contextlib.AsyncExitStack()
+    try:
+        proxy_url = inference.external_proxy_url
+        server_urls = list(inference.external_server_urls)
+        if proxy_url is None and not server_urls:
+            options: dict[str, object] = {"max_model_len": inference.max_model_len}
+            if inference.engine == "torch":
+                options["max_batch_size"] = inference.max_batch_size
+            else:
+                options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
+            group = ServerGroup(
+                config.model.path,
+                inference.num_servers,
+                run_dir / "logs" / "inference",
+                engine=inference.engine,
+                startup_timeout_s=inference.startup_timeout_s,
+                server_options=options,
+            )
+            await stack.enter_async_context(group)
+            server_urls = group.urls
+        if proxy_url is None:
+            router = InferenceRouter(
+                server_urls,
+                port=inference.router_port,
+                health_check_interval_s=inference.health_check_interval_s,
+                request_timeout_s=inference.request_timeout_s,
+            )
+            await stack.enter_async_context(router)
+            assert router.url is not None
+            proxy_url = router.url
+        elif not server_urls:
+            server_urls = [proxy_url]
+        client = RemoteInferenceClient(
+            proxy_url,
+            server_urls,
+            request_timeout_s=inference.request_timeout_s,
+            control_timeout_s=inference.control_timeout_s,
+            # With several servers, a dead one leaves the control plane too (the router already routes
+            # around it), so pause/resume and weight updates carry on with the rest.
+            drop_unreachable_servers=len(server_urls) > 1,
+        )
+        stack.push_async_callback(client.close)
+        log.info("inference client ready", data_url=proxy_url, servers=server_urls)
+        yield client
+    finally:
+        # Shielded: servers must be stopped even when the caller is being cancelled (Ctrl-C).
+        with anyio.CancelScope(shield=True):
+            await stack.aclose()

@@ -1,0 +1,507 @@
+"""``TITOProxy``: an OpenAI-compatible Chat Completions server that records exactly what was sampled.
+
+Owned by a generator (``async with TITOProxy(...) as proxy``). Each agent session gets its own unguessable
+base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1``, serving ``/chat/completions`` and ``/models``;
+the agent changes nothing but that URL. ``close_session`` drains the session's requests, seals its trace and
+returns it for ``compose``.
+
+With an ``admin_token`` (the standalone ``rollflow proxy`` command) it also serves, behind
+``Authorization: Bearer <token>``: ``POST /sessions`` (→ ``session_id``, ``base_url``),
+``GET /sessions/{id}/trace``, and ``POST /sessions/{id}/close`` (``reward``, ``mode``, ``max_seq_len`` →
+composed samples as JSON), so agents in any language and tests from outside can drive it.
+
+HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 4xx
+(400 naming the field, 404 unknown model or session, 409 closed session, 413 body too large); a 5xx is a bug,
+except 503 when inference itself is gone. A client that disconnects cancels its request, which aborts the
+engine request. This module imports neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from typing import Any
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from rollflow.errors import RollflowError
+from rollflow.inference.client import InferenceClient
+from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
+from rollflow.tito.renderer import TITORenderer
+from rollflow.tito.session import Session, TurnSettings, arguments_text
+from rollflow.tito.trace import Trace, TraceSealedError, Turn
+from rollflow.tito.wire import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    DeltaFunction,
+    DeltaToolCall,
+    ModelCard,
+    ModelList,
+    RequestError,
+    ResponseFunction,
+    ResponseMessage,
+    ResponseToolCall,
+    TokenLogprob,
+    Usage,
+    decode_request,
+)
+
+log = structlog.get_logger(__name__)
+
+_ENCODER = msgspec.json.Encoder()
+# Closed sessions' tokens are remembered (to answer 409 rather than 404) up to this many.
+_MAX_CLOSED_REMEMBERED = 100_000
+_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+class CloseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of the admin ``POST /sessions/{id}/close``."""
+
+    reward: float
+    max_seq_len: int
+    mode: str = "per_branch"
+    filter_overlong: bool = False
+    # What became of the agent: it failed (error message) or ran out of time.
+    error: str | None = None
+    timed_out: bool = False
+
+
+class OpenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Body of the admin ``POST /sessions`` (may be empty)."""
+
+    session_id: str | None = None
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_ENCODER.encode(data), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str, *, type: str, param: str | None = None, code: str | None = None):
+    return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+
+
+def _enc_hook(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy arrays (routed experts)
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+class TITOProxy:
+    """The proxy server (see the module docstring).
+
+    Args:
+        client: where generation runs; the session id is passed along for router affinity.
+        renderer: a ``renderers`` renderer (or a ``TITORenderer``) for the served model.
+        tokenizer: the model's tokenizer (decodes single tokens for ``logprobs`` output).
+        model_name: the name requests must use in ``model`` (others get 404).
+        host, port: where to listen; port 0 picks a free port (``proxy.port`` tells which).
+        admin_token: enables the admin endpoints behind this bearer token.
+        max_body_bytes: larger request bodies get 413.
+        drain_timeout_s: how long ``close_session`` waits for requests in flight before cancelling them.
+        default_max_tokens, default_temperature: sampling when a request does not say.
+    """
+
+    def __init__(
+        self,
+        client: InferenceClient,
+        renderer: Any,
+        tokenizer: Any,
+        *,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        admin_token: str | None = None,
+        max_body_bytes: int = 16 * 2**20,
+        drain_timeout_s: float = 30.0,
+        default_max_tokens: int = 1024,
+        default_temperature: float = 1.0,
+    ):
+        # Swappable components.
+        self.client = client
+        self.renderer = renderer if isinstance(renderer, TITORenderer) else TITORenderer(renderer, tokenizer)
+        # Fixed settings.
+        self.settings = TurnSettings(model_name, default_max_tokens, default_temperature)
+        self.host = host
+        self.port = port
+        self.admin_token = admin_token
+        self.max_body_bytes = max_body_bytes
+        self.drain_timeout_s = drain_timeout_s
+        # Runtime state.
+        self._runner: web.AppRunner | None = None
+        self._sessions: dict[str, Session] = {}  # by URL token
+        self._by_id: dict[str, Session] = {}
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tokens and ids
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def sessions(self) -> list[Session]:
+        """Open sessions."""
+        return list(self._by_id.values())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind and serve. If binding fails, everything started so far is released before raising.
+
+        Raises:
+            OSError: the address is in use or cannot be bound.
+        """
+        app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
+        app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/sessions/{token}/v1/models", self._models)
+        if self.admin_token is not None:
+            app.router.add_post("/sessions", self._admin_open)
+            app.router.add_get("/sessions/{session_id}/trace", self._admin_trace)
+            app.router.add_post("/sessions/{session_id}/close", self._admin_close)
+        # handler_cancellation: a client disconnect cancels its handler, which aborts the engine request.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.host, self.port)
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self.port = runner.addresses[0][1]
+        log.debug("tito proxy listening", base_url=self.base_url)
+
+    async def close(self) -> None:
+        """Close every open session (draining each), then the listener and its connections. Idempotent."""
+        for session in list(self._by_id.values()):
+            await self.close_session(session)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await asyncio.shield(runner.cleanup())
+
+    async def __aenter__(self) -> TITOProxy:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ sessions
+
+    async def open_session(self, session_id: str | None = None) -> Session:
+        """A new session with its own base URL; ``session_id`` defaults to a random one.
+
+        Raises:
+            ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
+        """
+        if session_id is None:
+            session_id = f"s-{secrets.token_hex(8)}"
+        elif not _SESSION_ID.fullmatch(session_id):
+            raise ValueError(f"session_id {session_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
+        if session_id in self._by_id or session_id in self._closed:
+            raise ValueError(f"session_id {session_id!r} is already in use")
+        token = secrets.token_urlsafe(24)
+        base_url = f"{self.base_url}/sessions/{token}/v1"
+        session = Session(session_id, token, base_url, self.client, self.renderer, self.settings)
+        self._sessions[token] = session
+        self._by_id[session_id] = session
+        return session
+
+    def get_session(self, session_id: str) -> Session | None:
+        """The open session with this id, or None."""
+        return self._by_id.get(session_id)
+
+    async def close_session(
+        self,
+        session: Session,
+        *,
+        error: str | None = None,
+        timed_out: bool = False,
+        drain_timeout_s: float | None = None,
+    ) -> Trace:
+        """Refuse new requests (409), wait for those in flight (up to ``drain_timeout_s``, default the
+        proxy's; then they are cancelled), record how the agent ended, seal the trace and return it.
+        Closing a closed session returns its trace again."""
+        trace = session.trace
+        if session.closed:
+            return trace
+        session.closed = True
+        try:
+            await session.drain(self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
+        finally:
+            trace.error = error
+            trace.timed_out = timed_out
+            trace.sealed = True  # also when the drain was cancelled; later operations then fail with 409
+            self._sessions.pop(session.token, None)
+            self._by_id.pop(session.session_id, None)
+            for key in (session.token, session.session_id):
+                self._closed[key] = None
+            while len(self._closed) > _MAX_CLOSED_REMEMBERED:
+                self._closed.popitem(last=False)
+        return trace
+
+    # ------------------------------------------------------------------ HTTP: errors
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RequestError as error:
+            return _json(error.body(), error.status)
+        except TraceSealedError as error:
+            return _error(409, str(error), type="invalid_request_error", code="session_closed")
+        except web.HTTPException as error:
+            kind = "invalid_request_error" if error.status < 500 else "server_error"
+            return _error(error.status, error.reason or error.text or "", type=kind)
+        except RollflowError as error:
+            log.exception("tito proxy: request failed")
+            return _error(500, f"{type(error).__name__}: {error}", type="server_error")
+        except Exception as error:  # a bug: say so, keep serving
+            log.exception("tito proxy: unexpected error")
+            return _error(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+
+    def _session(self, request: web.Request) -> Session:
+        token = request.match_info["token"]
+        session = self._sessions.get(token)
+        if session is None:
+            if token in self._closed:
+                raise RequestError("this session is closed", status=409, code="session_closed")
+            raise RequestError("unknown session", status=404, code="session_not_found")
+        return session
+
+    async def _body(self, request: web.Request) -> bytes:
+        length = request.headers.get("Content-Length")
+        if length is not None:
+            if not length.isdigit():
+                raise RequestError(f"malformed Content-Length {length!r}", code="invalid_content_length")
+            if int(length) > self.max_body_bytes:
+                raise RequestError(
+                    f"request body of {length} bytes exceeds the limit of {self.max_body_bytes}",
+                    status=413,
+                    code="request_too_large",
+                )
+        return await request.read()  # aiohttp answers 413 beyond client_max_size (chunked bodies too)
+
+    # ------------------------------------------------------------------ HTTP: agent endpoints
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._session(request)
+        return _json(ModelList([ModelCard(self.settings.model_name, int(time.time()))]))
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        body = await self._body(request)
+        chat = decode_request(body)
+        if chat.model != self.settings.model_name:
+            raise RequestError(
+                f"model {chat.model!r} is not served here; use {self.settings.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+        key, is_retry = _request_key(request, body)
+        turn = await session.complete(chat, request_key=key, is_retry=is_retry)
+        if chat.stream:
+            return await self._stream(request, chat, turn)
+        return _json(self._completion(chat, turn))
+
+    def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
+        if not chat.logprobs:
+            return None
+        content = []
+        for token_id, logprob in zip(turn.completion_ids, turn.logprobs, strict=True):
+            text = self.renderer.token_text(token_id)
+            content.append(TokenLogprob(text, logprob, list(text.encode())))
+        return ChoiceLogprobs(content)
+
+    def _completion(self, chat: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
+        message = turn.message
+        calls = [
+            ResponseToolCall(
+                c["id"], ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"]))
+            )
+            for c in message.get("tool_calls", ())
+        ]
+        response = ResponseMessage(
+            role="assistant",
+            content=message["content"] if message["content"] or not calls else None,
+            reasoning_content=message.get("reasoning_content"),
+            tool_calls=calls or None,
+        )
+        completion_len = len(turn.node.token_ids) - turn.node.num_prompt
+        return ChatCompletion(
+            id=turn.response_id,
+            created=turn.created,
+            model=self.settings.model_name,
+            choices=[Choice(response, turn.finish_reason, logprobs=self._logprobs(chat, turn))],
+            usage=Usage(turn.prompt_len, completion_len, turn.prompt_len + completion_len),
+        )
+
+    async def _stream(
+        self, request: web.Request, chat: ChatCompletionRequest, turn: Turn
+    ) -> web.StreamResponse:
+        """SSE chunks of the recorded turn: role, reasoning, content, tool calls, finish (+ usage), [DONE].
+        The engine returns whole generations, so chunks follow once the turn is sampled; their
+        concatenation is exactly the non-streamed message."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        completion = self._completion(chat, turn)
+        message = completion.choices[0].message
+
+        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
+            data = ChatCompletionChunk(
+                turn.response_id, turn.created, completion.model, [ChunkChoice(delta, 0, finish, logprobs)]
+            )
+            return b"data: " + _ENCODER.encode(data) + b"\n\n"
+
+        parts = [chunk(Delta(role="assistant", content=""))]
+        parts += [chunk(Delta(reasoning_content=piece)) for piece in _pieces(message.reasoning_content)]
+        parts += [chunk(Delta(content=piece)) for piece in _pieces(message.content)]
+        for index, call in enumerate(message.tool_calls or ()):
+            function = DeltaFunction(call.function.name, call.function.arguments)
+            parts.append(chunk(Delta(tool_calls=[DeltaToolCall(index, call.id, "function", function)])))
+        parts.append(chunk(Delta(), completion.choices[0].finish_reason, completion.choices[0].logprobs))
+        if chat.stream_options is not None and chat.stream_options.include_usage:
+            usage = ChatCompletionChunk(
+                turn.response_id, turn.created, completion.model, [], completion.usage
+            )
+            parts.append(b"data: " + _ENCODER.encode(usage) + b"\n\n")
+        parts.append(b"data: [DONE]\n\n")
+        for part in parts:
+            await response.write(part)
+        await response.write_eof()
+        return response
+
+    # ------------------------------------------------------------------ HTTP: admin endpoints
+
+    def _authorize(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
+            raise RequestError(
+                "missing or wrong bearer token", status=401, type="authentication_error", code="unauthorized"
+            )
+
+    def _admin_session(self, request: web.Request) -> Session:
+        session_id = request.match_info["session_id"]
+        session = self._by_id.get(session_id)
+        if session is None:
+            if session_id in self._closed:
+                raise RequestError(f"session {session_id!r} is closed", status=409, code="session_closed")
+            raise RequestError(f"unknown session {session_id!r}", status=404, code="session_not_found")
+        return session
+
+    async def _admin_open(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._body(request)
+        try:
+            params = msgspec.json.decode(body or b"{}", type=OpenRequest)
+            session = await self.open_session(params.session_id)
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as error:
+            raise RequestError(f"invalid session request: {error}", param="session_id") from None
+        return _json({"session_id": session.session_id, "base_url": session.base_url})
+
+    async def _admin_trace(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return _json(self._admin_session(request).trace.to_dict())
+
+    async def _admin_close(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        session = self._admin_session(request)
+        body = await self._body(request)
+        try:
+            params = msgspec.json.decode(body, type=CloseRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+            raise RequestError(f"invalid close request: {error}") from None
+        if params.mode not in COMPOSE_MODES:
+            raise RequestError(
+                f"mode must be one of {', '.join(COMPOSE_MODES)}, got {params.mode!r}", param="mode"
+            )
+        if params.max_seq_len < 1:
+            raise RequestError(f"max_seq_len must be >= 1, got {params.max_seq_len}", param="max_seq_len")
+        trace = await self.close_session(session, error=params.error, timed_out=params.timed_out)
+        samples = compose(
+            trace,
+            reward=params.reward,
+            mode=params.mode,
+            max_seq_len=params.max_seq_len,
+            filter_overlong=params.filter_overlong,
+        )
+        body = msgspec.json.encode(
+            {"samples": samples, "metrics": trace_metrics(trace, samples)}, enc_hook=_enc_hook
+        )
+        return web.Response(body=body, content_type="application/json")
+
+
+def _request_key(request: web.Request, body: bytes) -> tuple[str | None, bool]:
+    """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
+    ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
+    are new requests (an agent may legitimately repeat one)."""
+    idempotency_key = request.headers.get("Idempotency-Key")
+    if idempotency_key:
+        return "key:" + idempotency_key, True
+    retry_count = request.headers.get("x-stainless-retry-count")
+    if retry_count is None:
+        return None, False
+    digest = hashlib.blake2b(body, digest_size=16).hexdigest()
+    return "body:" + digest, retry_count.strip() not in ("", "0")
+
+
+_PIECE = re.compile(r"\s*\S+\s*|\s+")
+
+
+def _pieces(text: str | None) -> list[str]:
+    """Word-sized stream deltas whose concatenation is ``text``."""
+    return _PIECE.findall(text) if text else []
+
+
+async def serve_standalone(
+    config: Any, *, host: str = "127.0.0.1", port: int = 0, admin_token: str | None = None, ready: Any = None
+) -> None:
+    """Run a proxy over an in-process engine of ``config.model`` until cancelled (``rollflow proxy``).
+
+    ``ready``, if given, is called with the running proxy once it listens.
+    """
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import (
+        create_chat_renderer,
+        load_causal_lm,
+        load_tokenizer,
+        resolve_model_path,
+    )
+
+    model_dir = resolve_model_path(config.model.path)
+    tokenizer = load_tokenizer(model_dir)
+    renderer = create_chat_renderer(tokenizer, config.model)
+    engine = TorchEngine(
+        load_causal_lm(model_dir),
+        max_batch_size=config.inference.max_batch_size,
+        max_model_len=config.inference.max_model_len,
+    )
+    async with LocalInferenceClient([engine]) as client:
+        proxy = TITOProxy(
+            client,
+            renderer,
+            tokenizer,
+            model_name=config.model.path,
+            host=host,
+            port=port,
+            admin_token=admin_token or secrets.token_urlsafe(24),
+            default_temperature=config.sampling.temperature,
+        )
+        async with proxy:
+            if ready is not None:
+                ready(proxy)
+            await asyncio.Event().wait()

@@ -1,0 +1,230 @@
+"""``Session``: one agent's view of the proxy — its URL token, its trace, and its requests in flight.
+
+A request runs as its own task: render (through the trace actor), sample, parse, commit. Callers wait on
+that task without owning it, so a retried request can join the attempt still running, and the task is
+cancelled — which aborts the engine request — once nobody waits for it any more (the client went away).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from rollflow.errors import EngineError, RollflowError
+from rollflow.inference.client import InferenceClient
+from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
+from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
+from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
+from rollflow.tito.wire import ChatCompletionRequest, RequestError
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSettings:
+    """What the proxy applies to every request of its sessions."""
+
+    model_name: str
+    # max_tokens when the request gives none; the engine also stops at its context length.
+    default_max_tokens: int = 1024
+    default_temperature: float = 1.0
+    # Engine aborts (a pause for a weight update) are continued from the partial tokens this many times.
+    max_abort_resubmits: int = 8
+
+
+@dataclass(eq=False, slots=True)
+class _InFlight:
+    task: asyncio.Task
+    waiters: int = 0
+
+
+class Session:
+    """One agent session. Create through ``TITOProxy.open_session``; ``base_url`` is what the agent uses."""
+
+    def __init__(
+        self,
+        session_id: str,
+        token: str,
+        base_url: str,
+        client: InferenceClient,
+        renderer: TITORenderer,
+        settings: TurnSettings,
+    ):
+        self.session_id = session_id
+        self.token = token
+        self.base_url = base_url
+        self.trace = Trace(renderer, session_id)
+        self.closed = False
+        self._client = client
+        self._renderer = renderer
+        self._settings = settings
+        self._inflight: dict[str, _InFlight] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r}, turns={len(self.trace.turns)}, closed={self.closed})"
+
+    async def complete(
+        self, request: ChatCompletionRequest, *, request_key: str | None = None, is_retry: bool = False
+    ) -> Turn:
+        """Answer one validated request: replay a recorded turn for a retry, else sample a new one.
+
+        ``request_key`` identifies a request across client retries (an ``Idempotency-Key``, or the body
+        digest of an SDK-marked retry); ``is_retry`` says this call is such a retry.
+
+        Raises:
+            TraceSealedError: the session is closed.
+            RequestError: the request cannot be served (prompt too long: 400; engine unavailable: 503).
+        """
+        if self.closed:
+            raise TraceSealedError(f"session {self.session_id!r} is closed")
+        entry = None
+        if request_key is not None and is_retry:
+            turn = self.trace.replay(request_key)
+            if turn is not None:
+                return turn
+            entry = self._inflight.get(request_key)  # the first attempt is still running: join it
+        if entry is None:
+            task = asyncio.get_running_loop().create_task(self._run(request, request_key))
+            entry = _InFlight(task)
+            self._tasks.add(task)
+            task.add_done_callback(self._forget(request_key, entry))
+            if request_key is not None:
+                self._inflight[request_key] = entry
+        entry.waiters += 1
+        try:
+            return await asyncio.shield(entry.task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if entry.task.cancelled() and current is not None and not current.cancelling():
+                # The turn was cancelled by close_session, not this caller: answer instead of vanishing.
+                raise TraceSealedError(f"session {self.session_id!r} was closed during the request") from None
+            raise
+        finally:
+            entry.waiters -= 1
+            if entry.waiters == 0 and not entry.task.done():
+                entry.task.cancel()  # nobody waits any more: abort the engine request
+
+    def _forget(self, request_key: str | None, entry: _InFlight):
+        def done(task: asyncio.Task) -> None:
+            self._tasks.discard(task)
+            if request_key is not None and self._inflight.get(request_key) is entry:
+                del self._inflight[request_key]
+            if not task.cancelled():
+                task.exception()  # retrieved here so an unawaited failure is not reported as lost
+
+        return done
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for requests in flight, then cancel the rest and wait for them."""
+        tasks = set(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+
+    # ------------------------------------------------------------------ one turn
+
+    async def _run(self, request: ChatCompletionRequest, request_key: str | None) -> Turn:
+        messages = [normalize_message(m) for m in request.messages]
+        tools = normalize_tools(request.tools)
+        prepared = await self.trace.prepare(messages, tools)
+        try:
+            sampled = await self._sample(prepared.prompt_ids, request)
+        except RequestError:
+            raise
+        except EngineError as error:
+            if "max_model_len" in str(error):
+                self.trace.stats.context_exceeded += 1
+                raise RequestError(
+                    f"the prompt does not fit the model's context: {error}",
+                    param="messages",
+                    code="context_length_exceeded",
+                ) from None
+            raise RequestError(str(error), param="messages") from None
+        except RollflowError as error:
+            self.trace.errors.append(f"{type(error).__name__}: {error}")
+            raise RequestError(
+                f"inference is unavailable: {error}", status=503, type="service_unavailable"
+            ) from None
+        parsed = self._renderer.parse(sampled.token_ids, tools, prepared.prompt_ids)
+        message, finish_reason = _assistant_message(parsed, sampled.finish_reason)
+        return await self.trace.commit(
+            prepared,
+            sampled,
+            message,
+            finish_reason=finish_reason,
+            response_id=f"chatcmpl-{secrets.token_hex(12)}",
+            request_key=request_key,
+        )
+
+    async def _sample(self, prompt_ids: list[int], request: ChatCompletionRequest) -> Sampled:
+        settings = self._settings
+        max_tokens = request.max_completion_tokens or request.max_tokens or settings.default_max_tokens
+        temperature = settings.default_temperature if request.temperature is None else request.temperature
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        routed_experts = None
+        for _ in range(settings.max_abort_resubmits + 1):
+            sampling = SamplingParams(
+                max_tokens=max_tokens - len(tokens),
+                temperature=temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                seed=request.seed,
+                stop_token_ids=self._renderer.stop_token_ids,
+            )
+            output = await self._client.generate(
+                GenerateRequest(
+                    prompt_token_ids=prompt_ids + tokens,
+                    sampling=sampling,
+                    request_id=f"{self.session_id}-{secrets.token_hex(4)}",
+                    session_id=self.session_id,
+                )
+            )
+            tokens += output.token_ids
+            logprobs += output.logprobs
+            versions += output.policy_versions
+            routed_experts = getattr(output, "routed_experts", None)
+            finish = output.finish_reason
+            # An abort (weights being updated) keeps its partial tokens; continue from them.
+            if finish != FinishReason.ABORT or len(tokens) >= max_tokens:
+                break
+        if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
+            finish = FinishReason.LENGTH
+        return Sampled(tokens, logprobs, versions, finish.value, routed_experts)
+
+
+def _assistant_message(parsed: ParsedTurn, engine_finish: str) -> tuple[dict[str, Any], str]:
+    """The assistant message exactly as ``normalize_message`` reads it back when the client resends it."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            }
+            for name, arguments in parsed.tool_calls
+        ]
+    if parsed.reasoning_content:
+        message["reasoning_content"] = parsed.reasoning_content
+    if engine_finish == "length":
+        finish_reason = "length"
+    elif parsed.tool_calls:
+        finish_reason = "tool_calls"
+    else:
+        finish_reason = "stop"
+    return message, finish_reason
+
+
+def arguments_text(arguments: Any) -> str:
+    """Tool-call arguments as the JSON string the API returns."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)

@@ -1,0 +1,42 @@
+"""Real ``rollflow serve`` servers for tests, started once per session on a background event loop.
+
+Server start-up (torch import, model load) takes seconds, so the HTTP tests share one ServerGroup. It runs on
+its own loop in a thread, so tests on any event loop (function- or module-scoped) can use its URLs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from rollflow.inference.server_group import ServerGroup
+
+
+class BackgroundServerGroup:
+    """A started ``ServerGroup`` owned by a private event loop thread; ``close()`` stops it."""
+
+    def __init__(self, num_servers: int, log_dir: Path, **options):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="test-servers", daemon=True)
+        self._thread.start()
+        self.group = ServerGroup("rollflow:tiny", num_servers, log_dir, startup_timeout_s=180, **options)
+        try:
+            asyncio.run_coroutine_threadsafe(self.group.start(), self._loop).result()
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        self.urls = self.group.urls
+        self.pids = self.group.pids
+        self.log_dir = log_dir
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.group.stop(), self._loop).result(timeout=60)
+        finally:
+            self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()

@@ -1,0 +1,53 @@
+"""``rollflow proxy CONFIG``: a standalone proxy that agents in any language drive over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture
+def proxy_process(tmp_path):
+    config = tmp_path / "proxy.toml"
+    config.write_text('[model]\npath = "rollflow:tiny"\n\n[inference]\nmax_model_len = 256\n')
+    env = dict(os.environ, ROLLFLOW_ADMIN_TOKEN="", HF_HUB_OFFLINE="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollflow", "--log-level", "warning", "proxy", str(config), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        yield json.loads(line)
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def test_standalone_proxy_with_admin_endpoints(proxy_process):
+    ready = proxy_process
+    assert ready["event"] == "ready" and ready["url"].startswith("http://127.0.0.1:")
+    auth = {"Authorization": f"Bearer {ready['admin_token']}"}
+    with httpx.Client(base_url=ready["url"], timeout=30) as http:
+        assert http.post("/sessions").status_code == 401
+        opened = http.post("/sessions", headers=auth).json()
+        chat = {"model": ready["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
+        answer = http.post(f"{opened['base_url']}/chat/completions", json=chat)
+        assert answer.status_code == 200, answer.text
+        trace = http.get(f"/sessions/{opened['session_id']}/trace", headers=auth).json()
+        assert trace["stats"]["turns"] == 1
+        close = {"reward": 1.0, "mode": "per_branch", "max_seq_len": 256}
+        closed = http.post(f"/sessions/{opened['session_id']}/close", json=close, headers=auth).json()
+        (sample,) = closed["samples"]
+        assert sum(sample["loss_mask"]) == answer.json()["usage"]["completion_tokens"]

@@ -1,0 +1,177 @@
+"""The proxy's HTTP contract: every bad input is a JSON 4xx naming the problem; never a 5xx."""
+
+# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from rollflow.tito import TITOProxy
+from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+
+pytestmark = pytest.mark.asyncio
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+@pytest.fixture
+async def proxy(tiny_chat):
+    client = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(
+        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, max_body_bytes=4096
+    ) as p:
+        p.scripted = client
+        yield p
+
+
+async def _post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with aiohttp.ClientSession() as http, http.post(url, data=data, headers=headers or {}) as response:
+        return response.status, await response.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"stop": ["x"]}, "stop"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"temperature": -1}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "many"}, "max_tokens"),
+        ({"frobnicate": True}, "frobnicate"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0].image_url",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "audio", "text": "x"}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]}, "tools[0].type"),
+    ],
+)
+async def test_unsupported_fields_are_400_naming_the_field(proxy, change, param):
+    session = await proxy.open_session()
+    status, body = await _post(f"{session.base_url}/chat/completions", GOOD | change)
+    assert status == 400, body
+    assert body["error"]["param"] == param, body
+    assert param.split(".")[-1].split("[")[0] in body["error"]["message"]
+    assert proxy.scripted.requests == []
+
+
+async def test_malformed_bodies_and_lengths(proxy):
+    session = await proxy.open_session()
+    url = f"{session.base_url}/chat/completions"
+    status, body = await _post(url, b"{not json")
+    assert (status, body["error"]["code"]) == (400, "invalid_json")
+    status, body = await _post(url, b"")
+    assert status == 400
+    status, body = await _post(url, GOOD | {"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert (status, body["error"]["code"]) == (413, "request_too_large")
+
+    async def chunks():
+        for _ in range(10):
+            yield b" " * 1000
+
+    async with aiohttp.ClientSession() as http, http.post(url, data=chunks()) as response:
+        assert response.status == 413  # no Content-Length: the limit applies while reading
+        assert "error" in await response.json(content_type=None)
+
+
+async def test_malformed_content_length_is_400(proxy):
+    session = await proxy.open_session()
+    path = session.base_url.split(str(proxy.port), 1)[1] + "/chat/completions"
+    for length in (b"abc", b"-5", b"1, 2"):
+        reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+        writer.write(
+            b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n{}"
+        )
+        await writer.drain()
+        status_line = await reader.readline()
+        writer.close()
+        await writer.wait_closed()
+        assert status_line.split()[1] == b"400", (length, status_line)
+
+
+async def test_unknown_model_session_and_closed_session(proxy):
+    session = await proxy.open_session()
+    status, body = await _post(f"{session.base_url}/chat/completions", GOOD | {"model": "gpt-4o"})
+    assert (status, body["error"]["param"], body["error"]["code"]) == (404, "model", "model_not_found")
+
+    bogus = session.base_url.replace(session.token, "not-a-session")
+    status, body = await _post(f"{bogus}/chat/completions", GOOD)
+    assert (status, body["error"]["code"]) == (404, "session_not_found")
+    async with aiohttp.ClientSession() as http, http.get(f"{proxy.base_url}/nowhere") as response:
+        assert response.status == 404 and "error" in await response.json()
+
+    status, _ = await _post(f"{session.base_url}/chat/completions", GOOD)
+    assert status == 200
+    await proxy.close_session(session)
+    status, body = await _post(f"{session.base_url}/chat/completions", GOOD)
+    assert (status, body["error"]["code"]) == (409, "session_closed")
+
+
+async def test_models_endpoint(proxy):
+    session = await proxy.open_session()
+    async with aiohttp.ClientSession() as http, http.get(f"{session.base_url}/models") as response:
+        assert response.status == 200
+        assert [m["id"] for m in (await response.json())["data"]] == [MODEL]
+
+
+async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
+    client = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(
+        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, admin_token="sesame"
+    ) as p:
+        auth = {"Authorization": "Bearer sesame"}
+        status, body = await _post(f"{p.base_url}/sessions", {})
+        assert (status, body["error"]["type"]) == (401, "authentication_error")
+        status, body = await _post(f"{p.base_url}/sessions", {"session_id": "agent-1"}, auth)
+        assert status == 200 and body["session_id"] == "agent-1"
+        base_url = body["base_url"]
+        assert (await _post(f"{base_url}/chat/completions", GOOD))[0] == 200
+
+        async with aiohttp.ClientSession(headers=auth) as http:
+            async with http.get(f"{p.base_url}/sessions/agent-1/trace") as response:
+                trace = await response.json()
+            assert trace["stats"]["turns"] == 1 and trace["turns"][0]["render"]["method"] == "full"
+            async with http.get(f"{p.base_url}/sessions/nobody/trace") as response:
+                assert response.status == 404
+
+        status, body = await _post(f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0}, auth)
+        assert (status, body["error"]["code"]) == (400, None) and "max_seq_len" in body["error"]["message"]
+        status, body = await _post(
+            f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0, "mode": "x", "max_seq_len": 9}, auth
+        )
+        assert (status, body["error"]["param"]) == (400, "mode")
+        close = {"reward": 0.5, "mode": "per_branch", "max_seq_len": 256}
+        status, body = await _post(f"{p.base_url}/sessions/agent-1/close", close, auth)
+        assert status == 200, body
+        (sample,) = body["samples"]
+        assert sample["reward"] == 0.5 and sum(sample["loss_mask"]) == len(client.outputs[0].token_ids)
+        assert body["metrics"]["num_branches"] == 1.0
+        assert (await _post(f"{p.base_url}/sessions/agent-1/close", close, auth))[0] == 409
+        assert (await _post(f"{base_url}/chat/completions", GOOD))[0] == 409
+
+
+async def test_start_failure_releases_everything(tiny_chat):
+    client = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as first:
+        tasks_before = len(asyncio.all_tasks())
+        second = TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, port=first.port)
+        with pytest.raises(OSError):
+            await second.start()
+        assert len(asyncio.all_tasks()) == tasks_before

@@ -1,0 +1,9 @@
+"""The TITO proxy stays light: importing it pulls in neither torch nor transformers."""
+
+from __future__ import annotations
+
+from tests import test_imports
+
+
+def test_tito_proxy_imports_light():
+    test_imports.test_light_imports("rollflow.tito, rollflow.tito.proxy, rollflow.tito.composer")

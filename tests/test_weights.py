@@ -1,0 +1,560 @@
+"""Weight transfer: packing, the broadcast and checkpoint strategies end to end, failures and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rollflow.weights import (
+    InvalidTransferInfoError,
+    WeightTransfer,
+    WeightTransferError,
+    WeightTransferTimeoutError,
+    connect_sender,
+    create_strategy,
+    init_info_for_servers,
+)
+from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
+from rollflow.weights.receiver import create_receiver
+
+
+def mixed_weights() -> list[tuple[str, torch.Tensor]]:
+    """Mixed dtypes and shapes, including an odd-length bf16 tensor that misaligns what follows it."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        ("model.embed_tokens.weight", torch.randn(11, 8, generator=generator)),
+        ("model.norm.weight", torch.randn(7, generator=generator).to(torch.bfloat16)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(5, 3, generator=generator).to(torch.float16)),
+        ("scalar", torch.tensor(3.5, dtype=torch.float64)),
+        ("counts", torch.arange(-4, 5, dtype=torch.int64).reshape(3, 3)),
+        ("flags", torch.tensor([True, False, True])),
+        ("empty", torch.empty(0, 4)),
+        ("transposed", torch.randn(4, 6, generator=generator).t()),  # not contiguous
+    ]
+
+
+def assert_same_weights(
+    expected: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch.Tensor]]
+) -> None:
+    got_by_name = dict(got)
+    assert sorted(got_by_name) == sorted(name for name, _ in expected)
+    for name, tensor in expected:
+        assert got_by_name[name].dtype == tensor.dtype, name
+        assert torch.equal(got_by_name[name], tensor), name
+
+
+def test_strategy_interface_does_not_import_torch() -> None:
+    """The orchestrator and config import ``rollflow.weights`` to pick a strategy; that must stay cheap."""
+    code = "import sys, rollflow.weights, rollflow.weights.base; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_create_strategy_rejects_unknown_names_and_options() -> None:
+    with pytest.raises(ValueError, match="unknown weight transfer strategy 'nccl'; choose one of local"):
+        create_strategy("nccl")
+    with pytest.raises(ValueError, match="bucket_size_mb must be positive"):
+        create_strategy("broadcast", bucket_size_mb=0)
+    with pytest.raises(TypeError):
+        create_strategy("checkpoint", bucket_size_mb=1)
+    # cuda_ipc takes the inference world size and ignores it.
+    strategy = create_strategy("cuda_ipc")
+    assert strategy.create_init_info(1) == strategy.create_init_info(8)
+
+
+# ---------------------------------------------------------------- packing
+
+
+@pytest.mark.parametrize("bucket_size_bytes", [1, 40, 100, 10**9])
+def test_pack_unpack_is_exact_for_mixed_dtypes_and_shapes(bucket_size_bytes: int) -> None:
+    weights = mixed_weights()
+    specs = specs_of(weights)
+    buckets = plan_buckets(specs, bucket_size_bytes)
+    assert [i for bucket in buckets for i in bucket] == list(range(len(specs)))  # in order, each once
+    for bucket in buckets[:-1]:
+        sizes = [specs[i].nbytes for i in bucket]
+        # A bucket closes as soon as it reaches the size, not before.
+        assert sum(sizes) >= bucket_size_bytes > sum(sizes[:-1])
+    received = []
+    for bucket in buckets:
+        buffer = pack([weights[i][1] for i in bucket])
+        assert buffer.dtype == torch.uint8
+        received += unpack(buffer.clone(), [specs[i] for i in bucket])
+    assert_same_weights(weights, received)
+    # The metadata survives its JSON form.
+    assert specs_from_info(json.loads(json.dumps(specs_to_info(specs)))) == specs
+
+
+def test_update_info_validation_names_the_problem() -> None:
+    info = specs_to_info(specs_of(mixed_weights()))
+    with pytest.raises(InvalidTransferInfoError, match="equal lengths"):
+        specs_from_info({**info, "shapes": info["shapes"][:-1]})
+    with pytest.raises(InvalidTransferInfoError, match="not a torch dtype"):
+        specs_from_info({**info, "dtype_names": ["float99"] * len(info["names"])})
+    with pytest.raises(InvalidTransferInfoError, match="names must be a list"):
+        specs_from_info({"dtype_names": [], "shapes": []})
+    with pytest.raises(InvalidTransferInfoError, match="packed buffer has 3 bytes"):
+        unpack(torch.zeros(3, dtype=torch.uint8), specs_of(mixed_weights()[:1]))
+
+
+def test_create_receiver_rejects_bad_init_info() -> None:
+    with pytest.raises(InvalidTransferInfoError, match="backend"):
+        create_receiver({"backend": "carrier-pigeon"}, 0)
+    with pytest.raises(InvalidTransferInfoError, match="JSON object"):
+        create_receiver(["gloo"], 0)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTransferInfoError, match="missing or has a bad field"):
+        create_receiver({"backend": "gloo", "world_size": 2}, 0)
+    info = {
+        "backend": "gloo",
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "world_size": 2,
+        "rank_offset": 1,
+    }
+    with pytest.raises(InvalidTransferInfoError, match=r"rank 2 .* outside 1..1"):
+        create_receiver(info, 1)
+
+
+def test_init_info_for_servers_gives_each_server_its_own_ranks() -> None:
+    info = {"backend": "gloo", "world_size": 5, "rank_offset": 1, "master_port": 1}
+    offsets = [p["rank_offset"] for p in init_info_for_servers(info, num_servers=4, workers_per_server=1)]
+    assert offsets == [1, 2, 3, 4]
+    # vLLM data parallelism: one server per DP rank, each reporting its whole deployment of 2 workers.
+    offsets = [
+        p["rank_offset"]
+        for p in init_info_for_servers(info, num_servers=4, workers_per_server=2, data_parallel_size=2)
+    ]
+    assert offsets == [1, 1, 3, 3]
+    with pytest.raises(InvalidTransferInfoError, match="do not match init_info world_size 5"):
+        init_info_for_servers(info, num_servers=3, workers_per_server=1)
+    payloads = init_info_for_servers({"backend": "checkpoint"}, num_servers=2, workers_per_server=1)
+    assert payloads == [{"backend": "checkpoint"}] * 2
+
+
+# ---------------------------------------------------------------- fake clients
+
+RECEIVER_PROCESS = """
+import json, sys
+replies, sys.stdout = sys.stdout, sys.stderr  # keep log lines out of the reply stream
+from safetensors.torch import save_file
+from rollflow.weights.receiver import create_receiver
+receiver = None
+for line in sys.stdin:
+    message = json.loads(line)
+    try:
+        if message["op"] == "init":
+            receiver = create_receiver(message["init_info"], 0)
+            reply = {"ok": True}
+        else:
+            tensors = receiver.receive(message["update_info"])
+            save_file({name: tensor.clone() for name, tensor in tensors}, message["out"])
+            reply = {"ok": True}
+    except Exception as exc:
+        reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(reply), file=replies, flush=True)
+"""
+
+
+class ProcessClient:
+    """Stands in for RemoteInferenceClient: each 'server' is a subprocess running a receiver; the calls block
+    on the receivers like the HTTP endpoints do."""
+
+    def __init__(self, num_servers: int, out_dir: Path):
+        self.num_servers = num_servers
+        self.out_dir = out_dir
+        self.processes: list[asyncio.subprocess.Process] = []
+        self.updates = 0
+
+    async def start(self) -> None:
+        self.processes = list(
+            await asyncio.gather(
+                *[
+                    asyncio.create_subprocess_exec(
+                        sys.executable,
+                        "-c",
+                        RECEIVER_PROCESS,
+                        stdin=asyncio.subprocess.PIPE,
+                        stdout=asyncio.subprocess.PIPE,
+                    )
+                    for _ in range(self.num_servers)
+                ]
+            )
+        )
+
+    async def _call(self, process: asyncio.subprocess.Process, message: dict[str, Any]) -> None:
+        process.stdin.write((json.dumps(message) + "\n").encode())
+        await process.stdin.drain()
+        reply = json.loads(await process.stdout.readline())
+        if not reply["ok"]:
+            raise WeightTransferError(reply["error"])
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [f"fake://server{i}" for i in range(self.num_servers)]
+
+    async def get_world_size(self) -> int:
+        return self.num_servers
+
+    async def get_world_size_per_server(self) -> int:
+        return 1
+
+    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
+        payloads = init_info if isinstance(init_info, list) else [init_info] * self.num_servers
+        await asyncio.gather(
+            *[
+                self._call(p, {"op": "init", "init_info": info})
+                for p, info in zip(self.processes, payloads, strict=True)
+            ]
+        )
+
+    async def start_weight_update(self) -> None:
+        pass
+
+    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
+        self.updates += 1
+        await asyncio.gather(
+            *[
+                self._call(p, {"op": "update", "update_info": update_info, "out": str(self.received_path(i))})
+                for i, p in enumerate(self.processes)
+            ]
+        )
+
+    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+        pass
+
+    def received_path(self, server: int) -> Path:
+        return self.out_dir / f"server{server}-update{self.updates}.safetensors"
+
+    async def close(self) -> None:
+        for process in self.processes:
+            process.stdin.close()
+        for process in self.processes:
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+class ThreadClient:
+    """In-process stand-in for the servers: receivers run in threads. ``hang_update`` makes the servers accept
+    ``/update_weights`` and then never receive (a hung peer)."""
+
+    def __init__(self, num_servers: int, *, join: bool = True, hang_update: bool = False):
+        self.num_servers = num_servers
+        self.join = join
+        self.hang_update = hang_update
+        self.receivers: list[Any] = []
+        self.received: list[list[tuple[str, torch.Tensor]]] = []
+
+    @property
+    def server_urls(self) -> list[str]:
+        return [f"fake://server{i}" for i in range(self.num_servers)]
+
+    async def get_world_size(self) -> int:
+        return self.num_servers
+
+    async def get_world_size_per_server(self) -> int:
+        return 1
+
+    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
+        if not self.join:
+            await asyncio.sleep(3600)
+        payloads = init_info if isinstance(init_info, list) else [init_info] * self.num_servers
+        self.receivers = list(
+            await asyncio.gather(*[asyncio.to_thread(create_receiver, p, 0) for p in payloads])
+        )
+
+    async def start_weight_update(self) -> None:
+        pass
+
+    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
+        if self.hang_update:
+            await asyncio.sleep(3600)
+        self.received = list(
+            await asyncio.gather(*[asyncio.to_thread(r.receive, update_info) for r in self.receivers])
+        )
+
+    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+async def test_broadcast_gloo_round_trip_to_receiver_processes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    client = ProcessClient(2, tmp_path)
+    await client.start()
+    # A 100-byte bucket splits the weights into several broadcasts.
+    sender = await connect_sender(
+        create_strategy("broadcast", backend="gloo", bucket_size_mb=100 / 2**20, timeout_s=30), client
+    )
+    try:
+        assert sender.init_info["world_size"] == 3
+        for version in (1, 2):
+            weights = [(n, t if t.dtype == torch.bool else t * version) for n, t in mixed_weights()]
+            await sender.push(client, weights, policy_version=version)
+            for server in range(2):
+                assert_same_weights(weights, list(load_file(client.received_path(server)).items()))
+    finally:
+        sender.close()
+        await client.close()
+
+
+async def test_broadcast_world_size_mismatch_is_a_clear_error() -> None:
+    strategy = create_strategy("broadcast", backend="gloo", timeout_s=5)
+    sender = strategy.create_sender(strategy.create_init_info(inference_world_size=1))
+    try:
+        with pytest.raises(WeightTransferError, match="report 2 workers but this init_info was made for 1"):
+            await sender.setup(ThreadClient(2))
+        with pytest.raises(WeightTransferError, match="unusable"):
+            await sender.push(ThreadClient(2), mixed_weights(), 1)
+    finally:
+        sender.close()
+
+
+async def test_broadcast_receiver_rejects_a_rank_taken_twice() -> None:
+    strategy = create_strategy("broadcast", backend="gloo", timeout_s=2)
+    info = strategy.create_init_info(inference_world_size=2)
+    sender = strategy.create_sender(info)
+    first = asyncio.create_task(asyncio.to_thread(create_receiver, info, 0))
+    await asyncio.sleep(0.3)
+    # The same payload for a second server (rank_offset not advanced) claims rank 1 again.
+    with pytest.raises(InvalidTransferInfoError, match="rank 1 was already taken"):
+        await asyncio.to_thread(create_receiver, info, 0)
+    with pytest.raises(WeightTransferTimeoutError):
+        await first  # the group never completes: it times out instead of hanging
+    sender.close()
+
+
+async def test_broadcast_hung_receiver_ends_in_a_timeout_error() -> None:
+    timeout_s = 1.5
+    # The servers accept /update_weights, then never receive: the push must end, not hang.
+    client = ThreadClient(1, hang_update=True)
+    sender = await connect_sender(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s), client)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WeightTransferTimeoutError, match=r"policy version 7 .* longer than 1.5 s"):
+            await sender.push(client, [("w", torch.ones(1_000_000))], policy_version=7)
+        assert time.perf_counter() - started < timeout_s + 2
+        assert isinstance(WeightTransferTimeoutError("x"), TimeoutError)  # what the barrier catches
+        with pytest.raises(WeightTransferError, match="unusable"):
+            await sender.push(client, [("w", torch.ones(3))], policy_version=8)
+    finally:
+        sender.close()
+        client.close()
+
+
+async def test_weight_transfer_reconnects_after_a_failed_push() -> None:
+    client = ThreadClient(1, hang_update=True)
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=1))
+    try:
+        with pytest.raises(WeightTransferTimeoutError):
+            await transfer.push(client, [("w", torch.ones(1_000_000))], policy_version=1)
+        assert transfer.sender is None
+        client.close()
+        client.hang_update = False
+        weights = mixed_weights()
+        await transfer.push(client, weights, policy_version=2)  # a new group, new receivers
+        assert_same_weights(weights, client.received[0])
+    finally:
+        transfer.close()
+        client.close()
+
+
+async def test_broadcast_receiver_times_out_when_the_trainer_never_sends() -> None:
+    timeout_s = 1.5
+    client = ThreadClient(1)
+    sender = await connect_sender(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s), client)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(WeightTransferTimeoutError, match="receiving a weight bucket"):
+            await asyncio.to_thread(
+                client.receivers[0].receive, specs_to_info(specs_of([("w", torch.ones(3))]))
+            )
+        assert time.perf_counter() - started < timeout_s + 2
+        with pytest.raises(WeightTransferError, match="must initialize a new one"):
+            client.receivers[0].receive(specs_to_info(specs_of([("w", torch.ones(3))])))
+    finally:
+        sender.close()
+        client.close()
+
+
+async def test_broadcast_setup_times_out_when_servers_never_join() -> None:
+    with pytest.raises(WeightTransferTimeoutError, match="forming the weight-transfer group"):
+        await connect_sender(
+            create_strategy("broadcast", backend="gloo", timeout_s=1), ThreadClient(1, join=False)
+        )
+
+
+# ---------------------------------------------------------------- checkpoint
+
+
+@pytest.mark.parametrize("transport", ["file", "http"])
+async def test_checkpoint_round_trip(tmp_path: Path, transport: str) -> None:
+    checkpoint_dir = tmp_path / "ckpt" if transport == "file" else None
+    client = ThreadClient(2)
+    sender = await connect_sender(
+        create_strategy("checkpoint", checkpoint_dir=checkpoint_dir, timeout_s=30), client
+    )
+    try:
+        embed = torch.randn(6, 4)
+        for version in (1, 2):
+            # Tied weights share memory, which safetensors refuses unless the sender copes.
+            weights = [*mixed_weights(), ("lm_head.weight", embed), ("model.tied.weight", embed)]
+            await sender.push(client, weights, policy_version=version)
+            for received in client.received:
+                assert_same_weights(weights, received)
+        if checkpoint_dir is not None:  # only the newest checkpoint is kept
+            assert [p.name for p in checkpoint_dir.iterdir()] == ["policy-00000002.safetensors"]
+    finally:
+        sender.close()
+        client.close()
+
+
+def test_checkpoint_receiver_errors_are_clear(tmp_path: Path) -> None:
+    receiver = create_receiver({"backend": "checkpoint", "timeout_s": 2}, 0)
+    with pytest.raises(WeightTransferError, match="must be a directory shared"):
+        receiver.receive({"path": str(tmp_path / "missing.safetensors")})
+    with pytest.raises(InvalidTransferInfoError, match="'path' or 'url'"):
+        receiver.receive({"policy_version": 1})
+    with pytest.raises(WeightTransferError, match="downloading weights"):
+        receiver.receive({"url": "http://127.0.0.1:9/nothing"})
+
+
+# ---------------------------------------------------------------- local and cuda_ipc
+
+
+async def test_local_strategy_loads_weights_into_in_process_engines(tiny_model_dir: Path) -> None:
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import load_causal_lm
+
+    client = LocalInferenceClient(
+        [TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=2, max_model_len=64)]
+    )
+    sender = await connect_sender(create_strategy("local"), client)
+    state = client.engines[0].model.state_dict()
+    # lm_head.weight is tied to the embeddings: leave it out, or it would overwrite them.
+    new_weights = {name: torch.randn_like(t) for name, t in state.items() if name != "lm_head.weight"}
+    await sender.push(client, new_weights.items(), policy_version=3)
+    assert all(torch.equal(state[name], tensor) for name, tensor in new_weights.items())
+    await client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_ipc_round_trip_to_receiver_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    client = ProcessClient(1, tmp_path)
+    await client.start()
+    sender = await connect_sender(
+        create_strategy("cuda_ipc", bucket_size_mb=100 / 2**20, timeout_s=60), client
+    )
+    try:
+        weights = [(name, tensor.cuda()) for name, tensor in mixed_weights()]
+        await sender.push(client, weights, policy_version=1)
+        received = [(name, t) for name, t in load_file(client.received_path(0), device="cuda").items()]
+        assert_same_weights(weights, received)
+    finally:
+        sender.close()
+        await client.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    client = ProcessClient(1, tmp_path)
+    await client.start()
+    sender = await connect_sender(
+        create_strategy("broadcast", backend="nccl", bucket_size_mb=100 / 2**20, timeout_s=60), client
+    )
+    try:
+        weights = [(name, tensor.cuda()) for name, tensor in mixed_weights() if tensor.dtype != torch.bool]
+        await sender.push(client, weights, policy_version=1)
+        assert_same_weights(weights, list(load_file(client.received_path(0), device="cuda").items()))
+    finally:
+        sender.close()
+        await client.close()
+
+
+# ---------------------------------------------------------------- end to end through `rollflow serve`
+
+
+async def test_weights_pushed_to_two_servers_generate_like_an_in_process_engine(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Two real ``rollflow serve`` processes get new weights by ``broadcast`` and then by ``checkpoint``;
+    greedy generation on each then equals an in-process engine holding the same weights."""
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.inference.server_group import ServerGroup
+    from rollflow.messages import GenerateRequest, SamplingParams
+    from rollflow.models.loading import load_causal_lm
+
+    prompts = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12]]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0)
+
+    def perturbed(seed: int) -> torch.nn.Module:
+        model = load_causal_lm(tiny_model_dir)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for parameter in model.parameters():  # the tied lm_head moves with the embeddings
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
+        return model
+
+    async def generate_all(generate) -> list[list[int]]:
+        outputs = [await generate(GenerateRequest(list(p), greedy)) for p in prompts]
+        return [output.token_ids for output in outputs]
+
+    async with ServerGroup("rollflow:tiny", 2, tmp_path / "logs", startup_timeout_s=120) as servers:
+        client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+        per_server = [RemoteInferenceClient(url, control_timeout_s=60) for url in servers.urls]
+        try:
+            before = await generate_all(per_server[0].generate)
+            strategies = [
+                create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=60),
+                create_strategy("checkpoint", timeout_s=60),  # over the trainer's HTTP endpoint
+                create_strategy("checkpoint", checkpoint_dir=tmp_path / "ckpt", timeout_s=60),
+            ]
+            for version, strategy in enumerate(strategies, start=1):
+                model = perturbed(seed=version)
+                engine = TorchEngine(perturbed(seed=version), max_batch_size=4, max_model_len=64)
+                expected = await generate_all(engine.generate)
+                await engine.shutdown()
+                assert expected != before  # the new weights change what greedy decoding says
+
+                sender = await connect_sender(strategy, client)
+                try:
+                    await client.pause("keep")
+                    try:
+                        await sender.push(client, model.state_dict().items(), policy_version=version)
+                    finally:
+                        await client.resume()
+                finally:
+                    sender.close()
+                for server in per_server:
+                    outputs = [await server.generate(GenerateRequest(list(p), greedy)) for p in prompts]
+                    assert [o.token_ids for o in outputs] == expected, strategy.name
+                    assert {v for o in outputs for v in o.policy_versions} == {version}
+        finally:
+            for remote in [client, *per_server]:
+                await remote.close()
