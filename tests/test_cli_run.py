@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from .conftest import REPO_ROOT
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
@@ -37,15 +39,18 @@ def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, time
     raise AssertionError(f"step {step} not reached in {timeout_s} s")
 
 
-def test_quickstart_learns_the_prompt_dependent_task(tmp_path):
-    """The README's run command: reward starts near chance and ends near 1 on the case task."""
+@pytest.mark.parametrize("mode", ["local", "http"])
+def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode):
+    """The README's run command: reward starts near chance and ends near 1 on the case task, with engines
+    in process (local) and with 2 engine servers behind the router (http)."""
     started = time.monotonic()
     result = subprocess.run(
-        rollflow("run", str(QUICKSTART), "--no-progress"),
+        rollflow("run", str(QUICKSTART), "--no-progress", "--set", "inference.router_port=0"),
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "ROLLFLOW_INFERENCE_MODE": mode},
     )
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]
@@ -55,7 +60,7 @@ def test_quickstart_learns_the_prompt_dependent_task(tmp_path):
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-10:])
     mismatch = statistics.fmean(m["logprob_mismatch"] for m in metrics)
     print(
-        f"quickstart: {elapsed:.0f} s, reward first 5 {first:.3f}, last 10 {last:.3f}, mismatch {mismatch:.2e}"
+        f"quickstart ({mode}): {elapsed:.0f} s, reward first 5 {first:.3f}, last 10 {last:.3f}, mismatch {mismatch:.2e}"
     )
     assert first <= 0.6
     assert last >= 0.9

@@ -160,3 +160,12 @@ def test_cli_bad_arguments_exit_2(tmp_path):
     assert rollflow_cli("run", "missing.toml", cwd=tmp_path).returncode == 2
     assert rollflow_cli("run", "--resume", str(tmp_path / "nope"), cwd=tmp_path).returncode == 2
     assert rollflow_cli("fly", cwd=tmp_path).returncode == 2
+
+
+def test_weight_sync_strategy_must_fit_the_inference_mode():
+    with pytest.raises(ConfigError, match=r"weight_sync\.strategy = 'broadcast'.*inference\.mode = 'local'"):
+        load_config([], ["weight_sync.strategy='broadcast'"])
+    with pytest.raises(ConfigError, match=r"weight_sync\.strategy = 'local'.*inference\.mode = 'http'"):
+        load_config([], ["weight_sync.strategy='local'", "inference.mode='http'"])
+    config = load_config([], ["inference.mode='http'"])
+    assert config.weight_sync.resolved_strategy(config.inference.mode) == "broadcast"

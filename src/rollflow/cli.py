@@ -135,7 +135,52 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
     proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     proxy.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)")
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate only: run the configured generator (agent or single-turn) and write samples as JSONL",
+    )
+    generate.add_argument("configs", nargs="+", type=Path, metavar="CONFIG", help="TOML config files")
+    generate.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set agent.max_seq_len=2048 (repeatable)",
+    )
+    generate.add_argument(
+        "--output",
+        default=None,
+        metavar="PATH",
+        help="JSONL file (default {run_dir}/samples.jsonl; - for stdout)",
+    )
+    generate.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts to generate (default prompts_per_step)",
+    )
     return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    import anyio
+
+    from rollflow.config import load_config
+    from rollflow.rollout.generate import generate
+
+    config = load_config(args.configs, args.overrides)
+    num_prompts = config.orchestrator.prompts_per_step if args.num_prompts is None else args.num_prompts
+    try:
+        summary = anyio.run(lambda: generate(config, num_prompts=num_prompts, output=args.output))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    sys.stderr.write(json.dumps({"event": "generated", **summary}) + "\n")
+    return 0
 
 
 def _resolve_run_config(args: argparse.Namespace):
@@ -283,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
             return _router(args)
         if args.command == "proxy":
             return _proxy(args)
+        if args.command == "generate":
+            return _generate(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

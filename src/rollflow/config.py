@@ -127,8 +127,68 @@ class CheckpointConfig(Section):
 
 
 class WeightSyncConfig(Section):
+    strategy: Literal["auto", "local", "broadcast", "checkpoint", "cuda_ipc"] = "auto"
+    """How new weights reach the engines. ``auto``: ``local`` (in-process copy) in local mode, ``broadcast``
+    (torch.distributed: gloo on CPU, NCCL on GPU) in http mode. ``checkpoint``: safetensors through
+    ``checkpoint_dir`` or over HTTP. ``cuda_ipc``: colocated GPUs."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
+    bucket_size_mb: PositiveFloat = 256.0
+    """Size of the packed buffers a broadcast sends (broadcast and cuda_ipc)."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """Broadcast backend; unset picks NCCL when CUDA is available, else gloo."""
+    master_address: str = "127.0.0.1"
+    """Address the inference servers use to reach this process (broadcast store, checkpoint HTTP server)."""
+    checkpoint_dir: str | None = None
+    """Directory shared with the servers for the checkpoint strategy; unset sends the file over HTTP."""
+
+    def resolved_strategy(self, inference_mode: str) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        return "local" if inference_mode == "local" else "broadcast"
+
+    def strategy_options(self, strategy: str) -> dict[str, Any]:
+        """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``."""
+        if strategy == "broadcast":
+            return dict(
+                bucket_size_mb=self.bucket_size_mb,
+                backend=self.backend,
+                master_address=self.master_address,
+                timeout_s=self.timeout_s,
+            )
+        if strategy == "checkpoint":
+            return dict(
+                checkpoint_dir=self.checkpoint_dir, host=self.master_address, timeout_s=self.timeout_s
+            )
+        if strategy == "cuda_ipc":
+            return dict(bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
+        return {}
+
+
+class AgentConfig(Section):
+    """Agent rollouts through the TITO proxy; when this section is present it replaces single-turn generation.
+    The group size is ``sampling.samples_per_prompt``; requests default to ``sampling.max_tokens`` and
+    ``sampling.temperature``."""
+
+    callable: str | None = None
+    """Async ``agent(base_url, task) -> reward``: ``package.module:function`` or ``path/to/file.py:function``."""
+    command: str | list[str] | None = None
+    """Or a command run per trajectory (argument list, or a shell string) with ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY`` and ``OPENAI_MODEL`` set and the task as JSON on stdin; it prints the reward as the
+    last line of stdout."""
+    env: dict[str, str] = {}
+    """Extra environment variables for ``command``."""
+    mode: Literal["per_branch", "single_branch", "step_wise"] = "per_branch"
+    """How a trajectory's message tree becomes samples (see ``rollflow.tito.composer``)."""
+    composer: str | None = None
+    """A custom composer, ``package.module:function``, called like ``rollflow.tito.compose``."""
+    max_seq_len: Positive | None = None
+    """Longest training sample in tokens (required): longer ones are cut, or masked with ``filter_overlong``."""
+    filter_overlong: bool = False
+    timeout_s: PositiveFloat = 300.0
+    """Longest one trajectory may run; a timed-out trajectory is masked and counted as a timeout."""
+    max_concurrent: Positive | None = None
+    """Most trajectories running at once over all prompts (unset: no limit of its own)."""
 
 
 class RunConfig(Section):
@@ -145,6 +205,8 @@ class RunConfig(Section):
     orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    agent: AgentConfig | None = None
+    """Agent rollouts (``[agent]``); unset: single-turn generation."""
 
     @property
     def run_dir(self) -> Path:
@@ -173,10 +235,47 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
     errors += _inference_errors(config.inference)
+    errors += _agent_errors(config)
+    strategy = config.weight_sync.resolved_strategy(config.inference.mode)
+    if (strategy == "local") != (config.inference.mode == "local"):
+        errors.append(
+            f"weight_sync.strategy = {config.weight_sync.strategy!r} does not fit inference.mode = "
+            f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
+            "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
+        )
     if config.checkpoint.every > config.orchestrator.steps:
         errors.append(
             f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "
             f"({config.orchestrator.steps}): no periodic checkpoint would ever be written"
+        )
+    return errors
+
+
+def _agent_errors(config: RunConfig) -> list[str]:
+    agent = config.agent
+    if agent is None:
+        return []
+    errors = []
+    if (agent.callable is None) == (agent.command is None):
+        errors.append("[agent] needs exactly one of agent.callable (an async function) and agent.command")
+    if agent.command is not None and not (
+        agent.command.strip() if isinstance(agent.command, str) else agent.command
+    ):
+        errors.append("agent.command is empty")
+    if agent.env and agent.command is None:
+        errors.append("agent.env is only passed to agent.command; remove it or use agent.command")
+    if agent.max_seq_len is None:
+        errors.append(
+            "agent.max_seq_len must be set: the longest training sample in tokens (e.g. inference.max_model_len)"
+        )
+    elif agent.max_seq_len < config.sampling.max_tokens:
+        errors.append(
+            f"agent.max_seq_len ({agent.max_seq_len}) must be >= sampling.max_tokens "
+            f"({config.sampling.max_tokens}): one model call alone could not fit"
+        )
+    if config.data.reward is not None:
+        errors.append(
+            "data.reward is not used with [agent]: the agent returns each trajectory's reward; remove data.reward"
         )
     return errors
 

@@ -98,6 +98,8 @@ class ScoredGroup(msgspec.Struct):
     prompt_index: int
     samples: list[Sample]
     generation_time_s: float = 0.0
+    # Generator counts for this group (agent rollouts: branches, render outcomes, errors, timeouts).
+    metrics: dict[str, float] = {}
 
 
 class TrainBatch(msgspec.Struct):

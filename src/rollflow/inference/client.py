@@ -26,6 +26,9 @@ class InferenceClient(Protocol):
     Pause modes follow vLLM: ``abort`` ends in-flight requests with finish reason ``abort`` and their
     partial tokens; ``wait`` lets them finish; ``keep`` freezes them and continues them after ``resume``.
     While paused, new ``generate`` calls wait for ``resume`` (HTTP servers answer 503 instead).
+
+    Moving weights is not part of this protocol: each client has its own transfer calls, and the strategies
+    in ``rollflow.weights`` (in-process copy, broadcast, checkpoint, CUDA IPC) drive them.
     """
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -41,13 +44,6 @@ class InferenceClient(Protocol):
         ...
 
     async def is_paused(self) -> bool: ...
-
-    async def update_named_weights(
-        self, named_tensors: Iterable[tuple[str, Any]], policy_version: int
-    ) -> None:
-        """Load new weights (names as in the Hugging Face state dict) and stamp later tokens with
-        ``policy_version``. Callers pause first."""
-        ...
 
     async def get_world_size(self) -> int:
         """Number of inference workers that receive weights."""
@@ -86,6 +82,7 @@ class LocalInferenceClient:
     async def update_named_weights(
         self, named_tensors: Iterable[tuple[str, Any]], policy_version: int
     ) -> None:
+        """Load HF-named tensors into every engine; later tokens carry ``policy_version``. Pause first."""
         tensors = list(named_tensors)
         for engine in self.engines:
             await engine.load_weights(tensors, policy_version=policy_version)

@@ -22,12 +22,14 @@ class WeightSyncTimeoutError(RollflowError, TimeoutError):
 class WeightBarrier:
     """Moves new weights into the inference engines between generation phases.
 
+    The weights travel by a ``rollflow.weights.WeightTransfer`` (in-process copy, broadcast, checkpoint…).
     The engines are resumed whatever happens during the transfer (timeout, error, cancellation), so a
     failed update never leaves them paused.
     """
 
-    def __init__(self, client: InferenceClient, *, timeout_s: float):
+    def __init__(self, client: InferenceClient, transfer: Any, *, timeout_s: float):
         self.client = client
+        self.transfer = transfer
         self.timeout_s = timeout_s
 
     async def update(
@@ -40,16 +42,17 @@ class WeightBarrier:
 
         Raises:
             WeightSyncTimeoutError: the pause and transfer took longer than ``timeout_s``.
+            WeightTransferError: the transfer failed (the next update reconnects).
         """
         started = time.perf_counter()
         try:
             with anyio.fail_after(self.timeout_s):
                 await self.client.pause(pause_mode)
-                await self.client.update_named_weights(named_weights(), policy_version)
-        except TimeoutError:
+                await self.transfer.push(self.client, named_weights(), policy_version)
+        except TimeoutError as error:
             raise WeightSyncTimeoutError(
                 f"weight update to policy version {policy_version} took longer than "
-                f"weight_sync.timeout_s = {self.timeout_s} s; the engines were resumed"
+                f"weight_sync.timeout_s = {self.timeout_s} s ({error or 'no reply'}); the engines were resumed"
             ) from None
         finally:
             # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
@@ -58,3 +61,6 @@ class WeightBarrier:
         elapsed = time.perf_counter() - started
         log.debug("weights updated", policy_version=policy_version, seconds=round(elapsed, 4))
         return elapsed
+
+    def close(self) -> None:
+        self.transfer.close()

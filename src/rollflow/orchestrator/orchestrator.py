@@ -14,6 +14,7 @@ scored groups, training, updating weights and writing metrics and checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -70,7 +71,7 @@ class Orchestrator:
     schedule: Schedule
     barrier: WeightBarrier
     # Fixed components.
-    client: Any  # InferenceClient
+    client: Any  # InferenceClient: in-process engines, or servers behind a router
     trainer: Any  # rollflow.train.trainer.Trainer
 
     def __init__(self, config: RunConfig, *, resume: bool = False, sinks: list[MetricsSink] | None = None):
@@ -85,6 +86,7 @@ class Orchestrator:
         self._rollouts: JsonlWriter | None = None
         self._started_at = 0.0
         self._is_set_up = False
+        self._exit_stack = contextlib.AsyncExitStack()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -115,35 +117,54 @@ class Orchestrator:
         """Load the task, models, engines and trainer; restore the last checkpoint when resuming."""
         if self._is_set_up:
             return
+        from rollflow.inference.setup import get_inference_client
+        from rollflow.weights import WeightTransfer, create_strategy
+
         checkpoint = self._prepare_run_dir()
         config = self.config
         self.task = load_task(config.data.task, config.data.seed)
         rewarder = Rewarder.from_config(config.data.reward, self.task)
-        self.client, renderer, self.trainer = await anyio.to_thread.run_sync(self._build_model_parts)
-        self.generator = SingleTurnGenerator(
-            self.client, renderer, rewarder, config.sampling, seed=config.seed
-        )
-        self.schedule = self._build_schedule()
-        self.barrier = WeightBarrier(self.client, timeout_s=config.weight_sync.timeout_s)
-        if checkpoint is not None:
-            await self._restore(checkpoint)
+        renderer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
+        self._exit_stack = contextlib.AsyncExitStack()
+        try:
+            self.client = await self._exit_stack.enter_async_context(
+                get_inference_client(config, self.run_dir)
+            )
+            strategy = config.weight_sync.resolved_strategy(config.inference.mode)
+            transfer = WeightTransfer(
+                create_strategy(strategy, **config.weight_sync.strategy_options(strategy))
+            )
+            self.barrier = WeightBarrier(self.client, transfer, timeout_s=config.weight_sync.timeout_s)
+            self._exit_stack.callback(self.barrier.close)
+            self.generator = SingleTurnGenerator(
+                self.client, renderer, rewarder, config.sampling, seed=config.seed
+            )
+            self.schedule = self._build_schedule()
+            if checkpoint is not None:
+                await self._restore(checkpoint)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._exit_stack.aclose()
+            raise
         self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
         self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         self._is_set_up = True
         log.info(
             "orchestrator ready",
             run_dir=str(self.run_dir),
+            inference_mode=config.inference.mode,
             step=self.state.step,
             policy_version=self.state.policy_version,
         )
 
     async def stop(self) -> None:
-        """Shut the engines down and close the metric files. Idempotent."""
+        """Shut the engines (and any servers and router this run started) down and close the metric files.
+        Idempotent."""
         if not self._is_set_up:
             return
         self._is_set_up = False
         with anyio.CancelScope(shield=True):
-            await self.client.close()
+            await self._exit_stack.aclose()
         for sink in self._sinks:
             sink.close()
         if self._rollouts is not None:
@@ -169,10 +190,8 @@ class Orchestrator:
         (self.run_dir / CONFIG_FILE).write_bytes(to_json(self.config) + b"\n")
         return checkpoint
 
-    def _build_model_parts(self) -> tuple[Any, Any, Any]:
-        """Blocking: load tokenizer, renderer, one model copy for the engines and one for the trainer."""
-        from rollflow.inference.client import LocalInferenceClient
-        from rollflow.inference.engine.engine import TorchEngine
+    def _build_trainer_side(self) -> tuple[Any, Any]:
+        """Blocking: load the tokenizer, the chat renderer and the trainer's copy of the model."""
         from rollflow.models.loading import (
             create_chat_renderer,
             load_causal_lm,
@@ -185,14 +204,6 @@ class Orchestrator:
         model_dir = resolve_model_path(config.model.path)
         tokenizer = load_tokenizer(model_dir)
         renderer = create_chat_renderer(tokenizer, config.model)
-        engines = [
-            TorchEngine(
-                load_causal_lm(model_dir),
-                max_batch_size=config.inference.max_batch_size,
-                max_model_len=config.inference.max_model_len,
-            )
-            for _ in range(config.inference.num_engines)
-        ]
         trainer = Trainer(
             load_causal_lm(model_dir),
             config.trainer,
@@ -200,7 +211,7 @@ class Orchestrator:
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
         )
-        return LocalInferenceClient(engines), renderer, trainer
+        return renderer, trainer
 
     def _build_schedule(self) -> Schedule:
         mode = self.config.orchestrator.mode
