@@ -4,6 +4,8 @@ run-directory rules and resume."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,38 @@ async def test_quickstart_learns_inside_pytest_asyncio(tmp_path):
     assert len(rewards) == config.orchestrator.steps
     assert statistics.fmean(rewards[:5]) <= 0.6
     assert statistics.fmean(rewards[-10:]) >= 0.9
+
+
+def server_children() -> list[int]:
+    """Pids of this process's child processes that run an inference server."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and b"serve" in cmdline:
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+async def test_a_server_dying_mid_run_does_not_stop_the_run(tmp_path, monkeypatch):
+    """http mode, 2 servers: kill one; the router and the weight transfer carry on with the other."""
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    config = small_config(
+        tmp_path,
+        "inference.mode='http'",
+        "inference.router_port=0",
+        "inference.health_check_interval_s=0.5",
+        "orchestrator.steps=5",
+    )
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=2)
+        servers = server_children()
+        assert len(servers) == 2
+        os.kill(servers[0], signal.SIGKILL)
+        metrics = await orchestrator.run()
+    assert [m["step"] for m in metrics] == [3, 4, 5]
+    assert orchestrator.state.policy_version == 5
+    assert server_children() == []  # nothing left behind

@@ -42,13 +42,21 @@ class WeightBarrier:
 
         Raises:
             WeightSyncTimeoutError: the pause and transfer took longer than ``timeout_s``.
-            WeightTransferError: the transfer failed (the next update reconnects).
+            Exception: what the transfer raised when it failed twice (the next update reconnects).
         """
         started = time.perf_counter()
         try:
             with anyio.fail_after(self.timeout_s):
                 await self.client.pause(pause_mode)
-                await self.transfer.push(self.client, named_weights(), policy_version)
+                try:
+                    await self.transfer.push(self.client, named_weights(), policy_version)
+                except TimeoutError:
+                    raise
+                except Exception as error:
+                    # A server died mid-transfer: the client dropped it, and the transfer reconnects with
+                    # the servers that are left (a new world size). One retry; a second failure is real.
+                    log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
+                    await self.transfer.push(self.client, named_weights(), policy_version)
         except TimeoutError as error:
             raise WeightSyncTimeoutError(
                 f"weight update to policy version {policy_version} took longer than "

@@ -22,6 +22,7 @@ cancels its handler, which aborts its engine request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -167,6 +168,12 @@ class EngineServer:
         self._update_active = False
         self._pending_version = 0
         self._weights_lock = asyncio.Lock()
+        # Each init_weight_transfer_engine starts a new transfer session (epoch). A receive blocked on a peer
+        # that died must not hold the server hostage: it runs outside _weights_lock, a new init supersedes it,
+        # and whatever it returns late is discarded.
+        self._epoch = 0
+        self._receive_lock = asyncio.Lock()
+        self._receive_in_flight = False
 
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
@@ -533,7 +540,16 @@ class EngineServer:
 
         async def init() -> None:
             async with self._weights_lock:
-                await self._close_receiver()
+                if self._receive_in_flight:
+                    # The blocked receive owns the old receiver and closes it when it returns; its update
+                    # round is abandoned.
+                    self._receiver = None
+                    self._update_active = False
+                else:
+                    await self._close_receiver()
+                self._epoch += 1
+                self._receive_lock = asyncio.Lock()
+                self._receive_in_flight = False
                 try:
                     # Blocking, and may join a torch.distributed group: off the event loop.
                     self._receiver = await asyncio.to_thread(self.receiver_factory, body.init_info, 0)
@@ -541,8 +557,9 @@ class EngineServer:
                     raise bad_request(f"invalid init_info: {error}", "init_info") from None
                 except Exception as error:  # the trainer's group did not form: a failure, named
                     log.exception("weight transfer init failed")
+                    # 502: the trainer side (the upstream peer) failed, not this request.
                     raise ApiError(
-                        500, f"weight transfer init failed: {type(error).__name__}: {error}"
+                        502, f"weight transfer init failed: {type(error).__name__}: {error}"
                     ) from None
                 self._init_info = body.init_info
 
@@ -591,13 +608,16 @@ class EngineServer:
                     raise bad_request(
                         f"update_info.policy_version must be an integer, got {version!r}", "update_info"
                     )
-                try:
-                    tensors = await asyncio.to_thread(self._receiver.receive, update_info)
-                except (ValueError, TypeError, KeyError) as error:
-                    raise bad_request(f"invalid update_info: {error}", "update_info") from None
-                except Exception as error:  # a broken or timed-out transfer: a failure, named
-                    log.exception("weight transfer failed")
-                    raise ApiError(500, f"weight transfer failed: {type(error).__name__}: {error}") from None
+                receiver, epoch, receive_lock = self._receiver, self._epoch, self._receive_lock
+            async with receive_lock:
+                tensors = await self._receive(receiver, epoch, update_info)
+            async with self._weights_lock:
+                if epoch != self._epoch:
+                    raise ApiError(
+                        409,
+                        "weight transfer was re-initialized while this update was receiving; "
+                        "its tensors were discarded",
+                    )
                 try:
                     await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
                 except EngineError as error:
@@ -606,6 +626,27 @@ class EngineServer:
 
         await self._shielded(update())
         return json_response({"message": "Weights updated"})
+
+    async def _receive(self, receiver: Any, epoch: int, update_info: dict[str, Any]) -> Any:
+        """Run the blocking receive off the loop, without holding ``_weights_lock``."""
+        self._receive_in_flight = True
+        try:
+            return await asyncio.to_thread(receiver.receive, update_info)
+        except (ValueError, TypeError, KeyError) as error:
+            raise bad_request(f"invalid update_info: {error}", "update_info") from None
+        except Exception as error:  # a broken or timed-out transfer: a failure, named
+            log.exception("weight transfer failed")
+            if epoch == self._epoch:
+                self._update_active = False  # the round failed; the trainer starts a new one
+            # 502: the transfer's peers (trainer, other workers) failed, not this request.
+            raise ApiError(502, f"weight transfer failed: {type(error).__name__}: {error}") from None
+        finally:
+            if epoch == self._epoch:
+                self._receive_in_flight = False
+            elif hasattr(receiver, "close"):
+                # Superseded while receiving: nobody else holds this receiver any more.
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(receiver.close)
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         body = await self._read(request, FinishWeightUpdateBody, empty_ok=True)
