@@ -51,8 +51,8 @@ async def test_local_transfer_bumps_the_policy_version(client):
     engine = client.engines[0]
     weights = [(name, tensor.clone()) for name, tensor in engine.model.state_dict().items()]
     barrier = WeightBarrier(client, WeightTransfer(create_strategy("local")), timeout_s=30)
-    seconds = await barrier.update(lambda: weights, policy_version=7, pause_mode="wait")
-    assert seconds >= 0
+    timings = await barrier.update(lambda: weights, policy_version=7, pause_mode="wait")
+    assert timings["barrier_time_s"] >= timings["transfer_time_s"] >= 0
     output = await client.generate(GenerateRequest([1, 2, 3], SamplingParams(max_tokens=2)))
     assert output.policy_versions == [7, 7]
     assert not await client.is_paused()

@@ -107,16 +107,45 @@ class TrainerConfig(Section):
     """PPO ratio clip range: [1 - clip_low, 1 + clip_high]."""
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the k3 KL estimate to the initial (reference) policy; 0 disables it and the reference model."""
+    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    """Correction for tokens sampled by an older policy (``rollflow.train.off_policy``). ``none``: PPO-clip
+    directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the trainer's own weights
+    at the start of the step, each token weighted by ``min(pi_trainer / pi_behaviour, tis_cap)``.
+    ``decoupled``: the same objective with the weight uncapped, or with tokens above ``decoupled_cap``
+    left out (AReaL's decoupled PPO). ``auto``: ``none`` in ``sync`` mode, ``tis`` in the async modes."""
+    tis_cap: PositiveFloat = 2.0
+    """``tis``: the truncation C of the importance weight (>= 1, so on-policy tokens keep weight 1)."""
+    decoupled_cap: PositiveFloat | None = None
+    """``decoupled``: tokens whose importance weight exceeds it are left out of the loss (> 1); unset keeps
+    every token at its full weight."""
+
+    def resolved_off_policy(self, orchestrator_mode: str) -> Literal["none", "tis", "decoupled"]:
+        """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes."""
+        if self.off_policy != "auto":
+            return self.off_policy
+        return "none" if orchestrator_mode == "sync" else "tis"
 
 
 class OrchestratorConfig(Section):
-    mode: Literal["sync"] = "sync"
-    """``sync``: generate a step's batch, then train on it, then update weights."""
+    mode: Literal["sync", "one_step", "fully_async"] = "sync"
+    """``sync``: generate a step's batch, train on it, update weights. ``one_step``: generate step t + 1 while
+    training step t (staleness ≤ 1). ``fully_async``: generation never waits for training, within
+    ``max_staleness``."""
     prompts_per_step: Positive = 16
     steps: Positive = 100
     """Optimizer steps of the run."""
-    max_concurrent_groups: Positive = 64
-    """Prompt groups generating at once (bounds the generation channel)."""
+    max_staleness: NonNegative = 2
+    """``fully_async``: the most policy versions a trained sample may lag the weights being trained (checked
+    per sample; staler groups are dropped and regenerated). ``sync`` uses 0 and ``one_step`` 1."""
+    max_inflight: Positive = 64
+    """Prompt groups generating at once (bounds the generation channel and the engines' queue)."""
+    barrier: Literal["abort", "wait", "keep"] = "keep"
+    """How a weight update treats requests in flight (async modes): ``abort`` them (see
+    ``partial_rollouts``), ``wait`` for them to finish, or ``keep`` them frozen and continue on the new
+    weights (their tokens then carry two policy versions)."""
+    partial_rollouts: bool = True
+    """After an ``abort``, continue the request from its partial tokens on the new weights (True), or throw
+    the partial tokens away and sample the completion again (False)."""
 
 
 class CheckpointConfig(Section):
@@ -234,6 +263,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
+    errors += _off_policy_errors(config)
     errors += _inference_errors(config.inference)
     errors += _agent_errors(config)
     strategy = config.weight_sync.resolved_strategy(config.inference.mode)
@@ -248,6 +278,30 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "
             f"({config.orchestrator.steps}): no periodic checkpoint would ever be written"
         )
+    return errors
+
+
+def _off_policy_errors(config: RunConfig) -> list[str]:
+    trainer = config.trainer
+    off_policy = trainer.resolved_off_policy(config.orchestrator.mode)
+    errors = []
+    if trainer.tis_cap < 1:
+        errors.append(
+            f"trainer.tis_cap = {trainer.tis_cap} is below 1: it would down-weight on-policy tokens too "
+            "(their weight is 1); use a cap >= 1 (2.0 is usual)"
+        )
+    if trainer.decoupled_cap is not None:
+        if trainer.decoupled_cap <= 1:
+            errors.append(
+                f"trainer.decoupled_cap = {trainer.decoupled_cap} must be > 1: tokens above it are left out, "
+                "and on-policy tokens have weight 1"
+            )
+        if off_policy != "decoupled":
+            errors.append(
+                f"trainer.decoupled_cap is set but trainer.off_policy = {trainer.off_policy!r} resolves to "
+                f"{off_policy!r} for orchestrator.mode = {config.orchestrator.mode!r}; it only applies to "
+                "off_policy = 'decoupled' (for 'tis' set trainer.tis_cap)"
+            )
     return errors
 
 

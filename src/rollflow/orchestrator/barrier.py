@@ -37,17 +37,20 @@ class WeightBarrier:
         named_weights: Callable[[], Iterable[tuple[str, Any]]],
         policy_version: int,
         pause_mode: PauseMode,
-    ) -> float:
-        """Push ``named_weights()`` stamped as ``policy_version``; returns the barrier's duration in seconds.
+    ) -> dict[str, float]:
+        """Push ``named_weights()`` stamped as ``policy_version``; returns the barrier's timings in seconds
+        (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``).
 
         Raises:
             WeightSyncTimeoutError: the pause and transfer took longer than ``timeout_s``.
             Exception: what the transfer raised when it failed twice (the next update reconnects).
         """
         started = time.perf_counter()
+        paused_at = started
         try:
             with anyio.fail_after(self.timeout_s):
                 await self.client.pause(pause_mode)
+                paused_at = time.perf_counter()
                 try:
                     await self.transfer.push(self.client, named_weights(), policy_version)
                 except TimeoutError:
@@ -57,6 +60,7 @@ class WeightBarrier:
                     # the servers that are left (a new world size). One retry; a second failure is real.
                     log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
                     await self.transfer.push(self.client, named_weights(), policy_version)
+                transferred_at = time.perf_counter()
         except TimeoutError as error:
             raise WeightSyncTimeoutError(
                 f"weight update to policy version {policy_version} took longer than "
@@ -66,9 +70,13 @@ class WeightBarrier:
             # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
             with anyio.move_on_after(self.timeout_s, shield=True):
                 await self.client.resume()
-        elapsed = time.perf_counter() - started
-        log.debug("weights updated", policy_version=policy_version, seconds=round(elapsed, 4))
-        return elapsed
+        timings = {
+            "barrier_time_s": time.perf_counter() - started,
+            "pause_time_s": paused_at - started,
+            "transfer_time_s": transferred_at - paused_at,
+        }
+        log.debug("weights updated", policy_version=policy_version, **timings)
+        return timings
 
     def close(self) -> None:
         self.transfer.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -29,6 +29,17 @@ class OrchestratorState(msgspec.Struct):
     """Version of the weights the engines hold; bumped by every weight-update barrier."""
     data_position: int = 0
     """Index of the first prompt not yet trained on: a resumed run starts generating here."""
+    trained_ahead: list[int] = []
+    """Prompts beyond ``data_position`` already trained (async modes train groups out of order); a resumed
+    run skips them, so every prompt is trained exactly once."""
+
+    def mark_trained(self, prompt_indices: Iterable[int]) -> None:
+        """Record trained prompts and advance ``data_position`` over the contiguous trained prefix."""
+        ahead = set(self.trained_ahead).union(prompt_indices)
+        while self.data_position in ahead:
+            ahead.remove(self.data_position)
+            self.data_position += 1
+        self.trained_ahead = sorted(ahead)
 
 
 def checkpoints_dir(run_dir: Path) -> Path:

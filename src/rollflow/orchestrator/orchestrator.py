@@ -15,11 +15,12 @@ scored groups, training, updating weights and writing metrics and checkpoints.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from rollflow.orchestrator.checkpoint import (
     load_state,
     save_checkpoint,
 )
-from rollflow.orchestrator.schedules import Schedule, SyncSchedule
+from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
@@ -68,14 +69,29 @@ class Orchestrator:
     # Swappable components, built in setup().
     task: Task
     generator: SingleTurnGenerator
-    schedule: Schedule
+    schedule: StalenessSchedule
     barrier: WeightBarrier
     # Fixed components.
     client: Any  # InferenceClient: in-process engines, or servers behind a router
     trainer: Any  # rollflow.train.trainer.Trainer
 
-    def __init__(self, config: RunConfig, *, resume: bool = False, sinks: list[MetricsSink] | None = None):
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        resume: bool = False,
+        sinks: list[MetricsSink] | None = None,
+        inference_client: Any = None,
+    ):
+        """Args:
+        config: the run config.
+        resume: continue the run in ``config.run_dir`` from its last checkpoint.
+        sinks: extra metric sinks (each gets every step's metrics).
+        inference_client: an ``InferenceClient`` to use instead of building one from ``config.inference``;
+            the caller keeps ownership (it is not closed by ``stop``).
+        """
         self.config = config
+        self._given_client = inference_client
         self.resume = resume
         self.run_dir = config.run_dir
         # Runtime state.
@@ -92,7 +108,12 @@ class Orchestrator:
 
     @classmethod
     async def start(
-        cls, config: RunConfig, *, resume: bool = False, sinks: list[MetricsSink] | None = None
+        cls,
+        config: RunConfig,
+        *,
+        resume: bool = False,
+        sinks: list[MetricsSink] | None = None,
+        inference_client: Any = None,
     ) -> Orchestrator:
         """Build every component (load models, start engines) and return the ready orchestrator.
 
@@ -102,7 +123,7 @@ class Orchestrator:
             CheckpointError: ``resume`` is true but the run has no complete checkpoint.
             ModelNotFoundError: ``model.path`` does not resolve to a local model.
         """
-        orchestrator = cls(config, resume=resume, sinks=sinks)
+        orchestrator = cls(config, resume=resume, sinks=sinks, inference_client=inference_client)
         await orchestrator.setup()
         return orchestrator
 
@@ -127,7 +148,7 @@ class Orchestrator:
         renderer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
         self._exit_stack = contextlib.AsyncExitStack()
         try:
-            self.client = await self._exit_stack.enter_async_context(
+            self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
             strategy = config.weight_sync.resolved_strategy(config.inference.mode)
@@ -137,9 +158,14 @@ class Orchestrator:
             self.barrier = WeightBarrier(self.client, transfer, timeout_s=config.weight_sync.timeout_s)
             self._exit_stack.callback(self.barrier.close)
             self.generator = SingleTurnGenerator(
-                self.client, renderer, rewarder, config.sampling, seed=config.seed
+                self.client,
+                renderer,
+                rewarder,
+                config.sampling,
+                seed=config.seed,
+                partial_rollouts=config.orchestrator.partial_rollouts,
             )
-            self.schedule = self._build_schedule()
+            self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             if checkpoint is not None:
                 await self._restore(checkpoint)
         except BaseException:
@@ -210,14 +236,9 @@ class Orchestrator:
             temperature=config.sampling.temperature,
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
+            off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
         )
         return renderer, trainer
-
-    def _build_schedule(self) -> Schedule:
-        mode = self.config.orchestrator.mode
-        if mode == "sync":
-            return SyncSchedule(self.config.orchestrator.prompts_per_step)
-        raise ConfigError(f"orchestrator.mode = {mode!r} is not supported; use 'sync'")
 
     async def _restore(self, checkpoint: Path) -> None:
         self.state = load_state(checkpoint)
@@ -238,7 +259,9 @@ class Orchestrator:
         """Train for ``steps`` more steps (default: until ``orchestrator.steps`` in total).
 
         Returns the metrics of the steps run by this call. A checkpoint is written every
-        ``checkpoint.every`` steps and after the last step.
+        ``checkpoint.every`` steps and after the last step. In the async modes, groups still generating when
+        the call returns are cancelled and their prompts generated again by the next call: nothing is
+        trained twice or lost.
         """
         if not self._is_set_up:
             raise RuntimeError("Orchestrator.run() before setup(): use `await Orchestrator.start(config)`")
@@ -246,7 +269,13 @@ class Orchestrator:
         if target <= self.state.step:
             return []
         self._started_at = time.perf_counter()
-        capacity = self.config.orchestrator.max_concurrent_groups
+        self.schedule = StalenessSchedule.from_config(
+            self.config.orchestrator,
+            policy_version=self.state.policy_version,
+            steps_done=self.state.step,
+        )
+        self._retry_prompts: deque[int] = deque()
+        capacity = self.config.orchestrator.max_inflight
         requests = channel(RolloutRequest, capacity)
         results = channel(ScoredGroup, capacity)
         run_metrics = []
@@ -262,19 +291,35 @@ class Orchestrator:
                         run_metrics.append(metrics)
                         if on_step is not None:
                             on_step(metrics)
-                # In sync mode nothing is in flight here; stop the feeder and the idle workers.
-                tg.cancel_scope.cancel()
+                    # Stop the feeder and the workers (before the results channel closes under them);
+                    # groups still generating are regenerated by the next run.
+                    tg.cancel_scope.cancel()
         return run_metrics
+
+    def _next_prompt_index(self, fresh: Iterator[int]) -> int:
+        """A dropped prompt first (it must still be trained), else the next prompt not trained yet."""
+        if self._retry_prompts:
+            return self._retry_prompts.popleft()
+        return next(fresh)
+
+    def _untrained_indices(self) -> Iterator[int]:
+        trained_ahead = set(self.state.trained_ahead)
+        index = self.state.data_position
+        while True:
+            if index not in trained_ahead:
+                yield index
+            index += 1
 
     async def _feed_prompts(
         self, send: MemoryObjectSendStream[RolloutRequest], *, task_status: TaskStatus[None]
     ) -> None:
         """Data source: emit prompts from the data position on, as the schedule admits them."""
+        fresh = self._untrained_indices()
         async with send:
             task_status.started()
-            index = self.state.data_position
             while True:
                 await self.schedule.admit()
+                index = self._next_prompt_index(fresh)
                 item = self.task.item(index)
                 await send.send(
                     RolloutRequest(
@@ -285,7 +330,6 @@ class Orchestrator:
                         num_samples=self.config.sampling.samples_per_prompt,
                     )
                 )
-                index += 1
 
     async def _generation_worker(
         self,
@@ -294,30 +338,62 @@ class Orchestrator:
     ) -> None:
         async with requests, results:
             async for request in requests:
-                group = await self.generator.generate_group(request)
+                try:
+                    group = await self.generator.generate_group(request)
+                finally:
+                    self.schedule.group_finished()
                 await results.send(group)
+
+    async def _collect_batch(
+        self, results: MemoryObjectReceiveStream[ScoredGroup]
+    ) -> tuple[list[ScoredGroup], int]:
+        """Receive one step's groups, dropping (and queueing for regeneration) any beyond the staleness bound."""
+        groups: list[ScoredGroup] = []
+        dropped = 0
+        while len(groups) < self.config.orchestrator.prompts_per_step:
+            group = await results.receive()
+            oldest = min(sample.min_policy_version for sample in group.samples)
+            if self.schedule.is_within_bound(oldest):
+                groups.append(group)
+                continue
+            dropped += 1
+            self._retry_prompts.append(group.prompt_index)
+            self.schedule.group_dropped()
+            log.debug("dropped stale group", prompt_index=group.prompt_index, policy_version=oldest)
+        groups.sort(key=lambda group: group.prompt_index)
+        return groups, dropped
 
     async def _train_step(self, results: MemoryObjectReceiveStream[ScoredGroup]) -> dict[str, Any]:
         step = self.state.step + 1
         step_started = time.perf_counter()
-        self.schedule.open_step(step)
-        groups = [await results.receive() for _ in range(self.config.orchestrator.prompts_per_step)]
-        groups.sort(key=lambda group: group.prompt_index)
-        generation_time = time.perf_counter() - step_started
+        idle_before = self.schedule.generator_idle_s()
+        groups, dropped = await self._collect_batch(results)
+        wait_time = time.perf_counter() - step_started
 
         batch = TrainBatch(step=step, groups=groups)
-        result: StepResult = await anyio.to_thread.run_sync(self.trainer.train_step, batch)
+        staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples]
+        result: StepResult = await anyio.to_thread.run_sync(
+            functools.partial(self.trainer.train_step, batch, policy_version=self.state.policy_version)
+        )
 
-        barrier_time = 0.0
+        barrier: dict[str, float] = {}
         if result.updated:
-            barrier_time = await self.barrier.update(
+            barrier = await self.barrier.update(
                 self.trainer.named_weights, self.state.policy_version + 1, self.schedule.pause_mode
             )
             self.state.policy_version += 1
         self.state.step = step
-        self.state.data_position = max(group.prompt_index for group in groups) + 1
+        self.state.mark_trained(group.prompt_index for group in groups)
+        self.schedule.published(self.state.policy_version, steps_done=step)
 
-        metrics = self._step_metrics(batch, result, generation_time, barrier_time, step_started)
+        step_time = time.perf_counter() - step_started
+        metrics = self._step_metrics(batch, result, wait_time, step_time, barrier)
+        metrics.update(
+            _staleness_metrics(staleness),
+            dropped_stale_groups=dropped,
+            trainer_idle_fraction=wait_time / step_time,
+            generator_idle_fraction=(self.schedule.generator_idle_s() - idle_before) / step_time,
+        )
         self._record(batch, metrics)
         if self._checkpoint_due():
             await self._save_checkpoint()
@@ -328,14 +404,13 @@ class Orchestrator:
         batch: TrainBatch,
         result: StepResult,
         generation_time: float,
-        barrier_time: float,
-        step_started: float,
+        step_time: float,
+        barrier: dict[str, float],
     ) -> dict[str, Any]:
         samples = batch.samples
         rewards = [sample.reward for sample in samples if not sample.masked]
         tokens = sum(len(sample.completion_token_ids) for sample in samples)
         finish = Counter(sample.finish_reason for sample in samples)
-        step_time = time.perf_counter() - step_started
         metrics: dict[str, Any] = {
             "step": batch.step,
             "policy_version": self.state.policy_version,
@@ -345,12 +420,17 @@ class Orchestrator:
             "completion_tokens": tokens,
             "completion_len_mean": tokens / max(len(samples), 1),
             **{f"finish_{reason.value}": finish[reason] / len(samples) for reason in FinishReason},
-            "tokens_per_s": tokens / generation_time if generation_time > 0 else 0.0,
+            # End-to-end throughput: trained tokens per second of the step (comparable across modes).
+            "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
             "generation_time_s": generation_time,
-            "barrier_time_s": barrier_time,
+            "barrier_time_s": barrier.get("barrier_time_s", 0.0),
+            "weight_transfer_time_s": barrier.get("transfer_time_s", 0.0),
             "step_time_s": step_time,
             "elapsed_s": time.perf_counter() - self._started_at,
         }
+        for group in batch.groups:
+            for name, value in group.metrics.items():
+                metrics[name] = metrics.get(name, 0.0) + value
         metrics.update(result.metrics)
         return metrics
 
@@ -386,3 +466,15 @@ class Orchestrator:
             self.config.checkpoint.keep,
         )
         log.info("checkpoint saved", path=str(path), step=self.state.step)
+
+
+def _staleness_metrics(staleness: list[int]) -> dict[str, float]:
+    """Per-sample staleness: mean, max and a histogram (``staleness_hist_K`` = samples K versions behind)."""
+    if not staleness:
+        return {}
+    counts = Counter(staleness)
+    return {
+        "staleness_mean": statistics.fmean(staleness),
+        "staleness_max": max(staleness),
+        **{f"staleness_hist_{k}": counts[k] for k in sorted(counts)},
+    }

@@ -11,6 +11,7 @@ import anyio
 from rollflow.config import SamplingConfig
 from rollflow.inference.client import InferenceClient
 from rollflow.messages import (
+    FinishReason,
     GenerateOutput,
     GenerateRequest,
     RolloutRequest,
@@ -39,12 +40,15 @@ class SingleTurnGenerator:
         rewarder: Rewarder,
         sampling: SamplingConfig,
         seed: int,
+        partial_rollouts: bool = True,
     ):
         self.client = client
         self.renderer = renderer
         self.rewarder = rewarder
         self.sampling = sampling
         self.seed = seed
+        # After an abort: continue from the partial tokens (True) or sample the completion again (False).
+        self.partial_rollouts = partial_rollouts
         self.stop_token_ids = tuple(renderer.get_stop_token_ids())
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -61,22 +65,31 @@ class SingleTurnGenerator:
         prompt_ids = self.render_prompt(request.messages)
         outputs: list[GenerateOutput | None] = [None] * request.num_samples
 
+        regenerated = 0
+
         async def sample_one(sample_index: int) -> None:
-            params = SamplingParams(
-                max_tokens=self.sampling.max_tokens,
-                temperature=self.sampling.temperature,
-                top_p=self.sampling.top_p,
-                top_k=self.sampling.top_k,
-                seed=sample_seed(self.seed, request.prompt_index, sample_index),
-                stop_token_ids=self.stop_token_ids,
-            )
-            outputs[sample_index] = await self.client.generate(
-                GenerateRequest(
-                    prompt_token_ids=prompt_ids,
-                    sampling=params,
-                    request_id=f"p{request.prompt_index}-s{sample_index}",
-                )
-            )
+            nonlocal regenerated
+            seed = sample_seed(self.seed, request.prompt_index, sample_index)
+            output = await self._sample(prompt_ids, [], seed, f"p{request.prompt_index}-s{sample_index}")
+            # A weight-update barrier in abort mode ended the request: an infrastructure event, not the
+            # policy's doing, so this one sample is continued or sampled again, never dropped with its group.
+            while output.finish_reason is FinishReason.ABORT:
+                regenerated += 1
+                if self.partial_rollouts:
+                    continued = await self._sample(
+                        prompt_ids, output.token_ids, seed + regenerated, output.request_id
+                    )
+                    output = GenerateOutput(
+                        request_id=output.request_id,
+                        token_ids=output.token_ids + continued.token_ids,
+                        logprobs=output.logprobs + continued.logprobs,
+                        finish_reason=continued.finish_reason,
+                        policy_versions=output.policy_versions + continued.policy_versions,
+                        prompt_len=len(prompt_ids),
+                    )
+                else:
+                    output = await self._sample(prompt_ids, [], seed + regenerated, output.request_id)
+            outputs[sample_index] = output
 
         async with anyio.create_task_group() as tg:
             for sample_index in range(request.num_samples):
@@ -103,4 +116,21 @@ class SingleTurnGenerator:
             prompt_index=request.prompt_index,
             samples=samples,
             generation_time_s=time.perf_counter() - started,
+            metrics={"regenerated_samples": float(regenerated)},
+        )
+
+    async def _sample(
+        self, prompt_ids: list[int], partial_ids: list[int], seed: int, request_id: str
+    ) -> GenerateOutput:
+        """Sample a completion of ``prompt_ids + partial_ids``; the output holds only the new tokens."""
+        params = SamplingParams(
+            max_tokens=self.sampling.max_tokens - len(partial_ids),
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+        )
+        return await self.client.generate(
+            GenerateRequest(prompt_token_ids=prompt_ids + partial_ids, sampling=params, request_id=request_id)
         )

@@ -7,8 +7,10 @@ Where this departs from the GRPO paper (Shao et al. 2024):
   so splitting a step into micro-batches does not change the gradient.
 - The clip range is ``[1 - clip_low, 1 + clip_high]``; an asymmetric range is DAPO's "clip-higher". Both are
   0.2 by default, which is the paper's symmetric clip.
-- ``pi_old`` is the sampler's recorded logprob of each token (the behaviour policy), so the ratio also
-  absorbs any trainer/sampler numerical mismatch and policy staleness; there is no extra importance weight.
+- With ``trainer.off_policy = "none"``, ``pi_old`` is the sampler's recorded logprob of each token (the
+  behaviour policy), so the ratio also absorbs any trainer/sampler numerical mismatch and policy staleness.
+  The other settings take the ratio against the trainer's own weights and weight each token's policy term
+  by an importance weight (``token_weights``; see ``off_policy.py``).
 - The KL term is the paper's k3 estimator to the reference policy, added per token with weight ``kl_coef``
   and aggregated like the policy term.
 """
@@ -81,15 +83,17 @@ def ppo_clip_loss(
     num_step_tokens: int | None = None,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    token_weights: torch.Tensor | None = None,
 ) -> PolicyLoss:
-    """Token-level PPO-clip loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k3``.
+    """Token-level PPO-clip loss ``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k3``.
 
     All tensors have the same shape (e.g. ``[batch, time]``); only positions where ``loss_mask`` is true
     count. Values at other positions are ignored entirely, even NaN.
 
     Args:
         new_logprobs: the policy's logprobs of the sampled tokens, with gradient.
-        old_logprobs: the behaviour (sampler) logprobs of the same tokens.
+        old_logprobs: the logprobs the ratio is taken against: the behaviour (sampler) logprobs, or the
+            proximal ones (the trainer's, detached) under off-policy correction.
         advantages: each token's advantage (its sample's advantage, broadcast).
         loss_mask: bool, true at the tokens to train on.
         clip_low, clip_high: the ratio clip range ``[1 - clip_low, 1 + clip_high]``.
@@ -97,6 +101,7 @@ def ppo_clip_loss(
             batch's own count (at least 1).
         ref_logprobs: reference-policy logprobs for the k3 KL estimate; None disables the KL term.
         kl_coef: weight of the KL term in the loss.
+        token_weights: detached per-token weights ``w`` of the policy term (importance weights); None is 1.
     """
     loss_mask = loss_mask.bool()
     if num_step_tokens is None:
@@ -111,6 +116,8 @@ def ppo_clip_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * torch.where(loss_mask, token_weights, torch.ones_like(token_weights))
 
     kl = None
     if ref_logprobs is not None:

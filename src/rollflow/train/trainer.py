@@ -1,9 +1,10 @@
 """The single-process torch trainer: one optimizer step of the GRPO-family loss per ``TrainBatch``.
 
 It trains on exactly the tokens the sampler produced: each sample's input is ``prompt_token_ids +
-completion_token_ids``, the loss covers the completion tokens only, and ``pi_old`` is the logprob the sampler
-recorded for each of them. Advantages come from each sample's prompt group (``advantages.py``); the loss is a
-token mean over the whole step (``losses.py``), so micro-batching changes memory use, not the update.
+completion_token_ids``, the loss covers the completion tokens only, and the behaviour logprob of each of them
+is the one the sampler recorded. Advantages come from each sample's prompt group (``advantages.py``); the loss
+is a token mean over the whole step (``losses.py``), so micro-batching changes memory use, not the update.
+Tokens sampled by older policies are corrected per ``trainer.off_policy`` (``off_policy.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from rollflow.errors import CheckpointError
 from rollflow.messages import Sample, StepResult, TrainBatch
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.losses import entropy_from_logits, ppo_clip_loss, token_logprobs
+from rollflow.train.off_policy import OffPolicy, importance_weights
 
 log = structlog.get_logger(__name__)
 
@@ -120,6 +122,8 @@ class Trainer:
             are comparable with the ones the sampler recorded.
         pad_token_id: id used to right-pad micro-batches (never part of the loss).
         seed: seeds the trainer's own torch generator (global RNG state is left alone).
+        off_policy: the resolved off-policy correction, ``config.resolved_off_policy(orchestrator.mode)``.
+            None takes ``config.off_policy`` with ``auto`` resolved as in ``sync`` mode (``none``).
     """
 
     def __init__(
@@ -130,7 +134,15 @@ class Trainer:
         temperature: float = 1.0,
         pad_token_id: int = 0,
         seed: int = 0,
+        off_policy: OffPolicy | None = None,
     ) -> None:
+        if off_policy is None:
+            off_policy = config.resolved_off_policy("sync")
+        if off_policy not in ("none", "tis", "decoupled"):
+            raise ValueError(
+                f"off_policy = {off_policy!r}: pass 'none', 'tis' or 'decoupled' "
+                "(resolve 'auto' with TrainerConfig.resolved_off_policy)"
+            )
         if temperature <= 0:
             raise ValueError(
                 f"temperature = {temperature} cannot be trained on: greedy sampling has no logprobs to "
@@ -140,6 +152,7 @@ class Trainer:
         self.config = config
         self.temperature = temperature
         self.pad_token_id = pad_token_id
+        self.off_policy: OffPolicy = off_policy
         # Model and optimizer
         self.model = model
         # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
@@ -159,11 +172,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch) -> StepResult:
+    def train_step(self, batch: TrainBatch, policy_version: int | None = None) -> StepResult:
         """Run one optimizer step on ``batch``; blocking (call it from a worker thread).
 
         The update is skipped (``updated=False``, weights and optimizer state untouched) when the batch has
         no trainable tokens, or when the loss or the gradient norm is not finite.
+
+        With off-policy correction on, the metrics include ``is_weight_mean`` and ``is_weight_max`` (of
+        ``pi_trainer / pi_behaviour`` over the loss tokens, before any cap) and ``is_truncated_fraction``
+        (loss tokens above the cap: truncated by ``tis``, left out by ``decoupled``).
+
+        Args:
+            batch: the step's scored groups.
+            policy_version: the version of the weights being trained; when given, the metrics include
+                ``behaviour_staleness_mean``, the mean over loss tokens of ``policy_version`` minus the
+                version that sampled the token (tokens of unknown version, below 0, are left out).
 
         Raises:
             ValueError: a sample's logprobs do not match its completion tokens.
@@ -193,23 +216,25 @@ class Trainer:
         # Every micro-batch divides by the step's token count, so their gradients add up to the step's mean.
         num_loss_tokens = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
         metrics["num_loss_tokens"] = float(num_loss_tokens)
+        if policy_version is not None:  # after collation, which checks each sample's lengths
+            metrics["behaviour_staleness_mean"] = _staleness_mean([s for s, _ in trainable], policy_version)
         if num_loss_tokens == 0:
             log.warning("skipped optimizer step: no trainable tokens", step=batch.step, **metrics)
             return self._skipped(batch, metrics, started)
 
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        mismatch_max = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
             for name, value in self._forward_backward(micro_batch, num_loss_tokens).items():
-                if name == "logprob_mismatch_max":
-                    mismatch_max = torch.maximum(mismatch_max, value)
+                if name not in totals:
+                    totals[name] = value
+                elif name.endswith("_max"):
+                    totals[name] = torch.maximum(totals[name], value)
                 else:
-                    totals[name] = totals.get(name, 0.0) + value
+                    totals[name] = totals[name] + value
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
 
         metrics.update({name: float(value) for name, value in totals.items()})
-        metrics["logprob_mismatch_max"] = float(mismatch_max)
         metrics["grad_norm"] = float(grad_norm)
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
@@ -241,9 +266,29 @@ class Trainer:
         return samples, advantages
 
     def _forward_backward(self, micro_batch: MicroBatch, num_step_tokens: int) -> dict[str, torch.Tensor]:
-        """Loss and backward of one micro-batch; returns its (detached) shares of the step's metrics."""
+        """Loss and backward of one micro-batch; returns its (detached) shares of the step's metrics.
+
+        Shares named ``*_max`` are maxima over the micro-batch; the others are sums divided by the step's
+        token count.
+        """
+        mask = micro_batch.loss_mask
         logits = self._logits(self.model, micro_batch)
         new_logprobs = token_logprobs(logits, micro_batch.target_ids, self.temperature)
+        importance = None
+        if self.off_policy == "none":
+            ratio_anchor, token_weights = micro_batch.old_logprobs, None
+        else:
+            # The proximal policy is these weights before the step's update, i.e. this very forward: the
+            # ratio is 1 in value but carries the gradient, and the stale part goes into the weights.
+            ratio_anchor = new_logprobs.detach()
+            importance = importance_weights(
+                ratio_anchor,
+                micro_batch.old_logprobs,
+                mask,
+                method=self.off_policy,
+                cap=self.config.tis_cap if self.off_policy == "tis" else self.config.decoupled_cap,
+            )
+            token_weights = importance.weights
         ref_logprobs = None
         if self.reference_model is not None:
             with torch.no_grad():
@@ -251,19 +296,19 @@ class Trainer:
                 ref_logprobs = token_logprobs(ref_logits, micro_batch.target_ids, self.temperature)
         result = ppo_clip_loss(
             new_logprobs,
-            micro_batch.old_logprobs,
+            ratio_anchor,
             micro_batch.advantages,
-            micro_batch.loss_mask,
+            mask,
             clip_low=self.config.clip_low,
             clip_high=self.config.clip_high,
             num_step_tokens=num_step_tokens,
             ref_logprobs=ref_logprobs,
             kl_coef=self.config.kl_coef,
+            token_weights=token_weights,
         )
         result.loss.backward()
 
         with torch.no_grad():
-            mask = micro_batch.loss_mask
             # Both measured on this forward pass, i.e. before the step's update.
             mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[mask].abs()
             entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
@@ -273,10 +318,14 @@ class Trainer:
                 "ratio_mean": result.ratio_mean,
                 "entropy": entropy.sum() / num_step_tokens,
                 "logprob_mismatch": mismatch.sum() / num_step_tokens,
-                "logprob_mismatch_max": mismatch.max() if mismatch.numel() else mismatch.new_zeros(()),
+                "logprob_mismatch_max": _max_or_zero(mismatch),
             }
             if result.kl is not None:
                 shares["kl"] = result.kl
+            if importance is not None:
+                shares["is_weight_mean"] = importance.raw[mask].sum() / num_step_tokens
+                shares["is_weight_max"] = _max_or_zero(importance.raw[mask])
+                shares["is_truncated_fraction"] = importance.capped.sum() / num_step_tokens
         return shares
 
     @staticmethod
@@ -428,3 +477,24 @@ def _write_atomically(path: Path, write) -> None:
 
 def _mean(values: Sequence[float]) -> float:
     return math.fsum(values) / len(values) if values else 0.0
+
+
+def _max_or_zero(values: torch.Tensor) -> torch.Tensor:
+    return values.max() if values.numel() else values.new_zeros(())
+
+
+def _staleness_mean(samples: Sequence[Sample], policy_version: int) -> float:
+    """Mean of ``policy_version - version`` over the samples' loss tokens of known version."""
+    lags = []
+    for sample in samples:
+        if len(sample.policy_versions) != len(sample.completion_token_ids):
+            continue  # no per-token record to measure
+        # An empty prompt leaves the first completion token out of the loss (see build_micro_batch).
+        skipped = 0 if sample.prompt_token_ids else 1
+        mask = [True] * len(sample.completion_token_ids) if sample.loss_mask is None else sample.loss_mask
+        lags += [
+            policy_version - version
+            for version, trained in zip(sample.policy_versions[skipped:], mask[skipped:], strict=True)
+            if trained and version >= 0
+        ]
+    return _mean(lags)
