@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -39,13 +40,21 @@ def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, time
     raise AssertionError(f"step {step} not reached in {timeout_s} s")
 
 
-@pytest.mark.parametrize("mode", ["local", "http"])
-def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "schedule"), [("local", "sync"), ("http", "fully_async")])
+def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode, schedule):
     """The README's run command: reward starts near chance and ends near 1 on the case task, with engines
-    in process (local) and with 2 engine servers behind the router (http)."""
+    in process (local, sync) and with 2 engine servers behind the router (http, fully async)."""
     started = time.monotonic()
     result = subprocess.run(
-        rollflow("run", str(QUICKSTART), "--no-progress", "--set", "inference.router_port=0"),
+        rollflow(
+            "run",
+            str(QUICKSTART),
+            "--no-progress",
+            "--set",
+            "inference.router_port=0",
+            "--set",
+            f"orchestrator.mode='{schedule}'",
+        ),
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -58,9 +67,13 @@ def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode):
     rewards = [m["reward_mean"] for m in metrics]
     assert len(rewards) == 200
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-10:])
-    mismatch = statistics.fmean(m["logprob_mismatch"] for m in metrics)
+    # Engine-vs-trainer mismatch is measured on tokens sampled by the weights being trained; a fully async
+    # step may have none (all its samples are a version or two behind).
+    on_policy = [m["logprob_mismatch"] for m in metrics if math.isfinite(m["logprob_mismatch"])]
+    assert on_policy or schedule != "sync"
+    mismatch = statistics.fmean(on_policy) if on_policy else 0.0
     print(
-        f"quickstart ({mode}): {elapsed:.0f} s, reward first 5 {first:.3f}, last 10 {last:.3f}, mismatch {mismatch:.2e}"
+        f"quickstart ({mode}, {schedule}): {elapsed:.0f} s, reward first 5 {first:.3f}, last 10 {last:.3f}, mismatch {mismatch:.2e}"
     )
     assert first <= 0.6
     assert last >= 0.9

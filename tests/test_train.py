@@ -282,6 +282,23 @@ def test_logprob_mismatch_is_zero_for_the_samplers_own_logprobs(model):
     assert metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and metrics["clip_fraction"] == 0.0
 
 
+def test_logprob_mismatch_counts_only_tokens_of_the_trained_version(model):
+    """Stale tokens differ from the trainer by design; the numerical check uses on-policy tokens only."""
+    batch = make_batch(model)
+    samples = batch.samples
+    for sample in samples[: len(samples) // 2]:
+        sample.logprobs = [value - 0.5 for value in sample.logprobs]  # "sampled by an older policy"
+        sample.policy_versions = [3] * len(sample.completion_token_ids)
+    for sample in samples[len(samples) // 2 :]:
+        sample.policy_versions = [4] * len(sample.completion_token_ids)
+    metrics = make_trainer(model).train_step(batch, policy_version=4).metrics
+    on_policy_tokens = sum(len(s.completion_token_ids) for s in samples[len(samples) // 2 :])
+    assert metrics["logprob_mismatch_tokens"] == on_policy_tokens
+    assert metrics["logprob_mismatch"] < 1e-4
+    stale_only = make_trainer(model).train_step(batch, policy_version=5).metrics
+    assert stale_only["logprob_mismatch_tokens"] == 0 and math.isnan(stale_only["logprob_mismatch"])
+
+
 def test_micro_batching_gives_the_same_update(base_model):
     batch = make_batch(base_model, groups=3, group_size=4)
     results = []

@@ -48,6 +48,9 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [batch, time - 1] bool, true exactly on the sampled completion tokens
     old_logprobs: torch.Tensor  # [batch, time - 1] float32 behaviour logprobs, 0 off the loss mask
     advantages: torch.Tensor  # [batch, time - 1] float32, the sample's advantage on its loss tokens
+    token_versions: (
+        torch.Tensor
+    )  # [batch, time - 1] long, policy version of each completion token, -1 unknown
 
 
 def build_micro_batch(
@@ -86,6 +89,7 @@ def build_micro_batch(
     loss_mask = torch.zeros((batch, time_len - 1), dtype=torch.bool)
     old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
+    token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
     for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
         prompt_len = len(sample.prompt_token_ids)
         input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -99,6 +103,8 @@ def build_micro_batch(
             loss_mask[row, first : length - 1] = torch.tensor(sample.loss_mask[skipped:], dtype=torch.bool)
         old_logprobs[row, first : length - 1] = torch.tensor(sample.logprobs[skipped:], dtype=torch.float32)
         token_advantages[row, first : length - 1] = advantage
+        if len(sample.policy_versions) == len(sample.completion_token_ids):
+            token_versions[row, first : length - 1] = torch.tensor(sample.policy_versions[skipped:])
     return MicroBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
@@ -106,6 +112,7 @@ def build_micro_batch(
         loss_mask=loss_mask.to(device),
         old_logprobs=old_logprobs.to(device),
         advantages=token_advantages.to(device),
+        token_versions=token_versions.to(device),
     )
 
 
@@ -225,7 +232,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         for micro_batch in micro_batches:
-            for name, value in self._forward_backward(micro_batch, num_loss_tokens).items():
+            for name, value in self._forward_backward(micro_batch, num_loss_tokens, policy_version).items():
                 if name not in totals:
                     totals[name] = value
                 elif name.endswith("_max"):
@@ -235,6 +242,11 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
 
         metrics.update({name: float(value) for name, value in totals.items()})
+        # Engine-vs-trainer mismatch is a numerical check: only tokens sampled by these very weights count.
+        onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
+        mismatch_sum = metrics.pop("logprob_mismatch_sum")
+        metrics["logprob_mismatch"] = mismatch_sum / onpolicy_tokens if onpolicy_tokens else math.nan
+        metrics["logprob_mismatch_tokens"] = onpolicy_tokens
         metrics["grad_norm"] = float(grad_norm)
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
@@ -265,7 +277,9 @@ class Trainer:
             )
         return samples, advantages
 
-    def _forward_backward(self, micro_batch: MicroBatch, num_step_tokens: int) -> dict[str, torch.Tensor]:
+    def _forward_backward(
+        self, micro_batch: MicroBatch, num_step_tokens: int, policy_version: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Loss and backward of one micro-batch; returns its (detached) shares of the step's metrics.
 
         Shares named ``*_max`` are maxima over the micro-batch; the others are sums divided by the step's
@@ -310,14 +324,18 @@ class Trainer:
 
         with torch.no_grad():
             # Both measured on this forward pass, i.e. before the step's update.
-            mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[mask].abs()
+            on_policy = (
+                mask if policy_version is None else mask & (micro_batch.token_versions == policy_version)
+            )
+            mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[on_policy].abs()
             entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
             shares = {
                 "loss": result.loss.detach(),
                 "clip_fraction": result.clip_fraction,
                 "ratio_mean": result.ratio_mean,
                 "entropy": entropy.sum() / num_step_tokens,
-                "logprob_mismatch": mismatch.sum() / num_step_tokens,
+                "logprob_mismatch_sum": mismatch.sum(),
+                "logprob_mismatch_tokens": on_policy.sum(),
                 "logprob_mismatch_max": _max_or_zero(mismatch),
             }
             if result.kl is not None:
