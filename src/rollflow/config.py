@@ -107,6 +107,9 @@ class TrainerConfig(Section):
     """PPO ratio clip range: [1 - clip_low, 1 + clip_high]."""
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the k3 KL estimate to the initial (reference) policy; 0 disables it and the reference model."""
+    num_threads: Positive | None = None
+    """Torch threads of a training step; unset keeps torch's count. When generation shares the cores
+    (async modes on one machine), fewer threads than cores lets the two overlap instead of contending."""
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     """Correction for tokens sampled by an older policy (``rollflow.train.off_policy``). ``none``: PPO-clip
     directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the trainer's own weights

@@ -201,7 +201,7 @@ class Trainer:
         started = time.perf_counter()
         # Worker threads that never set a thread count run under MKL/OpenMP dynamic threading, which is
         # measurably slower here (pytorch#13757); setting it, even to the same value, turns that off.
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(self.config.num_threads or torch.get_num_threads())
         samples, advantages = self._samples_with_advantages(batch)
         trainable = [(s, a) for s, a in zip(samples, advantages, strict=True) if not s.masked]
         metrics: dict[str, float] = {
