@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
@@ -34,7 +36,10 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints one JSON line per figure with its same-run baseline."""
     _install(session)
-    session.run("python", "benchmarks/engine_throughput.py", env={"HF_HUB_OFFLINE": "1"})
+    # Some benchmarks reuse test fixtures (tests/tito_fixtures.py), hence PYTHONPATH.
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "."}
+    for script in sorted(Path("benchmarks").glob("*.py")):
+        session.run("python", str(script), env=env)
 
 
 @nox.session

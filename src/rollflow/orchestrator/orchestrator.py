@@ -43,6 +43,7 @@ from rollflow.orchestrator.checkpoint import (
     save_checkpoint,
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
+from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
@@ -145,7 +146,7 @@ class Orchestrator:
         config = self.config
         self.task = load_task(config.data.task, config.data.seed)
         rewarder = Rewarder.from_config(config.data.reward, self.task)
-        renderer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
+        renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
         self._exit_stack = contextlib.AsyncExitStack()
         try:
             self.client = self._given_client or await self._exit_stack.enter_async_context(
@@ -157,14 +158,20 @@ class Orchestrator:
             )
             self.barrier = WeightBarrier(self.client, transfer, timeout_s=config.weight_sync.timeout_s)
             self._exit_stack.callback(self.barrier.close)
-            self.generator = SingleTurnGenerator(
-                self.client,
-                renderer,
-                rewarder,
-                config.sampling,
-                seed=config.seed,
-                partial_rollouts=config.orchestrator.partial_rollouts,
-            )
+            if config.agent is not None:
+                # Agent rollouts: each sample is an agent session through the TITO proxy.
+                self.generator = await self._exit_stack.enter_async_context(
+                    build_agent_generator(config, self.client, renderer, tokenizer)
+                )
+            else:
+                self.generator = SingleTurnGenerator(
+                    self.client,
+                    renderer,
+                    rewarder,
+                    config.sampling,
+                    seed=config.seed,
+                    partial_rollouts=config.orchestrator.partial_rollouts,
+                )
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             if checkpoint is not None:
                 await self._restore(checkpoint)
@@ -216,8 +223,8 @@ class Orchestrator:
         (self.run_dir / CONFIG_FILE).write_bytes(to_json(self.config) + b"\n")
         return checkpoint
 
-    def _build_trainer_side(self) -> tuple[Any, Any]:
-        """Blocking: load the tokenizer, the chat renderer and the trainer's copy of the model."""
+    def _build_trainer_side(self) -> tuple[Any, Any, Any]:
+        """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model."""
         from rollflow.models.loading import (
             create_chat_renderer,
             load_causal_lm,
@@ -238,7 +245,7 @@ class Orchestrator:
             seed=config.seed,
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
         )
-        return renderer, trainer
+        return renderer, tokenizer, trainer
 
     async def _restore(self, checkpoint: Path) -> None:
         self.state = load_state(checkpoint)
@@ -352,8 +359,9 @@ class Orchestrator:
         dropped = 0
         while len(groups) < self.config.orchestrator.prompts_per_step:
             group = await results.receive()
-            oldest = min(sample.min_policy_version for sample in group.samples)
-            if self.schedule.is_within_bound(oldest):
+            # Only trained samples can be stale (masked ones, e.g. a failed agent, may hold no tokens).
+            oldest = min((s.min_policy_version for s in group.samples if not s.masked), default=None)
+            if oldest is None or self.schedule.is_within_bound(oldest):
                 groups.append(group)
                 continue
             dropped += 1
@@ -371,7 +379,7 @@ class Orchestrator:
         wait_time = time.perf_counter() - step_started
 
         batch = TrainBatch(step=step, groups=groups)
-        staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples]
+        staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples if not s.masked]
         result: StepResult = await anyio.to_thread.run_sync(
             functools.partial(self.trainer.train_step, batch, policy_version=self.state.policy_version)
         )

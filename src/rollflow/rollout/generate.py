@@ -1,0 +1,148 @@
+"""Generate-only runs (``rollflow generate``): the configured generator — the agent (``[agent]``) or
+single-turn — over the first N prompts of the task, with the initial weights, written as JSONL.
+
+Each line is one sample: ``prompt_index``, ``sample_index``, ``reward`` (its group's reward for that
+trajectory), ``masked``, ``mask_reason``, ``finish_reason``, ``prompt_token_ids``, ``completion_token_ids``,
+``logprobs``, ``loss_mask``, ``policy_versions``, ``completion_text`` (and ``routed_experts`` for agent
+samples). Lines are ordered by prompt, then sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import msgspec
+
+from rollflow.config import RunConfig
+from rollflow.messages import RolloutRequest, ScoredGroup
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def _enc_hook(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy arrays (routed experts)
+        return value.tolist()
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
+
+
+def _load_chat(config: RunConfig) -> tuple[Any, Any]:
+    """Blocking: the model's tokenizer and chat renderer."""
+    from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(config.model.path))
+    return tokenizer, create_chat_renderer(tokenizer, config.model)
+
+
+@contextlib.asynccontextmanager
+async def open_generator(config: RunConfig, client: Any, renderer: Any, tokenizer: Any, task: Any):
+    """The generator a config asks for: ``AgentGenerator`` with ``[agent]``, else ``SingleTurnGenerator``."""
+    if config.agent is not None:
+        from rollflow.rollout.agent import build_agent_generator
+
+        async with build_agent_generator(config, client, renderer, tokenizer) as generator:
+            yield generator
+        return
+    from rollflow.rollout.generator import SingleTurnGenerator
+    from rollflow.rollout.rewards import Rewarder
+
+    rewarder = Rewarder.from_config(config.data.reward, task)
+    yield SingleTurnGenerator(client, renderer, rewarder, config.sampling, seed=config.seed)
+
+
+async def generate_groups(
+    generator: Any, task: Any, num_prompts: int, *, samples_per_prompt: int, max_concurrent: int
+) -> AsyncIterator[ScoredGroup]:
+    """Groups for prompts ``0 .. num_prompts - 1``, ``max_concurrent`` at a time, in prompt order."""
+    groups: dict[int, ScoredGroup] = {}
+    limiter = anyio.CapacityLimiter(max_concurrent)
+
+    async def one(index: int) -> None:
+        async with limiter:
+            item = task.item(index)
+            request = RolloutRequest(
+                prompt_index=index,
+                messages=item.messages,
+                answer=item.answer,
+                metadata=item.metadata,
+                num_samples=samples_per_prompt,
+            )
+            groups[index] = await generator.generate_group(request)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(num_prompts):
+            tg.start_soon(one, index)
+    for index in range(num_prompts):
+        yield groups[index]
+
+
+async def generate(
+    config: RunConfig, *, num_prompts: int, output: str | Path | None = None
+) -> dict[str, float]:
+    """Generate ``num_prompts`` groups and write their samples as JSONL to ``output`` (default
+    ``{run_dir}/samples.jsonl``; ``"-"``: stdout). Returns a summary: counts, the mean reward of unmasked
+    samples and the summed group metrics.
+
+    Raises:
+        ConfigError: ``num_prompts`` < 1, or the task, reward, agent or composer does not resolve.
+    """
+    from rollflow.errors import ConfigError
+    from rollflow.inference.setup import get_inference_client
+    from rollflow.rollout.tasks import load_task
+
+    if num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be >= 1, got {num_prompts}")
+    task = load_task(config.data.task, config.data.seed)
+    tokenizer, renderer = await anyio.to_thread.run_sync(_load_chat, config)
+    path = config.run_dir / SAMPLES_FILE if output is None else output
+    summary: dict[str, float] = {"num_groups": 0.0, "num_samples": 0.0, "num_masked": 0.0}
+    rewards: list[float] = []
+    encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+    async with (
+        get_inference_client(config) as client,
+        open_generator(config, client, renderer, tokenizer, task) as generator,
+    ):
+        groups = generate_groups(
+            generator,
+            task,
+            num_prompts,
+            samples_per_prompt=config.sampling.samples_per_prompt,
+            max_concurrent=config.orchestrator.max_inflight,
+        )
+        with _open_output(path) as out:
+            async for group in groups:
+                for sample in group.samples:
+                    out.write(encoder.encode(sample) + b"\n")
+                    rewards += [] if sample.masked else [sample.reward]
+                summary["num_groups"] += 1
+                summary["num_samples"] += len(group.samples)
+                summary["num_masked"] += sum(sample.masked for sample in group.samples)
+                for key, value in group.metrics.items():
+                    summary[key] = summary.get(key, 0.0) + value
+    summary["reward_mean"] = sum(rewards) / len(rewards) if rewards else math.nan
+    return summary
+
+
+@contextlib.contextmanager
+def _open_output(path: str | Path):
+    if str(path) == "-":
+        yield _StdoutBytes(sys.stdout)
+        sys.stdout.flush()
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as file:
+        yield file
+
+
+class _StdoutBytes:
+    def __init__(self, stream: IO[str]):
+        self.stream = stream
+
+    def write(self, data: bytes) -> None:
+        self.stream.write(data.decode())

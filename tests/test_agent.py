@@ -1,0 +1,301 @@
+"""``AgentGenerator`` over a real ``TITOProxy`` and a real engine of the tiny model: callable agents written
+with the official ``openai`` SDK, the example's summarizing agent, timeouts, failures, command agents, and
+``rollflow generate`` end to end."""
+
+# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import sys
+import time
+
+import openai
+import pytest
+
+from rollflow.messages import RolloutRequest
+from rollflow.rollout.agent import AgentGenerator, CommandAgent
+from rollflow.tito import TITOProxy, compose
+from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
+
+from .conftest import REPO_ROOT
+
+EXAMPLE_AGENT = REPO_ROOT / "examples" / "agent_tito" / "agent.py"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    """Room for the example agent's tool prompts (the shared TITO engine stops at 512 tokens)."""
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import load_causal_lm
+
+    engine = TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=16, max_model_len=1024)
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+@pytest.fixture
+def engine_client(tiny_engine):
+    from rollflow.inference.client import LocalInferenceClient
+
+    return LocalInferenceClient([tiny_engine])  # not closed: the engine outlives the test
+
+
+@pytest.fixture
+async def proxy(engine_client, tiny_chat):
+    async with TITOProxy(
+        engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=8
+    ) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from rollflow.models.loading import load_causal_lm
+
+    return load_causal_lm(tiny_model_dir)
+
+
+def request(num_samples: int, prompt_index: int = 0, content: str = "name a fruit") -> RolloutRequest:
+    return RolloutRequest(
+        prompt_index=prompt_index,
+        messages=[{"role": "user", "content": content}],
+        answer=7,
+        num_samples=num_samples,
+    )
+
+
+def assert_exact_logprobs(model, samples) -> int:
+    """Every trainable token's recorded logprob equals the model's own on the sample's tokens; returns how
+    many were checked."""
+    import torch
+
+    checked = 0
+    for sample in samples:
+        ids = sample.prompt_token_ids + sample.completion_token_ids
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float()[:-1], dim=-1)
+        offset = len(sample.prompt_token_ids)
+        for i, (token, recorded, trained) in enumerate(
+            zip(sample.completion_token_ids, sample.logprobs, sample.loss_mask, strict=True)
+        ):
+            if trained:
+                assert abs(logprobs[offset + i - 1, token].item() - recorded) < 1e-4
+                checked += 1
+            else:
+                assert recorded == 0.0
+    return checked
+
+
+async def test_callable_openai_agent_gives_exact_samples(proxy, tiny_model):
+    seen, sampled = [], []
+
+    async def agent(base_url, task):
+        seen.append(task)
+        task.messages.append({"role": "user", "content": "an agent may edit its own task"})
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            messages = task.messages[:1]
+            for turn in range(2):
+                response = await client.chat.completions.create(
+                    model=task.model, messages=messages, seed=task.seed + turn
+                )
+                sampled.append(response.usage.completion_tokens)
+                messages += [response.choices[0].message.model_dump(exclude_none=True)]
+                messages += [{"role": "user", "content": "and another"}]
+        return 0.25
+
+    generator = AgentGenerator(proxy, agent, max_seq_len=512, timeout_s=30, seed=1)
+    rollout = request(2, prompt_index=3)
+    group = await generator.generate_group(rollout)
+    assert len(rollout.messages) == 1 and all(len(task.messages) == 2 for task in seen)
+
+    assert group.prompt_index == 3 and [s.sample_index for s in group.samples] == [0, 1]
+    assert {(t.prompt_index, t.sample_index, t.answer, t.model) for t in seen} == {
+        (3, 0, 7, MODEL),
+        (3, 1, 7, MODEL),
+    }
+    assert seen[0].seed != seen[1].seed
+    for sample in group.samples:
+        assert sample.reward == 0.25 and not sample.masked and sample.prompt_index == 3
+        assert sample.loss_mask[0] and not all(sample.loss_mask)  # the user turn between is context
+    # Loss masks cover exactly the sampled tokens, whose logprobs are the model's own.
+    assert sum(sum(s.loss_mask) for s in group.samples) == sum(sampled)
+    assert assert_exact_logprobs(tiny_model, group.samples) == sum(sampled)
+    metrics = group.metrics
+    assert (
+        metrics["agent_trajectories"] == 2 and metrics["agent_turns"] == 4 and metrics["agent_branches"] == 2
+    )
+    assert metrics["agent_bridged_turns"] == 2 and metrics["agent_errors"] == metrics["agent_timeouts"] == 0
+
+
+async def test_summarizing_example_agent_branches(proxy, tiny_model):
+    from rollflow.imports import import_object
+
+    traces = []
+
+    def recording_composer(trace, **options):
+        traces.append(trace)
+        return compose(trace, **options)
+
+    agent = import_object(f"{EXAMPLE_AGENT}:run_agent", key="agent.callable")
+    task = import_object(f"{EXAMPLE_AGENT}:ArithmeticTask", key="data.task")(0)
+    item = task.item(5)
+    generator = AgentGenerator(proxy, agent, composer=recording_composer, max_seq_len=1024, timeout_s=60)
+    group = await generator.generate_group(
+        RolloutRequest(prompt_index=5, messages=item.messages, answer=item.answer, num_samples=2)
+    )
+
+    assert len(traces) == 2 and len(group.samples) == 4  # two branches per trajectory
+    metrics = group.metrics
+    assert (
+        metrics["agent_branches"] == 4 and metrics["agent_forked_turns"] == 2 and metrics["agent_turns"] == 6
+    )
+    assert metrics["agent_full_render_turns"] >= 2  # the rewritten history cannot be bridged
+    sampled = sum(len(turn.completion_ids) for trace in traces for turn in trace.turns)
+    assert sum(sum(s.loss_mask) for s in group.samples) == sampled  # each sampled token trained once
+    assert assert_exact_logprobs(tiny_model, group.samples) == sampled
+    assert all(0.0 <= s.reward <= 1.0 and not s.masked for s in group.samples)
+
+
+async def test_timeout_masks_and_counts_a_timeout(proxy, tiny_engine):
+    async def slow_agent(base_url, task):
+        if task.sample_index == 0:
+            async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+                await client.chat.completions.create(model=task.model, messages=task.messages)
+        await asyncio.sleep(30)
+        return 1.0
+
+    started = time.perf_counter()
+    group = await AgentGenerator(proxy, slow_agent, max_seq_len=512, timeout_s=0.5).generate_group(request(2))
+    assert time.perf_counter() - started < 5
+    assert [s.mask_reason for s in group.samples] == ["timeout", "timeout"]
+    assert all(s.masked for s in group.samples)
+    assert len(group.samples[0].completion_token_ids) > 0  # the call it made is kept, masked
+    assert group.metrics["agent_timeouts"] == 2 and group.metrics["agent_errors"] == 0
+    assert not proxy.sessions and tiny_engine.num_running == 0
+
+
+async def test_failing_agents_are_masked_and_counted_as_errors(proxy):
+    async def agent(base_url, task):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
+            await client.chat.completions.create(model=task.model, messages=task.messages)
+        if task.sample_index == 0:
+            raise RuntimeError("tool crashed")
+        return [None, math.nan, math.nan, "1.0", True, 1.0][task.sample_index]
+
+    group = await AgentGenerator(proxy, agent, max_seq_len=512, timeout_s=30).generate_group(request(6))
+    assert [s.mask_reason for s in group.samples] == ["error"] * 5 + [None]
+    assert group.samples[5].reward == 1.0 and len(group.samples[0].completion_token_ids) > 0
+    assert group.metrics["agent_errors"] == 5 and group.metrics["agent_timeouts"] == 0
+
+    async def raising(base_url, task):
+        raise ValueError("before any call")
+
+    group = await AgentGenerator(proxy, raising, max_seq_len=512, timeout_s=30).generate_group(request(1))
+    (sample,) = group.samples  # no call was made: an empty masked sample still stands for the trajectory
+    assert sample.masked and sample.mask_reason == "error" and sample.completion_token_ids == []
+    assert group.metrics["agent_errors"] == 1 and not proxy.sessions
+
+
+COMMAND_AGENT = """
+import json, os, sys
+from openai import OpenAI
+task = json.load(sys.stdin)
+client = OpenAI()  # OPENAI_BASE_URL and OPENAI_API_KEY come from the environment
+response = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=task["messages"])
+print("log line the generator ignores")
+print(0.5 + task["sample_index"] + (task["answer"] == 7) * 0.25)
+"""
+
+
+async def test_command_agents(proxy, tmp_path):
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND_AGENT)
+    generator = AgentGenerator(
+        proxy, CommandAgent([sys.executable, str(script)]), max_seq_len=512, timeout_s=60
+    )
+    group = await generator.generate_group(request(2))
+    assert [s.reward for s in group.samples] == [0.75, 1.75]
+    assert not any(s.masked for s in group.samples) and all(sum(s.loss_mask) > 0 for s in group.samples)
+    assert group.metrics["agent_turns"] == 2
+
+    failing = {
+        "echo 'not a number'": "error",
+        "echo 1.0; echo oops >&2; exit 3": "error",
+        "sleep 30": "timeout",
+    }
+    for command, reason in failing.items():
+        started = time.perf_counter()
+        group = await AgentGenerator(
+            proxy, CommandAgent(command, kill_grace_s=0.5), max_seq_len=512, timeout_s=0.5
+        ).generate_group(request(1))
+        assert [s.mask_reason for s in group.samples] == [reason], command
+        assert time.perf_counter() - started < 5
+
+
+def test_rollflow_generate_writes_jsonl(tmp_path, monkeypatch):
+    from rollflow.cli import main
+
+    monkeypatch.chdir(REPO_ROOT)  # the example config's paths are relative to the repository root
+    config = REPO_ROOT / "examples" / "agent_tito" / "config.toml"
+    output = tmp_path / "samples.jsonl"
+    sets = ["--set", "sampling.samples_per_prompt=2", "--set", f"output_dir={tmp_path}"]
+    assert main(["generate", str(config), *sets, "--num-prompts", "2", "--output", str(output)]) == 0
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [(line["prompt_index"], line["sample_index"]) for line in lines] == [(0, i) for i in range(4)] + [
+        (1, i) for i in range(4)
+    ]
+    for line in lines:
+        assert len(line["loss_mask"]) == len(line["completion_token_ids"]) == len(line["logprobs"])
+        assert 0.0 <= line["reward"] <= 1.0 and line["masked"] is False
+
+    # Single-turn (no [agent]) through the same command, output into the run directory by default.
+    assert (
+        main(
+            [
+                "generate",
+                str(REPO_ROOT / "examples" / "quickstart.toml"),
+                *sets[2:],
+                "--set",
+                "name=q",
+                "--set",
+                "sampling.samples_per_prompt=3",
+                "--num-prompts",
+                "2",
+            ]
+        )
+        == 0
+    )
+    lines = (tmp_path / "q" / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 6 and json.loads(lines[0])["loss_mask"] is None
+    # An agent config without max_seq_len is a usage error.
+    assert main(["generate", str(config), "--set", "agent.max_seq_len=0"]) == 2
+
+
+@pytest.mark.parametrize("schedule", ["sync", "fully_async"])
+def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
+    import subprocess
+
+    sets = [
+        f"orchestrator.mode={schedule}",
+        "orchestrator.steps=2",
+        "orchestrator.prompts_per_step=2",
+        "sampling.samples_per_prompt=2",
+        f"output_dir={tmp_path}",
+    ]
+    command = [sys.executable, "-m", "rollflow", "run", "examples/agent_tito/config.toml", "--no-progress"]
+    for value in sets:
+        command += ["--set", value]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [
+        json.loads(line) for line in (tmp_path / "agent_tito" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [record["step"] for record in records] == [1, 2]
+    for record in records:
+        assert record["num_samples"] == 8  # 2 prompts x 2 trajectories x 2 branches
+        assert record["agent_branches"] == 8 and record["agent_forked_turns"] == 4
+        assert record["agent_errors"] == record["agent_timeouts"] == 0
