@@ -30,13 +30,11 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from typing import Any
 
 import msgspec
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 
 from rollflow.errors import ConfigError, EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES
@@ -52,9 +50,9 @@ from rollflow.inference.engine.server_protocol import (
     UpdateWeightsBody,
     bad_request,
     decode_body,
-    error_body,
     error_response,
 )
+from rollflow.inference.http import JSONErrorAppRunner
 
 log = structlog.get_logger(__name__)
 
@@ -280,7 +278,8 @@ class EngineServer:
         Raises:
             OSError: the address cannot be bound.
         """
-        runner = _JsonErrorAppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        # JSONErrorAppRunner: even requests aiohttp cannot parse get the error JSON.
+        runner = JSONErrorAppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port)
@@ -670,42 +669,6 @@ class EngineServer:
     async def weight_info(self, request: web.Request) -> web.Response:
         version = self.engine.policy_version
         return json_response({"weight_version": str(version), "policy_version": version})
-
-
-# ------------------------------------------------------------------ JSON errors from the HTTP parser
-
-
-class _JsonErrorRequestHandler(RequestHandler):
-    """aiohttp answers requests it cannot parse (a bad ``Content-Length``, a broken request line) itself, in
-    plain text; this handler answers them with the error JSON instead."""
-
-    def handle_error(
-        self,
-        request: Any,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if status >= 500:
-            self.log_exception("Error handling request", exc_info=exc)
-        if request.writer.output_size > 0:
-            raise ConnectionError("the response was already being sent; cannot send an error response")
-        text = message if status < 500 and message else HTTPStatus(status).phrase
-        response = web.Response(status=status, body=error_body(status, text), content_type="application/json")
-        response.force_close()
-        return response
-
-
-class _JsonErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
-
-
-class _JsonErrorAppRunner(web.AppRunner):
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = _JsonErrorServer  # same state, JSON parse errors
-        return server
 
 
 # ------------------------------------------------------------------ process entry point
