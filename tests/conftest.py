@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A shell that starts a job in the background (CI runners do) makes it ignore SIGINT, and children inherit
+# that; the Ctrl-C tests send SIGINT to subprocesses, so give this process (and thereby them) the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -317,6 +318,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Background jobs of non-interactive shells start with SIGINT ignored; `kill -INT` (Ctrl-C) must still
+    # stop a run cleanly.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
