@@ -41,6 +41,17 @@ def configure_logging(level: str) -> None:
     )
 
 
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config value, e.g. --set trainer.lr=3e-4 (repeatable; wins over files)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for language models.")
     parser.add_argument(
@@ -50,14 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="train with a config (TOML files, later ones win)")
     run.add_argument("configs", nargs="*", type=Path, metavar="CONFIG", help="TOML config files")
-    run.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value, e.g. --set trainer.lr=3e-4 (repeatable; wins over files)",
-    )
+    _add_overrides(run)
     run.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")
     run.add_argument(
         "--resume",
@@ -142,14 +146,7 @@ def _parser() -> argparse.ArgumentParser:
         help="generate only: run the configured generator (agent or single-turn) and write samples as JSONL",
     )
     generate.add_argument("configs", nargs="+", type=Path, metavar="CONFIG", help="TOML config files")
-    generate.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one config value, e.g. --set agent.max_seq_len=2048 (repeatable)",
-    )
+    _add_overrides(generate)
     generate.add_argument(
         "--output",
         default=None,
