@@ -169,3 +169,9 @@ def test_weight_sync_strategy_must_fit_the_inference_mode():
         load_config([], ["weight_sync.strategy='local'", "inference.mode='http'"])
     config = load_config([], ["inference.mode='http'"])
     assert config.weight_sync.resolved_strategy(config.inference.mode) == "broadcast"
+
+
+def test_shortening_an_example_run_is_valid():
+    """The README's notebook snippet: fewer steps than checkpoint.every still checkpoints at the end."""
+    config = load_config([REPO_ROOT / "examples" / "quickstart.toml"], ["orchestrator.steps=3"])
+    assert config.orchestrator.steps == 3 and config.checkpoint.every == 50

@@ -276,11 +276,6 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
             "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
         )
-    if config.checkpoint.every > config.orchestrator.steps:
-        errors.append(
-            f"checkpoint.every ({config.checkpoint.every}) is larger than orchestrator.steps "
-            f"({config.orchestrator.steps}): no periodic checkpoint would ever be written"
-        )
     return errors
 
 
