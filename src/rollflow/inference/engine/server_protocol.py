@@ -141,20 +141,14 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     session_id: str | None = None
 
 
-class CompletionBody(msgspec.Struct, kw_only=True):
-    """``POST /v1/completions``. ``prompt`` is checked by hand: msgspec cannot decode a union of list types."""
+class OpenAISamplingFields(msgspec.Struct, kw_only=True):
+    """Sampling fields the OpenAI-style completions and chat bodies share (vLLM's names and defaults)."""
 
-    prompt: Any
-    model: str | None = None
-    max_tokens: int | None = 16
-    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -162,6 +156,17 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+
+
+class CompletionBody(OpenAISamplingFields, kw_only=True):
+    """``POST /v1/completions``. ``prompt`` is checked by hand: msgspec cannot decode a union of list types."""
+
+    prompt: Any
+    model: str | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool = False
     add_special_tokens: bool = True
@@ -173,7 +178,7 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     session_id: str | None = None
 
 
-class ChatBody(msgspec.Struct, kw_only=True):
+class ChatBody(OpenAISamplingFields, kw_only=True):
     """``POST /v1/chat/completions`` (plain use: no streaming, no tools parsing beyond the renderer's)."""
 
     messages: list[dict[str, Any]]
@@ -181,20 +186,8 @@ class ChatBody(msgspec.Struct, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
