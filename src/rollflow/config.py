@@ -179,21 +179,23 @@ class WeightSyncConfig(Section):
             return self.strategy
         return "local" if inference_mode == "local" else "broadcast"
 
-    def strategy_options(self, strategy: str) -> dict[str, Any]:
-        """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``."""
+    def strategy_options(self, strategy: str, engine: str = "torch") -> dict[str, Any]:
+        """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``, sending to
+        servers of kind ``engine`` (``inference.engine``: vLLM takes only its own payload keys)."""
         if strategy == "broadcast":
             return dict(
                 bucket_size_mb=self.bucket_size_mb,
                 backend=self.backend,
                 master_address=self.master_address,
                 timeout_s=self.timeout_s,
+                engine=engine,
             )
         if strategy == "checkpoint":
             return dict(
                 checkpoint_dir=self.checkpoint_dir, host=self.master_address, timeout_s=self.timeout_s
             )
         if strategy == "cuda_ipc":
-            return dict(bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s)
+            return dict(bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine)
         return {}
 
 
@@ -275,6 +277,16 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             f"weight_sync.strategy = {config.weight_sync.strategy!r} does not fit inference.mode = "
             f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
             "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
+        )
+    if config.inference.engine == "vllm" and strategy == "checkpoint":
+        errors.append(
+            "weight_sync.strategy = 'checkpoint' cannot reach vLLM servers (inference.engine = 'vllm'), which "
+            "receive weights by NCCL or CUDA IPC; use 'broadcast' (or 'auto') or 'cuda_ipc'"
+        )
+    if config.inference.engine == "vllm" and strategy == "broadcast" and config.weight_sync.backend == "gloo":
+        errors.append(
+            "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
+            "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
         )
     return errors
 

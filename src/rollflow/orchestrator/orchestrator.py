@@ -154,7 +154,9 @@ class Orchestrator:
             )
             strategy = config.weight_sync.resolved_strategy(config.inference.mode)
             transfer = WeightTransfer(
-                create_strategy(strategy, **config.weight_sync.strategy_options(strategy))
+                create_strategy(
+                    strategy, **config.weight_sync.strategy_options(strategy, config.inference.engine)
+                )
             )
             self.barrier = WeightBarrier(self.client, transfer, timeout_s=config.weight_sync.timeout_s)
             self._exit_stack.callback(self.barrier.close)

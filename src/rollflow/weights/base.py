@@ -10,7 +10,9 @@ A strategy moves the trainer's weights into inference engines. It has two halves
 
 ``init_info`` and ``update_info`` are plain JSON dicts using vLLM's field names where vLLM has them
 (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``names``, ``dtype_names``, ``shapes``),
-plus ``backend`` (which receiver to build) and ``policy_version`` (stamped on later tokens).
+plus ``backend`` (which receiver to build) and ``policy_version`` (stamped on later tokens). For vLLM servers
+(``engine="vllm"``) they carry vLLM 0.33's keys only, since vLLM rejects unknown ones; the policy version then
+travels only as ``/finish_weight_update``'s ``weight_version``. rollflow's own receivers accept both shapes.
 
 This module stays free of torch so configuration and the orchestrator can import it cheaply.
 """
@@ -189,6 +191,13 @@ async def connect_sender(strategy: WeightTransferStrategy, client: Any) -> Weigh
     return sender
 
 
+def uses_process_group(init_info: dict[str, Any]) -> bool:
+    """Whether ``init_info`` sets up a process group (ranks, ``rank_offset``): a gloo/nccl ``backend``, or
+    vLLM's NCCL shape, which names no backend but a rendezvous (``master_address``)."""
+    backend = init_info.get("backend")
+    return backend in ("gloo", "nccl") or (backend is None and "master_address" in init_info)
+
+
 def init_info_for_servers(
     init_info: dict[str, Any], *, num_servers: int, workers_per_server: int, data_parallel_size: int = 1
 ) -> list[dict[str, Any]]:
@@ -201,7 +210,7 @@ def init_info_for_servers(
     Raises:
         InvalidTransferInfoError: the workers do not add up to ``init_info["world_size"] - 1``.
     """
-    if init_info.get("backend") not in ("gloo", "nccl"):
+    if not uses_process_group(init_info):
         return [copy.deepcopy(init_info) for _ in range(num_servers)]
     deployments = num_servers // data_parallel_size
     if deployments * workers_per_server + 1 != init_info["world_size"]:

@@ -8,12 +8,17 @@ The trainer hosts the store: ``create_init_info`` binds it on a free port right 
 take the port between picking and binding). ``/init_weight_transfer_engine`` and ``/update_weights`` block on
 the servers until the broadcast happens, so the sender runs those HTTP calls as tasks while its own side of the
 collective runs in a thread. Both sides use the group's timeout, so a missing peer ends as an error on each.
+
+With ``engine="vllm"`` the payloads are exactly vLLM 0.33's (``NCCLWeightTransferInitInfo`` and
+``NCCLWeightTransferUpdateInfo`` reject unknown keys) and the trainer side is vLLM's own NCCL rendezvous
+(``rollflow.weights.vllm_nccl``): vLLM workers join a ``StatelessProcessGroup`` + PyNccl group, not ours.
 """
 
 from __future__ import annotations
 
 import datetime
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -44,7 +49,17 @@ from rollflow.weights.packing import (
 log = structlog.get_logger(__name__)
 
 DEFAULT_BUCKET_SIZE_BYTES = 256 * 2**20
+DEFAULT_GROUP_NAME = "rollflow-weights"
+DEFAULT_TIMEOUT_S = 300.0
 TRAINER_RANK = 0
+#: Buffers vLLM's packed broadcast keeps in flight (its ``packed_num_buffers``).
+VLLM_PACKED_NUM_BUFFERS = 2
+ENGINES = ("torch", "vllm")
+
+
+def default_backend() -> str:
+    """NCCL when this process sees a GPU, else gloo: what an ``init_info`` without ``backend`` means."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def _device_for(backend: str) -> torch.device:
@@ -146,14 +161,15 @@ class BroadcastReceiver:
 
     def __init__(self, init_info: dict[str, Any], worker_rank: int):
         try:
-            self.backend = str(init_info["backend"])
+            # vLLM's payload has no backend, group_name or timeout_s: default them.
+            self.backend = str(init_info.get("backend") or default_backend())
             address = str(init_info["master_address"])
             port = int(init_info["master_port"])
             self.world_size = int(init_info["world_size"])
             self.rank = int(init_info.get("rank_offset", 1)) + int(worker_rank)
             self.bucket_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_BUCKET_SIZE_BYTES))
-            self.timeout_s = float(init_info.get("timeout_s", 300.0))
-            group_name = str(init_info.get("group_name", "rollflow-weights"))
+            self.timeout_s = float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S))
+            group_name = str(init_info.get("group_name", DEFAULT_GROUP_NAME))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidTransferInfoError(
                 f"broadcast init_info is missing or has a bad field: {exc!r}"
@@ -241,10 +257,12 @@ class BroadcastStrategy(WeightTransferStrategy):
     """Packed broadcast over a gloo (CPU) or NCCL (GPU) group of trainer rank 0 plus every inference worker.
 
     Args:
-        backend: ``"gloo"`` or ``"nccl"``; None picks nccl when CUDA is available, else gloo.
+        backend: ``"gloo"`` or ``"nccl"``; None picks nccl when CUDA is available (always for vLLM), else gloo.
         bucket_size_mb: bytes per broadcast (MiB); bigger buckets mean fewer collectives, more memory.
         master_address: address the workers reach the trainer's store at; 127.0.0.1 unless they run elsewhere.
         timeout_s: longest a group formation or one update may take, on both sides.
+        engine: the servers' kind: ``"torch"`` (``rollflow serve``: our group and payloads) or ``"vllm"``
+            (vLLM 0.33's payload keys only, and vLLM's own NCCL rendezvous on the trainer side).
     """
 
     name = "broadcast"
@@ -255,10 +273,19 @@ class BroadcastStrategy(WeightTransferStrategy):
         backend: str | None = None,
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_BYTES / 2**20,
         master_address: str = "127.0.0.1",
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        engine: str = "torch",
     ):
+        if engine not in ENGINES:
+            raise ValueError(
+                f"broadcast engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}"
+            )
+        if engine == "vllm" and backend not in (None, "nccl"):
+            raise ValueError(
+                f"vLLM servers receive weights by NCCL only; backend {backend!r} cannot reach them"
+            )
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = "nccl" if engine == "vllm" else default_backend()
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"broadcast backend must be 'gloo' or 'nccl', got {backend!r}")
         if bucket_size_mb <= 0:
@@ -269,11 +296,14 @@ class BroadcastStrategy(WeightTransferStrategy):
         self.bucket_size_bytes = max(1, int(bucket_size_mb * 2**20))
         self.master_address = master_address
         self.timeout_s = timeout_s
+        self.engine = engine
         self._stores: dict[int, dist.TCPStore] = {}
 
     def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
         if inference_world_size < 1:
             raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
+        if self.engine == "vllm":
+            return self._vllm_init_info(inference_world_size)
         # Port 0: the OS picks a free port and the store holds it from now on.
         store = dist.TCPStore(
             self.master_address,
@@ -295,7 +325,28 @@ class BroadcastStrategy(WeightTransferStrategy):
             "timeout_s": self.timeout_s,
         }
 
-    def create_sender(self, init_info: dict[str, Any]) -> BroadcastSender:
+    def _vllm_init_info(self, inference_world_size: int) -> dict[str, Any]:
+        """Exactly ``NCCLWeightTransferInitInfo``'s fields (vLLM rejects any other key)."""
+        # vLLM's rendezvous binds its own store on this port when the sender sets up, so it can only be
+        # picked here, not held (a small window in which another process could take it).
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((self.master_address, 0))
+            port = probe.getsockname()[1]
+        return {
+            "master_address": self.master_address,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": inference_world_size + 1,
+            "packed": True,
+            "packed_buffer_size_bytes": self.bucket_size_bytes,
+            "packed_num_buffers": VLLM_PACKED_NUM_BUFFERS,
+        }
+
+    def create_sender(self, init_info: dict[str, Any]) -> WeightSender:
+        if self.engine == "vllm":
+            from rollflow.weights.vllm_nccl import VllmNcclSender
+
+            return VllmNcclSender(init_info, timeout_s=self.timeout_s)
         store = self._stores.pop(int(init_info["master_port"]), None)
         if store is None:
             raise ValueError(
@@ -304,28 +355,67 @@ class BroadcastStrategy(WeightTransferStrategy):
         return BroadcastSender(init_info, store)
 
 
+async def check_world_size(sender: WeightSender, client: Any, world_size: int) -> None:
+    """Fail (and mark ``sender`` broken) unless the servers report ``world_size - 1`` workers.
+
+    Raises:
+        WeightTransferError: the servers report another world size.
+    """
+    inference_world_size = await client.get_world_size()
+    if inference_world_size + 1 != world_size:
+        sender.broken = "its init_info does not match the servers' world size"
+        raise WeightTransferError(
+            f"the inference servers report {inference_world_size} workers but this init_info was made for "
+            f"{world_size - 1} (world_size {world_size} includes the trainer); "
+            "create it from client.get_world_size()"
+        )
+
+
+async def run_with_http(what: str, collective: Callable[[], None], http_call: Any, timeout_s: float) -> None:
+    """Run the blocking ``collective`` in a thread while ``http_call`` (which blocks on the servers until the
+    collective happens) runs as a task; fail when either fails, within ``timeout_s``.
+
+    Raises:
+        WeightTransferTimeoutError: either side took longer than ``timeout_s``.
+        Exception: the first failure of either side.
+    """
+
+    async def call_servers() -> None:
+        await http_call
+
+    try:
+        with anyio.fail_after(timeout_s):
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(call_servers)
+                    # abandon_on_cancel: a hung collective must not keep the caller; its thread ends at the
+                    # group timeout on its own.
+                    await anyio.to_thread.run_sync(collective, abandon_on_cancel=True)
+            except BaseExceptionGroup as group:
+                raise _first_error(group) from None
+    except TimeoutError as exc:
+        raise WeightTransferTimeoutError(f"{what} took longer than {timeout_s:g} s") from exc
+    except Exception as exc:
+        if _is_timeout(exc):
+            raise _timeout_error(what, timeout_s, exc) from exc
+        raise
+
+
 class BroadcastSender(WeightSender):
     """Trainer side of ``broadcast``: rank 0 of the group, and host of its store."""
 
     def __init__(self, init_info: dict[str, Any], store: dist.TCPStore):
         super().__init__(init_info)
-        self.backend = init_info["backend"]
+        self.backend = init_info.get("backend") or default_backend()
         self.world_size = int(init_info["world_size"])
-        self.bucket_size_bytes = int(init_info["packed_buffer_size_bytes"])
-        self.timeout_s = float(init_info["timeout_s"])
+        self.bucket_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_BUCKET_SIZE_BYTES))
+        self.timeout_s = float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S))
         self._tcp_store: dist.TCPStore | None = store
-        self._store = dist.PrefixStore(init_info["group_name"], store)
+        self._store = dist.PrefixStore(init_info.get("group_name", DEFAULT_GROUP_NAME), store)
         self._group: _Group | None = None
 
     async def setup(self, client: Any) -> None:
-        inference_world_size = await client.get_world_size()
-        if inference_world_size + 1 != self.world_size:
-            self.broken = "its init_info does not match the servers' world size"
-            raise WeightTransferError(
-                f"the inference servers report {inference_world_size} workers but this init_info was made for "
-                f"{self.world_size - 1} (world_size {self.world_size} includes the trainer); "
-                "create it from client.get_world_size()"
-            )
+        await check_world_size(self, client, self.world_size)
         group: list[Any] = []
 
         def join() -> None:
@@ -335,8 +425,11 @@ class BroadcastSender(WeightSender):
 
         try:
             payload = await server_init_infos(self.init_info, client)
-            await self._run_with_http(
-                "forming the weight-transfer group", join, client.init_weight_update_communicator(payload)
+            await run_with_http(
+                "forming the weight-transfer group",
+                join,
+                client.init_weight_update_communicator(payload),
+                self.timeout_s,
             )
         except BaseException:
             self.broken = "its process group never formed"
@@ -351,16 +444,18 @@ class BroadcastSender(WeightSender):
             )
         if self._group is None:
             raise WeightTransferError("call setup(client) before push")
+        group = self._group
         tensors = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
         specs = specs_of(tensors)
         update_info = {**specs_to_info(specs), "policy_version": policy_version}
         try:
             with anyio.fail_after(self.timeout_s):
                 await client.start_weight_update()
-                await self._run_with_http(
+                await run_with_http(
                     "broadcasting weights",
-                    lambda: self._group.run(lambda group: self._broadcast(group, tensors, specs)),
+                    lambda: group.run(lambda pg: self._broadcast(pg, tensors, specs)),
                     client.update_named_weights(update_info),
+                    self.timeout_s,
                 )
                 await client.finish_weight_update(weight_version=policy_version)
         except TimeoutError as exc:
@@ -370,30 +465,6 @@ class BroadcastSender(WeightSender):
             ) from exc
         except BaseException as exc:
             self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-            raise
-
-    async def _run_with_http(self, what: str, collective: Any, http_call: Any) -> None:
-        """Run the blocking ``collective`` in a thread while ``http_call`` (which blocks on the servers until
-        the collective happens) runs as a task; fail when either fails, within ``timeout_s``."""
-
-        async def call_servers() -> None:
-            await http_call
-
-        try:
-            with anyio.fail_after(self.timeout_s):
-                try:
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(call_servers)
-                        # abandon_on_cancel: a hung collective must not keep the caller; its thread ends at
-                        # the group timeout on its own.
-                        await anyio.to_thread.run_sync(collective, abandon_on_cancel=True)
-                except BaseExceptionGroup as group:
-                    raise _first_error(group) from None
-        except TimeoutError as exc:
-            raise WeightTransferTimeoutError(f"{what} took longer than {self.timeout_s:g} s") from exc
-        except Exception as exc:
-            if _is_timeout(exc):
-                raise _timeout_error(what, self.timeout_s, exc) from exc
             raise
 
     def _broadcast(

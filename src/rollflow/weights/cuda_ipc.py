@@ -8,6 +8,10 @@ that call returned, and the receiver copies out of it before returning, so the t
 The handle is pickled (base64) like vLLM's; the receiver unpickles with an allow-list of torch names only,
 since the payload comes over HTTP. Needs CUDA on both sides; the inference world size is accepted and ignored
 (every colocated engine maps the same buffer).
+
+With ``engine="vllm"`` the payloads are exactly vLLM 0.33's IPC shape: ``init_info`` = ``{"packed": true}``,
+``update_info`` = ``{names, dtype_names, shapes, tensor_sizes, ipc_handles_pickled}`` (vLLM's packed form: one
+``{gpu_uuid: handle}`` per call); the policy version goes only to ``/finish_weight_update``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from rollflow.weights.base import (
     WeightTransferStrategy,
     WeightTransferTimeoutError,
 )
-from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
+from rollflow.weights.packing import (
+    TensorSpec,
+    pack,
+    plan_buckets,
+    specs_from_info,
+    specs_of,
+    specs_to_info,
+    unpack,
+)
 
 DEFAULT_BUCKET_SIZE_BYTES = 512 * 2**20
 
@@ -57,15 +69,24 @@ class CudaIpcStrategy(WeightTransferStrategy):
     name = "cuda_ipc"
 
     def __init__(
-        self, *, bucket_size_mb: float = DEFAULT_BUCKET_SIZE_BYTES / 2**20, timeout_s: float = 300.0
+        self,
+        *,
+        bucket_size_mb: float = DEFAULT_BUCKET_SIZE_BYTES / 2**20,
+        timeout_s: float = 300.0,
+        engine: str = "torch",
     ):
         if bucket_size_mb <= 0:
             raise ValueError(f"weight_sync.bucket_size_mb must be positive, got {bucket_size_mb}")
+        if engine not in ("torch", "vllm"):
+            raise ValueError(f"cuda_ipc engine must be 'torch' or 'vllm', got {engine!r}")
         self.bucket_size_bytes = max(1, int(bucket_size_mb * 2**20))
         self.timeout_s = timeout_s
+        self.engine = engine
 
     def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
         # Every colocated worker maps the same buffers, so the world size plays no part.
+        if self.engine == "vllm":
+            return {"packed": True}  # vLLM's IPCWeightTransferInitInfo has no other field
         return {
             "backend": "ipc",
             "packed": True,
@@ -74,16 +95,51 @@ class CudaIpcStrategy(WeightTransferStrategy):
         }
 
     def create_sender(self, init_info: dict[str, Any]) -> CudaIpcSender:
-        return CudaIpcSender(init_info)
+        return CudaIpcSender(
+            init_info,
+            bucket_size_bytes=self.bucket_size_bytes,
+            timeout_s=self.timeout_s,
+            stamp_version=self.engine == "torch",
+        )
+
+
+def ipc_update_info(
+    specs: list[TensorSpec], handles: dict[str, Any], policy_version: int | None
+) -> dict[str, Any]:
+    """The ``update_info`` of one packed bucket: vLLM's packed IPC fields, plus ``policy_version`` unless None
+    (vLLM rejects it)."""
+    info = {
+        **specs_to_info(specs),
+        "tensor_sizes": [spec.nbytes for spec in specs],
+        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+    }
+    if policy_version is not None:
+        info["policy_version"] = policy_version
+    return info
 
 
 class CudaIpcSender(WeightSender):
-    """Trainer side of ``cuda_ipc``."""
+    """Trainer side of ``cuda_ipc``.
 
-    def __init__(self, init_info: dict[str, Any]):
+    Args:
+        init_info: from ``CudaIpcStrategy.create_init_info``.
+        bucket_size_bytes: size of each packed buffer.
+        timeout_s: longest one push may take.
+        stamp_version: put ``policy_version`` in each ``update_info`` (rollflow servers; vLLM rejects it).
+    """
+
+    def __init__(
+        self,
+        init_info: dict[str, Any],
+        *,
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        timeout_s: float = 300.0,
+        stamp_version: bool = True,
+    ):
         super().__init__(init_info)
-        self.bucket_size_bytes = int(init_info["packed_buffer_size_bytes"])
-        self.timeout_s = float(init_info["timeout_s"])
+        self.bucket_size_bytes = bucket_size_bytes
+        self.timeout_s = timeout_s
+        self.stamp_version = stamp_version
 
     async def setup(self, client: Any) -> None:
         if not torch.cuda.is_available():
@@ -107,13 +163,8 @@ class CudaIpcSender(WeightSender):
                     buffer = pack([tensors[i][1] for i in bucket], device)
                     torch.cuda.synchronize(device)  # the receiver reads on another process's stream
                     handles = {_gpu_uuid(device): reduce_tensor(buffer)}
-                    update_info = {
-                        **specs_to_info(bucket_specs),
-                        "tensor_sizes": [spec.nbytes for spec in bucket_specs],
-                        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
-                        "policy_version": policy_version,
-                    }
-                    await client.update_named_weights(update_info)
+                    version = policy_version if self.stamp_version else None
+                    await client.update_named_weights(ipc_update_info(bucket_specs, handles, version))
                     del buffer  # only now: the receiver has copied out of it
                 await client.finish_weight_update(weight_version=policy_version)
         except TimeoutError as exc:

@@ -15,6 +15,10 @@ The server uses exactly this::
   directory, or fetched from the trainer's HTTP endpoint.
 - ``"ipc"``: colocated GPU; ``update_info`` carries CUDA IPC handles of packed buffers.
 
+An ``init_info`` in vLLM 0.33's shape (no ``backend``) is accepted too: a rendezvous (``master_address``) means a
+broadcast over NCCL with a GPU, else gloo; ``{"packed": ...}`` alone means ``"ipc"``. Missing ``group_name`` and
+``timeout_s`` take their defaults.
+
 Every receiver gives up after ``init_info["timeout_s"]`` (default 300 s) with ``WeightTransferTimeoutError``.
 A new ``/init_weight_transfer_engine`` should ``close()`` the previous receiver first (the trainer reconnects
 after a failed transfer).
@@ -52,6 +56,12 @@ def create_receiver(init_info: dict[str, Any], worker_rank: int = 0) -> WeightRe
     if not isinstance(worker_rank, int) or worker_rank < 0:
         raise InvalidTransferInfoError(f"worker_rank must be a non-negative int, got {worker_rank!r}")
     backend = init_info.get("backend")
+    if backend is None and "master_address" in init_info:
+        from rollflow.weights.broadcast import default_backend
+
+        backend = default_backend()
+    elif backend is None and set(init_info) == {"packed"}:
+        backend = "ipc"
     if backend in ("gloo", "nccl"):
         from rollflow.weights.broadcast import BroadcastReceiver
 

@@ -1,0 +1,269 @@
+"""Weight transfer into vLLM servers: exact vLLM 0.33 payload keys, the sender's HTTP sequence (with vLLM's
+trainer calls faked on CPU), rollflow receivers accepting vLLM's shapes, and a real vLLM on a GPU machine."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rollflow.config import build_config
+from rollflow.errors import ConfigError, MissingExtraError
+from rollflow.weights import connect_sender, create_strategy, init_info_for_servers
+from rollflow.weights.cuda_ipc import ipc_update_info
+from rollflow.weights.packing import specs_of
+from rollflow.weights.receiver import create_receiver
+from rollflow.weights.vllm_nccl import (
+    VLLM_NCCL_INIT_KEYS,
+    VLLM_NCCL_UPDATE_KEYS,
+    VllmNcclSender,
+    VllmTrainerApi,
+)
+
+# vLLM 0.33's dataclasses, field for field (nccl_engine.py / ipc_engine.py); any other key is rejected there.
+VLLM_INIT_KEYS = {
+    "master_address",
+    "master_port",
+    "rank_offset",
+    "world_size",
+    "packed",
+    "packed_buffer_size_bytes",
+    "packed_num_buffers",
+}
+VLLM_UPDATE_KEYS = {"names", "dtype_names", "shapes"}
+VLLM_IPC_UPDATE_KEYS = {"names", "dtype_names", "shapes", "tensor_sizes", "ipc_handles_pickled"}
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    return [
+        ("model.embed_tokens.weight", torch.randn(5, 4)),
+        ("model.norm.weight", torch.ones(4, dtype=torch.bfloat16)),
+        ("lm_head.bias", torch.zeros(3, dtype=torch.float16)),
+    ]
+
+
+class RecordingClient:
+    """Two fake servers of one worker each; records every control-plane call with its payload."""
+
+    server_urls = ("http://a", "http://b")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    async def get_world_size(self) -> int:
+        return 2
+
+    async def get_world_size_per_server(self) -> int:
+        return 1
+
+    async def init_weight_update_communicator(self, init_info: Any) -> None:
+        self.calls.append(("init", init_info))
+
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start", None))
+
+    async def update_named_weights(self, update_info: Any) -> None:
+        self.calls.append(("update", update_info))
+
+    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+        self.calls.append(("finish", weight_version))
+
+
+def fake_api(sent: list[Any]) -> VllmTrainerApi:
+    def join(address: str, port: int, world_size: int) -> Any:
+        sent.append(("join", address, port, world_size))
+        return "group"
+
+    def send(named: Any, group: Any, buffer_size: int, num_buffers: int) -> None:
+        sent.append(("send", [name for name, _ in named], group, buffer_size, num_buffers))
+
+    return VllmTrainerApi(join=join, send=send)
+
+
+# ---------------------------------------------------------------- payload shapes
+
+
+def test_vllm_broadcast_init_info_has_exactly_vllm_keys() -> None:
+    strategy = create_strategy("broadcast", engine="vllm", bucket_size_mb=1, master_address="127.0.0.1")
+    info = strategy.create_init_info(inference_world_size=3)
+    assert set(info) == VLLM_INIT_KEYS == VLLM_NCCL_INIT_KEYS
+    assert info["rank_offset"] == 1 and info["world_size"] == 4 and info["packed"] is True
+    assert info["packed_buffer_size_bytes"] == 2**20 and isinstance(info["master_port"], int)
+    # Per-server payloads advance rank_offset and keep the key set.
+    payloads = init_info_for_servers(info, num_servers=3, workers_per_server=1)
+    assert [p["rank_offset"] for p in payloads] == [1, 2, 3]
+    assert all(set(p) == VLLM_INIT_KEYS for p in payloads)
+    # rollflow's own servers keep their extra keys.
+    torch_info = create_strategy("broadcast", backend="gloo").create_init_info(1)
+    assert {"backend", "group_name", "timeout_s"} <= set(torch_info)
+
+
+def test_vllm_broadcast_rejects_what_vllm_cannot_do() -> None:
+    with pytest.raises(ValueError, match="NCCL only; backend 'gloo'"):
+        create_strategy("broadcast", engine="vllm", backend="gloo")
+    with pytest.raises(ValueError, match="engine must be one of 'torch', 'vllm', got 'sglang'"):
+        create_strategy("broadcast", engine="sglang")
+    with pytest.raises(ValueError, match="cuda_ipc engine must be 'torch' or 'vllm'"):
+        create_strategy("cuda_ipc", engine="")
+    info = create_strategy("broadcast", engine="vllm").create_init_info(1)
+    with pytest.raises(ValueError, match=r"takes no \['policy_version'\]"):
+        VllmNcclSender({**info, "policy_version": 1}, timeout_s=5)
+
+
+async def test_vllm_sender_sends_exactly_vllm_payloads_and_the_version_at_finish() -> None:
+    strategy = create_strategy("broadcast", engine="vllm", bucket_size_mb=2, timeout_s=10)
+    info = strategy.create_init_info(inference_world_size=2)
+    sent: list[Any] = []
+    sender = VllmNcclSender(info, timeout_s=10, api=fake_api(sent))
+    client = RecordingClient()
+    await sender.setup(client)
+    await sender.push(client, weights(), policy_version=7)
+    await sender.push(client, weights(), policy_version=8)
+    sender.close()
+
+    kinds = [kind for kind, _ in client.calls]
+    assert kinds == ["init", "start", "update", "finish", "start", "update", "finish"]
+    init_payloads = client.calls[0][1]
+    assert [p["rank_offset"] for p in init_payloads] == [1, 2]
+    assert all(set(p) == VLLM_INIT_KEYS for p in init_payloads)
+    update_info = client.calls[2][1]
+    assert set(update_info) == VLLM_UPDATE_KEYS == VLLM_NCCL_UPDATE_KEYS  # no policy_version, no packed
+    assert update_info == {
+        "names": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.bias"],
+        "dtype_names": ["float32", "bfloat16", "float16"],
+        "shapes": [[5, 4], [4], [3]],
+    }
+    assert [version for kind, version in client.calls if kind == "finish"] == [7, 8]
+    assert sent[0] == ("join", "127.0.0.1", info["master_port"], 3)
+    assert sent[1] == ("send", update_info["names"], "group", 2 * 2**20, 2)
+
+
+async def test_vllm_sender_world_size_mismatch_and_missing_vllm_are_clear() -> None:
+    info = create_strategy("broadcast", engine="vllm").create_init_info(inference_world_size=1)
+    sender = VllmNcclSender(info, timeout_s=5, api=fake_api([]))
+    with pytest.raises(Exception, match="report 2 workers but this init_info was made for 1"):
+        await sender.setup(RecordingClient())
+    with pytest.raises(Exception, match="unusable"):
+        await sender.push(RecordingClient(), weights(), 1)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(MissingExtraError, match=r"pip install 'rollflow\[vllm\]'"):
+            await VllmNcclSender(info, timeout_s=5).setup(RecordingClient())
+
+
+def test_vllm_cuda_ipc_payloads_have_exactly_vllm_keys() -> None:
+    strategy = create_strategy("cuda_ipc", engine="vllm")
+    assert strategy.create_init_info(4) == {"packed": True}
+    specs = specs_of(weights())
+    info = ipc_update_info(specs, {"GPU-uuid": ("rebuild", ())}, policy_version=None)
+    assert set(info) == VLLM_IPC_UPDATE_KEYS
+    assert info["tensor_sizes"] == [80, 8, 6]
+    # rollflow servers also get the version per update.
+    assert ipc_update_info(specs, {}, policy_version=3)["policy_version"] == 3
+    assert create_strategy("cuda_ipc").create_init_info(1)["backend"] == "ipc"
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_config_passes_the_engine_to_the_strategy_and_rejects_what_vllm_cannot_receive() -> None:
+    config = build_config({"inference": {"mode": "http", "engine": "vllm"}})
+    options = config.weight_sync.strategy_options("broadcast", config.inference.engine)
+    assert options["engine"] == "vllm"
+    assert create_strategy("broadcast", **options).engine == "vllm"
+    assert config.weight_sync.strategy_options("cuda_ipc", "vllm")["engine"] == "vllm"
+    with pytest.raises(ConfigError, match="'checkpoint' cannot reach vLLM servers"):
+        build_config(
+            {"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"strategy": "checkpoint"}}
+        )
+    with pytest.raises(ConfigError, match="backend = 'gloo' cannot reach vLLM servers"):
+        build_config({"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"backend": "gloo"}})
+
+
+# ---------------------------------------------------------------- rollflow receivers accept vLLM's shapes
+
+
+async def test_rollflow_receiver_accepts_an_init_info_without_backend_group_name_or_timeout() -> None:
+    strategy = create_strategy("broadcast", backend="gloo", timeout_s=30)
+    info = strategy.create_init_info(inference_world_size=1)
+    for key in ("backend", "group_name", "timeout_s"):
+        del info[key]  # before the sender reads it: both sides fall back to the same defaults
+    sender = strategy.create_sender(info)
+    receivers: list[Any] = []
+    received: list[Any] = []
+
+    class OneServer(RecordingClient):
+        server_urls = ("http://a",)
+
+        async def get_world_size(self) -> int:
+            return 1
+
+        async def init_weight_update_communicator(self, init_info: Any) -> None:
+            receivers.append(await asyncio.to_thread(create_receiver, init_info, 0))
+
+        async def update_named_weights(self, update_info: Any) -> None:
+            received.extend(await asyncio.to_thread(receivers[0].receive, update_info))
+
+    try:
+        await sender.setup(OneServer())
+        sent = weights()
+        await sender.push(OneServer(), sent, policy_version=1)
+        assert [name for name, _ in received] == [name for name, _ in sent]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, received, strict=True))
+    finally:
+        sender.close()
+        for receiver in receivers:
+            receiver.close()
+
+
+def test_create_receiver_reads_vllm_ipc_init_info_as_ipc() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the ipc receiver is built; this checks the CPU error names the backend")
+    with pytest.raises(Exception, match="'ipc' needs CUDA"):
+        create_receiver({"packed": True}, 0)
+
+
+# ---------------------------------------------------------------- a real vLLM (GPU machines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install 'rollflow[vllm]'"
+)
+async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """``vllm serve`` (model: $ROLLFLOW_VLLM_TEST_MODEL, else the tiny model) takes two pushes from the vLLM
+    sender; greedy generation with the unchanged weights pushed back is unchanged, and the version is set."""
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.inference.server_group import ServerGroup
+    from rollflow.messages import GenerateRequest, SamplingParams
+    from rollflow.models.loading import load_causal_lm
+
+    model = os.environ.get("ROLLFLOW_VLLM_TEST_MODEL", str(tiny_model_dir))
+    options = {"max_model_len": 256, "gpu_memory_utilization": 0.3}
+    async with ServerGroup(
+        model, 1, tmp_path, engine="vllm", startup_timeout_s=600, server_options=options
+    ) as group:
+        client = RemoteInferenceClient(group.urls[0], group.urls, control_timeout_s=300)
+        request = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
+        before = await client.generate(request)
+        state = load_causal_lm(model).state_dict()
+        sender = await connect_sender(create_strategy("broadcast", engine="vllm", timeout_s=300), client)
+        try:
+            for version in (1, 2):
+                await client.pause("keep")
+                await sender.push(client, state.items(), policy_version=version)
+                await client.resume()
+        finally:
+            sender.close()
+        answers = await client.weight_info()
+        assert [body["weight_version"] for body in answers.values()] == ["2"]
+        after = await client.generate(request)
+        assert after.token_ids == before.token_ids
+        await client.close()
