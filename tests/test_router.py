@@ -151,7 +151,7 @@ async def test_wrong_method_and_bad_content_length(router, http):
 
 
 async def test_streaming_passes_through(http):
-    # The torch engine server does not stream; a small SSE backend stands in for vLLM here.
+    # A small SSE backend (vLLM-like) with chosen pauses between events stands in for an engine server here.
     async def stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

@@ -57,6 +57,20 @@ class GenerateOutput(msgspec.Struct):
     prompt_len: int = 0
 
 
+class GenerateChunk(msgspec.Struct):
+    """One piece of a streamed generation: the tokens sampled since the previous chunk, with their logprobs
+    and policy versions. The last chunk of a stream has ``finish_reason`` set (and may carry tokens too);
+    concatenating every chunk gives exactly the ``GenerateOutput`` a non-streamed call returns."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+    # None until the last chunk.
+    finish_reason: FinishReason | None = None
+    prompt_len: int = 0
+
+
 class RolloutRequest(msgspec.Struct, frozen=True):
     """One prompt admitted for generation: the data source's unit of work."""
 

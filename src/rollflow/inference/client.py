@@ -7,10 +7,11 @@ they hold. This module must not import torch at module scope.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rollflow.messages import GenerateOutput, GenerateRequest
+from rollflow.messages import GenerateChunk, GenerateOutput, GenerateRequest
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.engine import TorchEngine
@@ -33,6 +34,15 @@ class InferenceClient(Protocol):
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Sample a completion for ``request.prompt_token_ids``."""
+        ...
+
+    def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Sample like ``generate``, yielding the tokens as they are sampled (an async generator).
+
+        The last chunk carries the finish reason; ``collect_stream`` assembles the chunks into the
+        ``GenerateOutput`` that ``generate`` would have returned. Leaving the iteration early (``aclose``,
+        cancellation) aborts the request; close it with ``contextlib.aclosing`` when breaking out of a loop.
+        """
         ...
 
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -68,6 +78,14 @@ class LocalInferenceClient:
         self._next += 1
         return await engine.generate(request)
 
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        engine = self.engines[self._next % len(self.engines)]
+        self._next += 1
+        # aclosing: leaving this stream early must close (abort) the engine's at once, not at GC.
+        async with contextlib.aclosing(engine.generate_stream(request)) as stream:
+            async for chunk in stream:
+                yield chunk
+
     async def pause(self, mode: PauseMode = "abort") -> None:
         for engine in self.engines:
             await engine.pause(mode)
@@ -99,3 +117,29 @@ class LocalInferenceClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput:
+    """Concatenate a stream of ``GenerateChunk``s into its ``GenerateOutput``.
+
+    Raises:
+        ValueError: the stream ended without a chunk carrying a finish reason.
+        Whatever the stream raises.
+    """
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    policy_versions: list[int] = []
+    async for chunk in chunks:
+        token_ids += chunk.token_ids
+        logprobs += chunk.logprobs
+        policy_versions += chunk.policy_versions
+        if chunk.finish_reason is not None:
+            return GenerateOutput(
+                request_id=chunk.request_id,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=chunk.finish_reason,
+                policy_versions=policy_versions,
+                prompt_len=chunk.prompt_len,
+            )
+    raise ValueError("the generation stream ended without a finish reason")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -26,7 +26,8 @@ import structlog
 
 from rollflow.errors import RollflowError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest
+from rollflow.inference.streaming import iter_sse
+from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest
 
 log = structlog.get_logger(__name__)
 
@@ -354,6 +355,149 @@ class RemoteInferenceClient:
             "POST", "/inference/v1/generate", json=payload, session_id=request.session_id
         )
         return self._parse_generate(body, request)
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Generate through ``/v1/completions`` with ``stream: true`` (token ids in, ``return_token_ids``
+        out), yielding the tokens as the server sends them; see ``InferenceClient.generate_stream``.
+
+        Sampling, logprobs and per-token policy versions are those of ``generate``, so the assembled chunks
+        (``collect_stream``) equal its output. Before the stream starts it waits while servers are paused
+        (503) and retries connection errors, like ``generate``; once it started, a failure is raised.
+        Leaving the iteration early closes the connection, which aborts the request on the server.
+
+        Raises:
+            RemoteInferenceError: as ``generate``; also a stream that breaks off or reports an error.
+        """
+        params = request.sampling
+        payload: dict[str, Any] = {
+            "prompt": request.prompt_token_ids,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "logprobs": 0,
+            "ignore_eos": True,  # as in generate: stop only on the request's stop_token_ids
+            "return_token_ids": True,
+            "stream": True,
+        }
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        if params.stop_token_ids:
+            payload["stop_token_ids"] = list(params.stop_token_ids)
+        if request.request_id:
+            payload["request_id"] = request.request_id
+        if self.model is not None:
+            payload["model"] = self.model
+        if request.session_id:
+            payload["session_id"] = request.session_id
+        url = f"{self.data_url}/v1/completions"
+        response = await self._open_stream(url, payload, request.session_id)
+        prompt_len = len(request.prompt_token_ids)
+        finished = False
+        try:
+            async for event in iter_sse(response.content):
+                chunk = self._parse_stream_event(event, url, request, prompt_len)
+                finished = chunk.finish_reason is not None
+                yield chunk
+                if finished:
+                    return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+            raise RemoteInferenceError(f"POST {url}: the stream broke off: {error!r}", url=url) from error
+        finally:
+            if not finished:  # closing the connection aborts the request on the server
+                response.close()
+            response.release()
+        raise RemoteInferenceError(f"POST {url}: the stream ended without a finish reason", url=url)
+
+    async def _open_stream(
+        self, url: str, payload: dict[str, Any], session_id: str | None
+    ) -> aiohttp.ClientResponse:
+        """POST ``payload`` and return the response once it is a 200 (retrying like ``_data_call``)."""
+        session = self._get_session()
+        headers = {"X-Session-ID": session_id} if session_id else None
+        deadline = time.monotonic() + self.request_timeout_s
+        connect_failures = 0
+        paused_wait = _PAUSED_RETRY_S[0]
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RemoteInferenceError(
+                    f"POST {url} did not complete within request_timeout_s = {self.request_timeout_s} s",
+                    url=url,
+                )
+            try:
+                response = await session.post(
+                    url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
+                )
+            except TimeoutError:
+                continue  # the deadline check above raises
+            except aiohttp.ClientConnectionError as error:
+                connect_failures += 1
+                if connect_failures > self.connect_retries:
+                    raise RemoteInferenceError(
+                        f"POST {url} failed after {connect_failures} connection attempts: {error!r}", url=url
+                    ) from error
+                await asyncio.sleep(min(0.1 * 2**connect_failures, 2.0, max(remaining, 0)))
+                continue
+            except aiohttp.ClientError as error:
+                raise RemoteInferenceError(f"POST {url} failed: {error!r}", url=url) from error
+            if response.status < 400:
+                return response
+            async with response:
+                raw = await response.read()
+            try:
+                body = msgspec.json.decode(raw) if raw else None
+            except msgspec.DecodeError:
+                body = None
+            if response.status != 503:
+                message = _error_message(body, raw.decode(errors="replace"))
+                raise RemoteInferenceError(
+                    f"POST {url} returned HTTP {response.status}: {message}",
+                    url=url,
+                    status=response.status,
+                    body=body,
+                )
+            await asyncio.sleep(min(paused_wait, max(remaining, 0)))
+            paused_wait = min(paused_wait * 2, _PAUSED_RETRY_S[1])
+
+    def _parse_stream_event(
+        self, event: Any, url: str, request: GenerateRequest, prompt_len: int
+    ) -> GenerateChunk:
+        if isinstance(event, dict) and "error" in event:
+            raise RemoteInferenceError(
+                f"POST {url}: the stream reported an error: {_error_message(event, str(event))}",
+                url=url,
+                body=event,
+            )
+        try:
+            choice = event["choices"][0]
+            token_ids = [int(token) for token in choice["token_ids"]]
+            logprobs = [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
+            reason = choice.get("finish_reason")
+            finish_reason = _FINISH_REASONS[reason] if reason is not None else None
+        except (KeyError, IndexError, TypeError, ValueError) as error:
+            raise RemoteInferenceError(
+                f"unexpected stream chunk from {url}: {error!r} in {str(event)[:300]}", url=url
+            ) from None
+        if len(logprobs) != len(token_ids):
+            raise RemoteInferenceError(
+                f"stream chunk from {url} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
+            )
+        versions = choice.get("policy_versions") or choice.get("weight_versions")
+        try:
+            policy_versions = [int(version) for version in versions or ()]
+        except (TypeError, ValueError):
+            policy_versions = []
+        if len(policy_versions) != len(token_ids):
+            policy_versions = [self.policy_version] * len(token_ids)
+        return GenerateChunk(
+            request_id=request.request_id or str(event.get("id") or ""),
+            token_ids=token_ids,
+            logprobs=logprobs,
+            policy_versions=policy_versions,
+            finish_reason=finish_reason,
+            prompt_len=prompt_len,
+        )
 
     def _parse_generate(self, body: Any, request: GenerateRequest) -> GenerateOutput:
         url = f"{self.data_url}/inference/v1/generate"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
 import re
@@ -33,9 +34,10 @@ from aiohttp import web
 
 from rollflow.errors import RollflowError
 from rollflow.inference.client import InferenceClient
+from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
-from rollflow.tito.renderer import TITORenderer
-from rollflow.tito.session import Session, TurnSettings, arguments_text
+from rollflow.tito.renderer import TITORenderer, normalize_tools
+from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
 from rollflow.tito.trace import Trace, TraceSealedError, Turn
 from rollflow.tito.wire import (
     ChatCompletion,
@@ -310,16 +312,19 @@ class TITOProxy:
                 code="model_not_found",
             )
         key, is_retry = _request_key(request, body)
-        turn = await session.complete(chat, request_key=key, is_retry=is_retry)
         if chat.stream:
-            return await self._stream(request, chat, turn)
+            return await self._stream(request, session, chat, key, is_retry)
+        turn = await session.complete(chat, request_key=key, is_retry=is_retry)
         return _json(self._completion(chat, turn))
 
     def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
         if not chat.logprobs:
             return None
+        return self._token_logprobs(turn.completion_ids, turn.logprobs)
+
+    def _token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
         content = []
-        for token_id, logprob in zip(turn.completion_ids, turn.logprobs, strict=True):
+        for token_id, logprob in zip(token_ids, logprobs, strict=True):
             text = self.renderer.token_text(token_id)
             content.append(TokenLogprob(text, logprob, list(text.encode())))
         return ChoiceLogprobs(content)
@@ -348,41 +353,63 @@ class TITOProxy:
         )
 
     async def _stream(
-        self, request: web.Request, chat: ChatCompletionRequest, turn: Turn
+        self,
+        request: web.Request,
+        session: Session,
+        chat: ChatCompletionRequest,
+        request_key: str | None,
+        is_retry: bool,
     ) -> web.StreamResponse:
-        """SSE chunks of the recorded turn: role, reasoning, content, tool calls, finish (+ usage), [DONE].
-        The engine returns whole generations, so chunks follow once the turn is sampled; their
-        concatenation is exactly the non-streamed message."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        """SSE chunks of a turn while it is sampled: role, then content (and reasoning) deltas as tokens
+        arrive, then the finish chunk (+ usage), [DONE].
+
+        Text is sent once stable: each time, the tokens so far are parsed by the renderer and only what
+        extends the text already sent is sent (``TextDeltas``: a half-sampled UTF-8 character or trailing
+        whitespace waits). Tool calls come whole in the finish chunk: the renderer parses them from the whole
+        reply. The finish chunk also completes the text from the committed turn, so the concatenated deltas
+        equal the non-streamed message. A request refused before its first token is a JSON error; a client
+        that disconnects cancels the turn, which aborts the engine request.
+        """
+        tools = normalize_tools(chat.tools)
+        woke = asyncio.Event()
+        latest: list[TurnProgress] = []
+
+        def on_tokens(progress: TurnProgress) -> None:
+            latest[:] = [progress]
+            woke.set()
+
+        turn_task = asyncio.ensure_future(
+            session.complete(chat, request_key=request_key, is_retry=is_retry, on_tokens=on_tokens)
         )
-        await response.prepare(request)
-        completion = self._completion(chat, turn)
-        message = completion.choices[0].message
-
-        def chunk(delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
-            data = ChatCompletionChunk(
-                turn.response_id, turn.created, completion.model, [ChunkChoice(delta, 0, finish, logprobs)]
-            )
-            return b"data: " + _ENCODER.encode(data) + b"\n\n"
-
-        parts = [chunk(Delta(role="assistant", content=""))]
-        parts += [chunk(Delta(reasoning_content=piece)) for piece in _pieces(message.reasoning_content)]
-        parts += [chunk(Delta(content=piece)) for piece in _pieces(message.content)]
-        for index, call in enumerate(message.tool_calls or ()):
-            function = DeltaFunction(call.function.name, call.function.arguments)
-            parts.append(chunk(Delta(tool_calls=[DeltaToolCall(index, call.id, "function", function)])))
-        parts.append(chunk(Delta(), completion.choices[0].finish_reason, completion.choices[0].logprobs))
-        if chat.stream_options is not None and chat.stream_options.include_usage:
-            usage = ChatCompletionChunk(
-                turn.response_id, turn.created, completion.model, [], completion.usage
-            )
-            parts.append(b"data: " + _ENCODER.encode(usage) + b"\n\n")
-        parts.append(b"data: [DONE]\n\n")
-        for part in parts:
-            await response.write(part)
-        await response.write_eof()
-        return response
+        try:
+            await _until(turn_task, woke)
+            if turn_task.done():  # sampled before any token was seen (or failed): errors stay JSON
+                turn = turn_task.result()
+                stream = _TurnStream(self, chat, turn.response_id, turn.created)
+                return await stream.send_whole(request, turn)
+            stream = _TurnStream(self, chat, latest[0].response_id, int(time.time()))
+            response = await stream.start(request)
+            while not turn_task.done():
+                if woke.is_set():
+                    woke.clear()
+                    await stream.progress(response, latest[0], tools)
+                await _until(turn_task, woke)
+            try:
+                turn = turn_task.result()
+            except RequestError as error:  # the stream had started: report in the stream
+                await response.write(sse_event(error.body()))
+            except TraceSealedError as error:
+                await response.write(sse_event(RequestError(str(error), code="session_closed").body()))
+            else:
+                await stream.finish(response, turn)
+            await response.write(SSE_DONE)
+            await response.write_eof()
+            return response
+        finally:
+            if not turn_task.done():
+                turn_task.cancel()  # the client went away: session.complete aborts the engine request
+                with contextlib.suppress(asyncio.CancelledError, RollflowError):
+                    await turn_task
 
     # ------------------------------------------------------------------ HTTP: admin endpoints
 
@@ -458,12 +485,91 @@ def _request_key(request: web.Request, body: bytes) -> tuple[str | None, bool]:
     return "body:" + digest, retry_count.strip() not in ("", "0")
 
 
-_PIECE = re.compile(r"\s*\S+\s*|\s+")
+async def _until(task: asyncio.Future, event: asyncio.Event) -> None:
+    """Wait until ``task`` is done or ``event`` is set."""
+    if task.done() or event.is_set():
+        return
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
 
 
-def _pieces(text: str | None) -> list[str]:
-    """Word-sized stream deltas whose concatenation is ``text``."""
-    return _PIECE.findall(text) if text else []
+class _TurnStream:
+    """The SSE chunks of one streamed turn, and what of the reply they have sent so far."""
+
+    def __init__(self, proxy: TITOProxy, chat: ChatCompletionRequest, response_id: str, created: int):
+        self.proxy = proxy
+        self.chat = chat
+        self.response_id = response_id
+        self.created = created
+        self.content = TextDeltas(strip=True)  # parsers strip the reply
+        self.reasoning = TextDeltas(strip=True)
+        self.logprobs_sent = 0
+
+    def _chunk(self, delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
+        choice = ChunkChoice(delta, 0, finish, logprobs)
+        model = self.proxy.settings.model_name
+        return sse_event(ChatCompletionChunk(self.response_id, self.created, model, [choice]))
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs | None:
+        """Logprobs of the tokens not reported yet (with ``logprobs: true``)."""
+        if not self.chat.logprobs:
+            return None
+        start, self.logprobs_sent = self.logprobs_sent, len(token_ids)
+        return self.proxy._token_logprobs(token_ids[start:], logprobs[start:])
+
+    async def start(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        await response.write(self._chunk(Delta(role="assistant", content="")))
+        return response
+
+    async def progress(self, response: web.StreamResponse, progress: TurnProgress, tools: Any) -> None:
+        """Send what the tokens sampled so far add to the text (nothing while it is not stable)."""
+        parsed = self.proxy.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
+        reasoning = self.reasoning.update(parsed.reasoning_content or "")
+        content = self.content.update(parsed.content)
+        if reasoning or content:
+            delta = Delta(content=content or None, reasoning_content=reasoning or None)
+            await response.write(
+                self._chunk(delta, logprobs=self._logprobs(progress.token_ids, progress.logprobs))
+            )
+
+    async def finish(self, response: web.StreamResponse, turn: Turn) -> None:
+        """The rest of the committed turn's text, its tool calls and finish reason (+ usage)."""
+        completion = self.proxy._completion(self.chat, turn)
+        message = completion.choices[0].message
+        reasoning = self.reasoning.update(message.reasoning_content or "", final=True)
+        content = self.content.update(message.content or "", final=True)
+        if self.content.diverged or self.reasoning.diverged:
+            # A parser re-read text already sent (e.g. a late reasoning end): the agent's copy differs.
+            log.warning("streamed text differs from the recorded message", response_id=self.response_id)
+        calls = [
+            DeltaToolCall(
+                index, call.id, "function", DeltaFunction(call.function.name, call.function.arguments)
+            )
+            for index, call in enumerate(message.tool_calls or ())
+        ]
+        delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
+        logprobs = self._logprobs(turn.completion_ids, turn.logprobs)
+        parts = [self._chunk(delta, completion.choices[0].finish_reason, logprobs)]
+        if self.chat.stream_options is not None and self.chat.stream_options.include_usage:
+            model = self.proxy.settings.model_name
+            usage = ChatCompletionChunk(self.response_id, self.created, model, [], completion.usage)
+            parts.append(sse_event(usage))
+        await response.write(b"".join(parts))
+
+    async def send_whole(self, request: web.Request, turn: Turn) -> web.StreamResponse:
+        """A turn already sampled (a replayed retry, a client without streaming): every chunk at once."""
+        response = await self.start(request)
+        await self.finish(response, turn)
+        await response.write(SSE_DONE)
+        await response.write_eof()
+        return response
 
 
 async def serve_standalone(

@@ -3,21 +3,25 @@
 A request runs as its own task: render (through the trace actor), sample, parse, commit. Callers wait on
 that task without owning it, so a retried request can join the attempt still running, and the task is
 cancelled — which aborts the engine request — once nobody waits for it any more (the client went away).
+A ``stream`` request samples through the client's ``generate_stream`` and tells its waiters' watchers of each
+new token, so the proxy can stream the reply while it is sampled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from rollflow.errors import EngineError, RollflowError
 from rollflow.inference.client import InferenceClient
-from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
 from rollflow.tito.wire import ChatCompletionRequest, RequestError
@@ -37,10 +41,33 @@ class TurnSettings:
     max_abort_resubmits: int = 8
 
 
+@dataclass(slots=True)
+class TurnProgress:
+    """A turn being sampled, as ``complete``'s ``on_tokens`` watchers see it."""
+
+    # The id the committed turn will have.
+    response_id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
+    prompt_ids: list[int] = field(default_factory=list)
+    # Completion tokens sampled so far and their logprobs.
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+TokenWatcher = Callable[[TurnProgress], None]
+
+
 @dataclass(eq=False, slots=True)
 class _InFlight:
-    task: asyncio.Task
+    task: asyncio.Task | None = None
     waiters: int = 0
+    progress: TurnProgress = field(default_factory=TurnProgress)
+    watchers: list[TokenWatcher] = field(default_factory=list)
+
+    def notify(self, prompt_ids: list[int], token_ids: list[int], logprobs: list[float]) -> None:
+        progress = self.progress
+        progress.prompt_ids, progress.token_ids, progress.logprobs = prompt_ids, token_ids, logprobs
+        for watcher in list(self.watchers):
+            watcher(progress)
 
 
 class Session:
@@ -70,12 +97,18 @@ class Session:
         return f"Session({self.session_id!r}, turns={len(self.trace.turns)}, closed={self.closed})"
 
     async def complete(
-        self, request: ChatCompletionRequest, *, request_key: str | None = None, is_retry: bool = False
+        self,
+        request: ChatCompletionRequest,
+        *,
+        request_key: str | None = None,
+        is_retry: bool = False,
+        on_tokens: TokenWatcher | None = None,
     ) -> Turn:
         """Answer one validated request: replay a recorded turn for a retry, else sample a new one.
 
         ``request_key`` identifies a request across client retries (an ``Idempotency-Key``, or the body
-        digest of an SDK-marked retry); ``is_retry`` says this call is such a retry.
+        digest of an SDK-marked retry); ``is_retry`` says this call is such a retry. ``on_tokens`` is called
+        (on this loop) as tokens of a ``stream`` request are sampled, with the turn's progress so far.
 
         Raises:
             TraceSealedError: the session is closed.
@@ -90,13 +123,18 @@ class Session:
                 return turn
             entry = self._inflight.get(request_key)  # the first attempt is still running: join it
         if entry is None:
-            task = asyncio.get_running_loop().create_task(self._run(request, request_key))
-            entry = _InFlight(task)
+            entry = _InFlight()
+            task = asyncio.get_running_loop().create_task(self._run(request, request_key, entry))
+            entry.task = task
             self._tasks.add(task)
             task.add_done_callback(self._forget(request_key, entry))
             if request_key is not None:
                 self._inflight[request_key] = entry
         entry.waiters += 1
+        if on_tokens is not None:
+            entry.watchers.append(on_tokens)
+            if entry.progress.token_ids:  # joined a streamed attempt in flight: catch up
+                on_tokens(entry.progress)
         try:
             return await asyncio.shield(entry.task)
         except asyncio.CancelledError:
@@ -107,6 +145,8 @@ class Session:
             raise
         finally:
             entry.waiters -= 1
+            if on_tokens is not None:
+                entry.watchers.remove(on_tokens)
             if entry.waiters == 0 and not entry.task.done():
                 entry.task.cancel()  # nobody waits any more: abort the engine request
 
@@ -132,12 +172,12 @@ class Session:
 
     # ------------------------------------------------------------------ one turn
 
-    async def _run(self, request: ChatCompletionRequest, request_key: str | None) -> Turn:
+    async def _run(self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight) -> Turn:
         messages = [normalize_message(m) for m in request.messages]
         tools = normalize_tools(request.tools)
         prepared = await self.trace.prepare(messages, tools)
         try:
-            sampled = await self._sample(prepared.prompt_ids, request)
+            sampled = await self._sample(prepared.prompt_ids, request, entry)
         except RequestError:
             raise
         except EngineError as error:
@@ -161,11 +201,13 @@ class Session:
             sampled,
             message,
             finish_reason=finish_reason,
-            response_id=f"chatcmpl-{secrets.token_hex(12)}",
+            response_id=entry.progress.response_id,
             request_key=request_key,
         )
 
-    async def _sample(self, prompt_ids: list[int], request: ChatCompletionRequest) -> Sampled:
+    async def _sample(
+        self, prompt_ids: list[int], request: ChatCompletionRequest, entry: _InFlight
+    ) -> Sampled:
         settings = self._settings
         max_tokens = request.max_completion_tokens or request.max_tokens or settings.default_max_tokens
         temperature = settings.default_temperature if request.temperature is None else request.temperature
@@ -181,14 +223,16 @@ class Session:
                 seed=request.seed,
                 stop_token_ids=self._renderer.stop_token_ids,
             )
-            output = await self._client.generate(
-                GenerateRequest(
-                    prompt_token_ids=prompt_ids + tokens,
-                    sampling=sampling,
-                    request_id=f"{self.session_id}-{secrets.token_hex(4)}",
-                    session_id=self.session_id,
-                )
+            generate_request = GenerateRequest(
+                prompt_token_ids=prompt_ids + tokens,
+                sampling=sampling,
+                request_id=f"{self.session_id}-{secrets.token_hex(4)}",
+                session_id=self.session_id,
             )
+            if request.stream:
+                output = await self._generate_streamed(generate_request, prompt_ids, tokens, logprobs, entry)
+            else:
+                output = await self._client.generate(generate_request)
             tokens += output.token_ids
             logprobs += output.logprobs
             versions += output.policy_versions
@@ -200,6 +244,43 @@ class Session:
         if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
             finish = FinishReason.LENGTH
         return Sampled(tokens, logprobs, versions, finish.value, routed_experts)
+
+    async def _generate_streamed(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        tokens: list[int],
+        logprobs: list[float],
+        entry: _InFlight,
+    ) -> GenerateOutput:
+        """``generate`` through the client's stream, telling ``entry``'s watchers of each new token (after
+        ``tokens``, the turn's tokens of earlier, aborted attempts). A client without ``generate_stream``
+        answers whole; its watchers hear of the tokens once, at the end."""
+        stream = getattr(self._client, "generate_stream", None)
+        if stream is None:
+            output = await self._client.generate(request)
+            entry.notify(prompt_ids, tokens + output.token_ids, logprobs + output.logprobs)
+            return output
+        new_tokens: list[int] = []
+        new_logprobs: list[float] = []
+        versions: list[int] = []
+        async with contextlib.aclosing(stream(request)) as chunks:
+            async for chunk in chunks:
+                new_tokens += chunk.token_ids
+                new_logprobs += chunk.logprobs
+                versions += chunk.policy_versions
+                if chunk.token_ids:
+                    entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
+                if chunk.finish_reason is not None:
+                    return GenerateOutput(
+                        chunk.request_id,
+                        new_tokens,
+                        new_logprobs,
+                        chunk.finish_reason,
+                        versions,
+                        chunk.prompt_len,
+                    )
+        raise RollflowError("the generation stream ended without a finish reason")
 
 
 def _assistant_message(parsed: ParsedTurn, engine_finish: str) -> tuple[dict[str, Any], str]:

@@ -164,6 +164,8 @@ def validate_request(request: ChatCompletionRequest) -> None:
         raise _reject("messages", "must hold at least one message")
     if request.n not in (None, 1):
         raise _reject("n", f"only n=1 is supported, got {request.n}; send one request per sample")
+    if request.stream_options is not None and not request.stream:
+        raise _reject("stream_options", "only valid with stream: true")
     if request.top_logprobs:
         raise _reject("top_logprobs", "top logprobs are not supported; use logprobs=true")
     if request.stop:

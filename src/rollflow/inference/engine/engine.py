@@ -7,7 +7,9 @@ idle and the next call starts another). Each loop iteration it:
 2. admits waiting requests into free KV-cache slots (unless paused) and prefills them in one padded batch;
 3. runs one decode step over every running slot (unless frozen by ``pause("keep")``).
 Results go back to each caller's event loop with ``loop.call_soon_threadsafe``, so the engine serves callers
-from any running asyncio loop (several at once, or one per test) and never blocks one.
+from any running asyncio loop (several at once, or one per test) and never blocks one. A streamed request
+(``generate_stream``) also gets each sampled token that way, into a queue on its caller's loop; the caller
+merges whatever arrived since it last looked into one chunk, so a slow consumer never slows the worker.
 
 Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
 belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
@@ -24,7 +26,7 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,13 @@ from rollflow.errors import EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
 from rollflow.inference.engine.model_runner import ModelRunner
 from rollflow.inference.engine.sampler import sample
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.messages import (
+    FinishReason,
+    GenerateChunk,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -85,13 +93,38 @@ class _Reply:
             self.loop.call_soon_threadsafe(_settle, self.future, result, error)
 
 
+@dataclass(eq=False)
+class _StreamReply:
+    """Where the worker sends a streamed request's tokens and its outcome: a queue on the caller's loop.
+
+    Items, in order: ``(token, logprob, policy_version)`` per sampled token, then one final
+    ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run in the order they were
+    scheduled, so the caller sees tokens in sampling order and the outcome last.
+    """
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    @classmethod
+    def create(cls) -> _StreamReply:
+        return cls(asyncio.get_running_loop(), asyncio.Queue())
+
+    def send_token(self, token: int, logprob: float, policy_version: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, logprob, policy_version))
+
+    def send(self, result: Any = None, error: BaseException | None = None) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (result, error))
+
+
 @dataclass(eq=False, slots=True)
 class _Sequence:
     """One request's generation state, owned by the worker thread."""
 
     request: GenerateRequest
     params: SamplingParams
-    reply: _Reply
+    reply: _Reply | _StreamReply
     generator: torch.Generator | None
     stop_token_ids: frozenset[int]
     prompt_len: int
@@ -265,6 +298,53 @@ class TorchEngine:
                 max_tokens < 1, temperature < 0, top_p outside (0, 1]); the engine keeps serving.
             EngineDeadError: the engine was shut down or its loop died.
         """
+        sequence = self._sequence(request, _Reply.create())
+        self._post(("add", sequence, None))
+        try:
+            return await sequence.reply.future
+        except asyncio.CancelledError:
+            self._post(("cancel", sequence, None), quiet=True)
+            raise
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Generate like ``generate``, yielding the tokens sampled since the previous chunk as they come.
+
+        The last chunk has ``finish_reason`` set; an aborted request (pause in abort mode, ``abort``) ends
+        with finish reason ``abort`` after its partial tokens. Leaving the iteration early (``aclose``, or
+        cancellation while waiting) aborts the request and frees its slot. Requests are checked when the
+        iteration starts.
+
+        Raises:
+            EngineError: the request is invalid (as ``generate``).
+            EngineDeadError: the engine was shut down or its loop died (also mid-stream).
+        """
+        reply = _StreamReply.create()
+        sequence = self._sequence(request, reply)
+        self._post(("add", sequence, None))
+        finished = False
+        try:
+            while not finished:
+                items = [await reply.queue.get()]
+                while not reply.queue.empty():  # merge what arrived meanwhile into one chunk
+                    items.append(reply.queue.get_nowait())
+                chunk = GenerateChunk(request.request_id, [], [], [], prompt_len=sequence.prompt_len)
+                for item in items:
+                    if len(item) == 3:
+                        chunk.token_ids.append(item[0])
+                        chunk.logprobs.append(item[1])
+                        chunk.policy_versions.append(item[2])
+                        continue
+                    output, error = item
+                    finished = True
+                    if error is not None:
+                        raise error
+                    chunk.finish_reason = output.finish_reason
+                yield chunk
+        finally:
+            if not finished:  # the consumer left early or was cancelled: abort the engine request
+                self._post(("cancel", sequence, None), quiet=True)
+
+    def _sequence(self, request: GenerateRequest, reply: _Reply | _StreamReply) -> _Sequence:
         self._validate(request)
         params = request.sampling
         generator = None
@@ -272,21 +352,15 @@ class TorchEngine:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         prompt_len = len(request.prompt_token_ids)
-        sequence = _Sequence(
+        return _Sequence(
             request=request,
             params=params,
-            reply=_Reply.create(),
+            reply=reply,
             generator=generator,
             stop_token_ids=frozenset(params.stop_token_ids),
             prompt_len=prompt_len,
             max_output_len=min(params.max_tokens, self.max_model_len - prompt_len),
         )
-        self._post(("add", sequence, None))
-        try:
-            return await sequence.reply.future
-        except asyncio.CancelledError:
-            self._post(("cancel", sequence, None), quiet=True)
-            raise
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """Stop admitting requests and treat running ones according to ``mode`` (see the class docstring).
@@ -651,6 +725,8 @@ class TorchEngine:
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.policy_versions.append(version)
+            if type(sequence.reply) is _StreamReply:
+                sequence.reply.send_token(token, logprob, version)
             if token in sequence.stop_token_ids:
                 self._finish(sequence.slot, FinishReason.STOP)
             elif len(sequence.token_ids) >= sequence.max_output_len:

@@ -8,7 +8,9 @@ entry point. Where it departs from vLLM:
 - One worker: ``/get_world_size`` is 1. ``/sleep`` on CPU keeps the weights in memory (level 1 drops the KV
   cache, i.e. the prefix cache); the sleep state is tracked as vLLM reports it.
 - Token logprobs are the sampled token's only: a top-k count above 0 (``logprobs``, ``top_logprobs``) is a 400.
-  Stop strings, ``min_p``, ``min_tokens``, penalties, prompt logprobs and streaming are 400s naming the field.
+  Stop strings, ``min_p``, ``min_tokens``, penalties and prompt logprobs are 400s naming the field; so is
+  ``stream`` on ``/inference/v1/generate`` (streaming is served on ``/v1/completions`` and
+  ``/v1/chat/completions``).
 - Every choice also carries ``policy_versions``: the policy version that sampled each token.
 - ``/pause?mode=wait`` returns once running requests finished; requests still queued behind a full batch start
   after ``/resume`` (vLLM drains those too).

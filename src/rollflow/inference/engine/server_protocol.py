@@ -2,7 +2,7 @@
 
 Bodies are decoded straight into these Structs (``decode_body``), so a wrong type or a missing field becomes a
 400 naming the field (``$.sampling_params.max_tokens``). Unknown fields are ignored, as vLLM does, because
-OpenAI clients send fields the engine has no use for (``user``, ``stream_options``). Fields the torch engine
+OpenAI clients send fields the engine has no use for (``user``). Fields the torch engine
 cannot honour are decoded anyway and rejected by the handlers with a message that names them.
 
 No torch here: only the wire.
@@ -158,6 +158,14 @@ class OpenAISamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = 0.0
 
 
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options`` (OpenAI's, plus vLLM's ``continuous_usage_stats``); only valid with ``stream``."""
+
+    include_usage: bool | None = False
+    # vLLM: usage in every chunk, not only in the final one.
+    continuous_usage_stats: bool | None = False
+
+
 class CompletionBody(OpenAISamplingFields, kw_only=True):
     """``POST /v1/completions``. ``prompt`` is checked by hand: msgspec cannot decode a union of list types."""
 
@@ -172,6 +180,7 @@ class CompletionBody(OpenAISamplingFields, kw_only=True):
     add_special_tokens: bool = True
     echo: bool | None = False
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     request_id: str | None = None
@@ -179,7 +188,7 @@ class CompletionBody(OpenAISamplingFields, kw_only=True):
 
 
 class ChatBody(OpenAISamplingFields, kw_only=True):
-    """``POST /v1/chat/completions`` (plain use: no streaming, no tools parsing beyond the renderer's)."""
+    """``POST /v1/chat/completions`` (no tools parsing beyond the renderer's)."""
 
     messages: list[dict[str, Any]]
     model: str | None = None
@@ -194,6 +203,7 @@ class ChatBody(OpenAISamplingFields, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     stream: bool | None = False
+    stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     skip_special_tokens: bool | None = None
     request_id: str | None = None

@@ -2,8 +2,8 @@
 
 Each handler decodes its body (``server_protocol``), validates every value against the engine's limits (so bad
 input is a 400 naming the field, never an engine failure), runs one engine request per prompt and sample, and
-shapes the response as vLLM does. A handler cancelled by a client disconnect cancels its engine requests, which
-frees their KV-cache slots.
+shapes the response as vLLM does (``stream: true`` on the OpenAI endpoints: SSE, see ``server_streaming``). A
+handler cancelled by a client disconnect cancels its engine requests, which frees their KV-cache slots.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from rollflow.inference.engine.server_protocol import (
     bad_request,
     decode_body,
 )
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
+from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.server import EngineServer
@@ -287,7 +288,6 @@ class DataPlane:
         body = decode_body(await request.read(), CompletionBody)
         self.server.check_model(body.model)
         _unsupported(
-            stream=(body.stream or None, False),
             echo=(body.echo or None, False),
             logprobs=(body.logprobs if body.logprobs else None, 0),
             prompt_logprobs=(body.prompt_logprobs, None),
@@ -298,6 +298,7 @@ class DataPlane:
             frequency_penalty=(body.frequency_penalty or None, 0.0),
             stop=(body.stop or None, None),
         )
+        check_stream_options(body.stream, body.stream_options)
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
         prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
@@ -318,7 +319,13 @@ class DataPlane:
             for prompt, samples in zip(prompts, per_prompt, strict=True)
             for params in samples
         ]
-        outputs = await self._generate(request_id, jobs, self._session_id(request, body.session_id))
+        session_id = self._session_id(request, body.session_id)
+        if body.stream:
+            prompt_tokens = sum(len(p) for p in prompts)
+            return await stream_completions(
+                self, request, body, request_id, jobs, spec.stop_token_ids, session_id, prompt_tokens
+            )
+        outputs = await self._generate(request_id, jobs, session_id)
         skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
         choices = []
         for index, ((prompt, _), output) in enumerate(zip(jobs, outputs, strict=True)):
@@ -350,7 +357,9 @@ class DataPlane:
             }
         )
 
-    def _completion_logprobs(self, output: GenerateOutput, as_token_ids: bool) -> dict[str, Any]:
+    def _completion_logprobs(
+        self, output: GenerateOutput | GenerateChunk, as_token_ids: bool
+    ) -> dict[str, Any]:
         if as_token_ids:
             tokens = [f"token_id:{t}" for t in output.token_ids]
         else:
@@ -399,7 +408,6 @@ class DataPlane:
         body = decode_body(await request.read(), ChatBody)
         self.server.check_model(body.model)
         _unsupported(
-            stream=(body.stream or None, False),
             top_logprobs=(body.top_logprobs or None, 0),
             continue_final_message=(body.continue_final_message or None, False),
             chat_template=(body.chat_template, None),
@@ -410,6 +418,7 @@ class DataPlane:
             frequency_penalty=(body.frequency_penalty or None, 0.0),
             stop=(body.stop or None, None),
         )
+        check_stream_options(body.stream, body.stream_options)
         if not body.messages:
             raise bad_request("messages is empty; pass at least one message", "messages")
         prompt = self._render(body.messages, body.tools, body.add_generation_prompt)
@@ -431,9 +440,12 @@ class DataPlane:
         )
         params = self._params(spec, len(prompt))
         request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        outputs = await self._generate(
-            request_id, [(prompt, p) for p in params], self._session_id(request, body.session_id)
-        )
+        jobs = [(prompt, p) for p in params]
+        session_id = self._session_id(request, body.session_id)
+        user_stop_ids = list(body.stop_token_ids or [])
+        if body.stream:
+            return await stream_chat(self, request, body, request_id, prompt, jobs, user_stop_ids, session_id)
+        outputs = await self._generate(request_id, jobs, session_id)
         choices = []
         for index, output in enumerate(outputs):
             choice: dict[str, Any] = {
@@ -441,24 +453,13 @@ class DataPlane:
                 "message": self._message(prompt, output, body.tools),
                 "logprobs": None,
                 "finish_reason": output.finish_reason.value,
-                "stop_reason": self._stop_reason(output, list(body.stop_token_ids or [])),
+                "stop_reason": self._stop_reason(output, user_stop_ids),
                 "policy_versions": output.policy_versions,
             }
             if choice["message"].get("tool_calls") and output.finish_reason is FinishReason.STOP:
                 choice["finish_reason"] = "tool_calls"
             if body.logprobs:
-                content = []
-                for token, value in zip(output.token_ids, output.logprobs, strict=True):
-                    text = self._decode([token], False)
-                    content.append(
-                        {
-                            "token": text,
-                            "logprob": _logprob(value),
-                            "bytes": list(text.encode()),
-                            "top_logprobs": [],
-                        }
-                    )
-                choice["logprobs"] = {"content": content}
+                choice["logprobs"] = {"content": self._chat_logprobs(output)}
             if body.return_token_ids:
                 choice["token_ids"] = output.token_ids
             choices.append(choice)
@@ -473,6 +474,15 @@ class DataPlane:
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return _json(response)
+
+    def _chat_logprobs(self, output: GenerateOutput | GenerateChunk) -> list[dict[str, Any]]:
+        content = []
+        for token, value in zip(output.token_ids, output.logprobs, strict=True):
+            text = self._decode([token], False)
+            content.append(
+                {"token": text, "logprob": _logprob(value), "bytes": list(text.encode()), "top_logprobs": []}
+            )
+        return content
 
     def _message(self, prompt: list[int], output: GenerateOutput, tools: Any) -> dict[str, Any]:
         try:

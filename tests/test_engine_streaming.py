@@ -1,0 +1,129 @@
+"""``TorchEngine.generate_stream`` and ``LocalInferenceClient.generate_stream``: tokens arrive as they are
+sampled, the assembled stream equals ``generate``, and abort, early close and bad input behave as documented."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from rollflow.errors import EngineError
+from rollflow.inference.client import LocalInferenceClient, collect_stream
+from rollflow.inference.engine.engine import TorchEngine
+from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from rollflow.models.loading import load_causal_lm
+
+    # No prefix cache: a prompt seen before would be extended rather than prefilled, which changes
+    # logprobs in the last bits and would make "streamed == non-streamed" depend on the order of calls.
+    engine = TorchEngine(
+        load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=1024, enable_prefix_caching=False
+    )
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def request(max_tokens: int = 32, seed: int | None = 7, request_id: str = "r", **sampling) -> GenerateRequest:
+    return GenerateRequest(
+        [5, 17, 300, 42], SamplingParams(max_tokens=max_tokens, seed=seed, **sampling), request_id=request_id
+    )
+
+
+async def test_assembled_stream_equals_generate(engine):
+    chunks = [chunk async for chunk in engine.generate_stream(request(64))]
+    assert (
+        all(c.finish_reason is None for c in chunks[:-1]) and chunks[-1].finish_reason is FinishReason.LENGTH
+    )
+    assert all(len(c.token_ids) == len(c.logprobs) == len(c.policy_versions) for c in chunks)
+
+    async def replay():
+        for chunk in chunks:
+            yield chunk
+
+    assert await collect_stream(replay()) == await engine.generate(request(64))
+
+
+async def test_tokens_arrive_while_the_request_is_still_running(engine):
+    seen_running = []
+    num_chunks = 0
+    async for chunk in engine.generate_stream(request(600)):
+        num_chunks += 1
+        if chunk.finish_reason is None:
+            seen_running.append(engine.num_running == 1)
+    # Many chunks, and while they came the request was still being decoded: the stream is incremental.
+    assert num_chunks > 10 and all(seen_running)
+
+
+async def test_abort_ends_the_stream_with_its_partial_tokens(engine):
+    stream = engine.generate_stream(request(800, request_id="to-abort"))
+    first = await anext(stream)
+    assert first.token_ids and first.finish_reason is None
+    assert await engine.abort(["to-abort"]) == 1
+    rest = [chunk async for chunk in stream]
+    assert rest[-1].finish_reason is FinishReason.ABORT
+    tokens = first.token_ids + [t for c in rest for t in c.token_ids]
+    assert 0 < len(tokens) < 800
+
+
+async def test_pause_abort_ends_streams_and_pause_keep_freezes_them(engine):
+    stream = engine.generate_stream(request(800))
+    await anext(stream)
+    await engine.pause("abort")
+    assert [c async for c in stream][-1].finish_reason is FinishReason.ABORT
+    await engine.resume()
+
+    stream = engine.generate_stream(request(40))
+    first = await anext(stream)
+    await engine.pause("keep")
+    await asyncio.sleep(0.05)
+    assert engine.num_running == 1
+    await engine.resume()
+    chunks = [first] + [c async for c in stream]
+    assert chunks[-1].finish_reason is FinishReason.LENGTH
+    assert sum(len(c.token_ids) for c in chunks) == 40
+
+
+async def test_leaving_the_stream_early_aborts_the_request(engine):
+    cancelled = engine.num_cancelled_requests
+    async with contextlib.aclosing(engine.generate_stream(request(800))) as stream:
+        async for _ in stream:
+            break
+    await _wait_until(lambda: engine.num_running == 0)
+    assert engine.num_cancelled_requests == cancelled + 1
+
+    # A consumer cancelled while waiting for the next chunk aborts it too.
+    async def consume() -> None:
+        async for _ in engine.generate_stream(request(800)):
+            pass
+
+    task = asyncio.create_task(consume())
+    await _wait_until(lambda: engine.num_running == 1)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await _wait_until(lambda: engine.num_running == 0)
+    assert engine.num_cancelled_requests == cancelled + 2
+
+
+async def test_bad_request_raises_when_the_iteration_starts(engine):
+    stream = engine.generate_stream(GenerateRequest([], SamplingParams()))
+    with pytest.raises(EngineError, match="prompt_token_ids is empty"):
+        await anext(stream)
+
+
+async def test_local_client_streams_like_it_generates(engine):
+    client = LocalInferenceClient([engine])
+    streamed = await collect_stream(client.generate_stream(request(48, temperature=0.0, seed=None)))
+    assert streamed == await client.generate(request(48, temperature=0.0, seed=None))
+
+
+async def _wait_until(predicate, timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)

@@ -1,0 +1,255 @@
+"""Streaming through the TITO proxy: deltas reach the agent while the engine samples, they add up to the
+recorded message, the trace holds exactly the sampled tokens, and a client that leaves mid-stream aborts."""
+
+# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
+# ruff: noqa: F811
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from rollflow.inference.client import LocalInferenceClient
+from rollflow.inference.streaming import TextDeltas
+from rollflow.messages import GenerateChunk, GenerateRequest
+from rollflow.tito import TITOProxy
+from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+
+pytestmark = pytest.mark.asyncio
+
+# With this seed and prompt the tiny model answers with 847 tokens (no prefix cache): long enough that
+# the first delta must come long before the end if streaming is incremental.
+LONG_SEED, LONG_PROMPT = 3, "write a long story"
+
+
+class RecordingClient(LocalInferenceClient):
+    """A local client that keeps every chunk it streamed, to compare with what the trace recorded."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.chunks: list[GenerateChunk] = []
+
+    async def generate_stream(self, request: GenerateRequest):
+        async with contextlib.aclosing(super().generate_stream(request)) as stream:
+            async for chunk in stream:
+                self.chunks.append(chunk)
+                yield chunk
+
+
+class TokenByTokenClient(ScriptedClient):
+    """The scripted replies, streamed one token at a time."""
+
+    def __init__(self, *args, step_s: float = 0.002, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.step_s = step_s
+
+    async def generate_stream(self, request: GenerateRequest):
+        output = await self.generate(request)
+        for i, token in enumerate(output.token_ids):
+            await asyncio.sleep(self.step_s)
+            last = i == len(output.token_ids) - 1
+            yield GenerateChunk(
+                output.request_id,
+                [token],
+                [output.logprobs[i]],
+                [output.policy_versions[i]],
+                output.finish_reason if last else None,
+                output.prompt_len,
+            )
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import load_causal_lm
+
+    engine = TorchEngine(
+        load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=1024, enable_prefix_caching=False
+    )
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engine, tiny_chat):
+    client = RecordingClient([engine])
+    async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        started = time.perf_counter()
+        stream = await agent.chat.completions.create(
+            model=MODEL,
+            messages=[_user(LONG_PROMPT)],
+            max_tokens=900,
+            seed=LONG_SEED,
+            stream=True,
+            stream_options={"include_usage": True},
+            logprobs=True,
+        )
+        content, finish, usage, logprobs, content_deltas = "", None, None, [], 0
+        first_at = running_at_first = tokens_at_first = None
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    logprobs += [entry.logprob for entry in choice.logprobs.content]
+                if choice.delta.content:
+                    content_deltas += 1
+                    if first_at is None:
+                        first_at = time.perf_counter() - started
+                        running_at_first, tokens_at_first = engine.num_running, len(logprobs)
+                    assert "\ufffd" not in choice.delta.content[-1:]  # no half-sampled character sent
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        total = time.perf_counter() - started
+        (turn,) = session.trace.turns
+
+    # Incremental: the first text came while the engine was still sampling, after a few of the tokens.
+    assert running_at_first == 1 and tokens_at_first < len(turn.completion_ids) / 4
+    assert first_at < total / 3, (first_at, total)
+    assert content_deltas > 10
+    # Exact: the text adds up to the recorded message, the trace holds exactly the sampled tokens.
+    assert content == turn.message["content"] and finish == turn.finish_reason
+    sampled = [token for chunk in client.chunks for token in chunk.token_ids]
+    assert turn.completion_ids == sampled and len(sampled) == 847
+    assert logprobs == turn.logprobs == [lp for chunk in client.chunks for lp in chunk.logprobs]
+    assert usage.completion_tokens == len(sampled)
+
+
+async def test_streamed_and_whole_answers_record_the_same_turn(engine, tiny_chat):
+    async with TITOProxy(
+        LocalInferenceClient([engine]), tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
+        turns, texts = [], []
+        for stream in (True, False):
+            session = await proxy.open_session()
+            agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+            request = {"model": MODEL, "messages": [_user("hi")], "max_tokens": 120, "seed": 7}
+            if stream:
+                chunks = await agent.chat.completions.create(**request, stream=True)
+                texts.append("".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]))
+            else:
+                texts.append((await agent.chat.completions.create(**request)).choices[0].message.content)
+            turns.append((await proxy.close_session(session)).turns[0])
+    assert texts[0] == texts[1]
+    assert turns[0].completion_ids == turns[1].completion_ids and turns[0].logprobs == turns[1].logprobs
+    assert turns[0].message["content"] == turns[1].message["content"]
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+async def test_multibyte_text_reasoning_and_tool_calls_stream_exactly(tiny_chat, thinking):
+    def reply(call: int, request) -> str:
+        think = "<think>\n思考 step é\n</think>\n\n" if thinking else ""
+        if call == 0:
+            return think + "漢字 and é — naïve café 🙂 done"
+        return think + 'calling 🙂 <tool_call>\n{"name": "add", "arguments": {"n": 1}}\n</tool_call>'
+
+    renderer = tiny_chat.renderer_with(enable_thinking=True) if thinking else tiny_chat.renderer
+    scripted = TokenByTokenClient(tiny_chat.tokenizer, reply)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    async with TITOProxy(scripted, renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        for _ in range(2):
+            stream = await agent.chat.completions.create(
+                model=MODEL, messages=[_user("hi")], tools=tools, stream=True
+            )
+            chunks = [chunk async for chunk in stream]
+            deltas = [c.choices[0].delta for c in chunks if c.choices]
+            content = "".join(d.content or "" for d in deltas)
+            reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+            calls = [(i, d.tool_calls) for i, d in enumerate(deltas) if d.tool_calls]
+            turn = session.trace.turns[-1]
+            assert content == turn.message["content"]
+            assert reasoning == (turn.message.get("reasoning_content") or "")
+            assert not any("\ufffd" in (d.content or "") for d in deltas)
+            assert len(deltas) > 5  # many deltas, not one blob
+            if turn.message.get("tool_calls"):
+                # Tool calls come whole, in the last chunk, with the finish reason.
+                ((index, (call,)),) = calls
+                assert index == len(deltas) - 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+                assert call.function.name == "add" and json.loads(call.function.arguments) == {"n": 1}
+            else:
+                assert not calls
+        assert [bool(t.message.get("tool_calls")) for t in session.trace.turns] == [False, True]
+
+
+async def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, tiny_chat):
+    async with TITOProxy(
+        LocalInferenceClient([engine]), tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
+        session = await proxy.open_session()
+        cancelled = engine.num_cancelled_requests
+        body = {"model": MODEL, "messages": [_user(LONG_PROMPT)], "max_tokens": 900, "seed": LONG_SEED,
+                "stream": True}  # fmt: skip
+        async with aiohttp.ClientSession() as http:
+            response = await http.post(f"{session.base_url}/chat/completions", json=body)
+            assert response.status == 200
+            await response.content.readline()  # the role chunk
+            assert engine.num_running == 1
+            response.close()
+        async with asyncio.timeout(10):
+            while engine.num_running:
+                await asyncio.sleep(0.005)
+        assert engine.num_cancelled_requests == cancelled + 1
+        await asyncio.sleep(0.05)
+        assert session.trace.turns == []
+
+
+async def test_streamed_retry_replays_the_recorded_turn(tiny_chat):
+    scripted = TokenByTokenClient(tiny_chat.tokenizer, lambda call, request: f"reply number {call}")
+    async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        texts, ids = [], []
+        for _ in range(2):
+            stream = await agent.chat.completions.create(
+                model=MODEL, messages=[_user("hi")], stream=True, extra_headers={"Idempotency-Key": "k"}
+            )
+            chunks = [c async for c in stream]
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            ids.append({c.id for c in chunks})
+        assert texts == ["reply number 0"] * 2 and ids[0] == ids[1] == {session.trace.turns[0].response_id}
+        assert len(scripted.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"stream_options": {"include_usage": True}}, "stream_options"), ({"stream": True, "n": 2}, "n")],
+)
+async def test_bad_stream_requests_are_400_naming_the_field(tiny_chat, fields, param):
+    scripted = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        body = {"model": MODEL, "messages": [_user("hi")], **fields}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{session.base_url}/chat/completions", json=body) as response,
+        ):
+            assert response.status == 400 and response.content_type == "application/json"
+            assert (await response.json())["error"]["param"] == param
+        assert scripted.requests == []
+
+
+async def test_text_deltas_hold_back_half_sampled_characters(tiny_chat):
+    tokenizer = tiny_chat.tokenizer
+    text = "漢字 é 🙂 end  "
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = TextDeltas()
+    sent = [deltas.update(tokenizer.decode(ids[:k])) for k in range(1, len(ids) + 1)]
+    sent.append(deltas.update(tokenizer.decode(ids), final=True))
+    assert "".join(sent) == text and not any("\ufffd" in piece for piece in sent)
+    assert len([piece for piece in sent if piece]) > 5 and not deltas.diverged
+
+    stripped = TextDeltas(strip=True)
+    assert stripped.update("a ") == "a" and stripped.update("a b") == " b"
+    assert stripped.update("x", final=True) == "" and stripped.diverged
