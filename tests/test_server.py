@@ -334,16 +334,21 @@ async def test_weight_update_lifecycle(server, http):
     assert (await post(http, server, "/shutdown_weight_transfer_engine"))[0] == 200
 
 
-async def test_api_key_guards_control_plane_only(model_parts):
+async def test_api_key_guards_every_path_but_health_and_metrics(model_parts):
     server = make_server(model_parts, api_key="s3cret")
     await server.start()
     try:
         async with aiohttp.ClientSession() as http:
             assert_error(*(await post(http, server, "/pause")), 401)
             assert_error(*(await post(http, server, "/pause", headers={"Authorization": "Bearer nope"})), 401)
+            assert_error(*(await post(http, server, "/tokenize", {"prompt": "hi"})), 401)
             status, _ = await post(http, server, "/resume", headers={"Authorization": "Bearer s3cret"})
             assert status == 200
-            assert (await post(http, server, "/tokenize", {"prompt": "hi"}))[0] == 200
+            auth = {"Authorization": "Bearer s3cret"}
+            assert (await post(http, server, "/tokenize", {"prompt": "hi"}, headers=auth))[0] == 200
+            for path in ("/health", "/metrics"):
+                async with http.get(f"{server.url}{path}") as response:
+                    assert response.status == 200, path
     finally:
         await server.close()
 
@@ -529,7 +534,9 @@ async def test_rollflow_serve_subprocess_port_0_and_sigterm():
         )
         async with aiohttp.ClientSession() as http:
             async with http.post(
-                ready["url"] + "/inference/v1/generate", json={"token_ids": [5]}
+                ready["url"] + "/inference/v1/generate",
+                json={"token_ids": [5]},
+                headers={"Authorization": "Bearer k"},
             ) as response:
                 assert response.status == 200
                 assert len((await response.json())["choices"][0]["token_ids"]) >= 1

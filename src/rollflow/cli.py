@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -102,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         default=None,
-        help="bearer token required by control-plane endpoints (default: $ROLLFLOW_API_KEY, else none)",
+        help="bearer token every endpoint but /health and /metrics requires (default: $ROLLFLOW_API_KEY, "
+        "else none)",
     )
 
     router = commands.add_parser(
@@ -130,7 +132,10 @@ def _parser() -> argparse.ArgumentParser:
         help="longest one proxied request may take (default 600)",
     )
     router.add_argument(
-        "--api-key", default=None, help="bearer token required by /add_worker and /remove_worker"
+        "--api-key",
+        default=None,
+        help="bearer token every endpoint but /health and /metrics requires, also sent to the servers "
+        "(default: $ROLLFLOW_API_KEY, else none)",
     )
 
     proxy = commands.add_parser(
@@ -248,7 +253,7 @@ def _router(args: argparse.Namespace) -> int:
             port=args.port,
             health_check_interval_s=args.health_check_interval_s,
             request_timeout_s=args.request_timeout_s,
-            api_key=args.api_key,
+            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
         )
     except ValueError as error:
         raise ConfigError(f"rollflow router: {error}") from None

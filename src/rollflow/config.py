@@ -75,6 +75,11 @@ class InferenceConfig(Section):
     external_server_urls: list[str] = []
     """Base URLs of servers rollflow does not manage (the control plane). Without ``external_proxy_url``,
     rollflow starts its own router over them."""
+    api_key: str | None = None
+    """Bearer token of the inference HTTP layer: rollflow sends ``Authorization: Bearer <api_key>`` to the
+    router, proxy and servers, and starts its own servers and router with it (``--api-key``). Unset: the
+    environment variable ``ROLLFLOW_API_KEY``, else no key. Prefer the variable: the resolved config, key
+    included, is written to the run directory."""
     router_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
     """Port of the router rollflow starts (on 127.0.0.1); 0 picks a free port."""
     request_timeout_s: PositiveFloat = 600.0
@@ -379,9 +384,22 @@ def _inference_errors(inference: InferenceConfig) -> list[str]:
             errors.append(
                 f"{field} = {url!r} must be a base URL like 'http://host:8000' (http or https, no path)"
             )
+    if inference.api_key is not None and (
+        not inference.api_key or any(c.isspace() for c in inference.api_key)
+    ):
+        errors.append(
+            "inference.api_key must be a non-empty token without spaces or line breaks (it is sent as "
+            "'Authorization: Bearer <api_key>'); remove it for no key"
+        )
     if len(set(inference.external_server_urls)) != len(inference.external_server_urls):
         errors.append("inference.external_server_urls lists a server more than once")
     return errors
+
+
+def resolve_api_key(inference: InferenceConfig) -> str | None:
+    """``inference.api_key``, else ``$ROLLFLOW_API_KEY``, else None (read at use, so a key from the
+    environment never lands in the saved config)."""
+    return inference.api_key or os.environ.get("ROLLFLOW_API_KEY") or None
 
 
 def _apply_env_overrides(data: dict[str, Any]) -> dict[str, Any]:

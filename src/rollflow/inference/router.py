@@ -19,6 +19,10 @@ Failure handling:
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
 ``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
 through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
+
+With an ``api_key`` every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``
+(401 otherwise), and the router sends the same header to the servers (proxied calls, probes, fan-out), so
+one key guards router and servers alike.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import asyncio
 import bisect
 import contextlib
 import hashlib
+import hmac
 from collections import OrderedDict
 from typing import Any
 from urllib.parse import urlsplit
@@ -70,6 +75,8 @@ _HOP_HEADERS = frozenset(
         "Server",
     )
 )
+# Paths open without the bearer token (probes and scrapers carry no secret).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 _HEALTH_PROBE = msgspec.json.encode(
     {
         "token_ids": [0],
@@ -133,7 +140,8 @@ class InferenceRouter:
         connect_timeout_s: longest connecting to a server may take before it counts as unreachable.
         max_body_bytes: larger request bodies get 413.
         max_sessions: sessions remembered at most (least recently used are forgotten first).
-        api_key: when set, ``/add_worker`` and ``/remove_worker`` need ``Authorization: Bearer <api_key>``.
+        api_key: when set, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``, and the
+            router sends it to the servers too.
 
     Use ``async with InferenceRouter(urls) as router:`` or ``await router.start()`` / ``await router.stop()``.
     """
@@ -193,8 +201,11 @@ class InferenceRouter:
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
             auto_decompress=False,  # bodies pass through byte for byte, with their Content-Encoding
+            headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
         )
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[json_errors_middleware])
+        app = web.Application(
+            client_max_size=self.max_body_bytes, middlewares=[json_errors_middleware, self._auth_middleware]
+        )
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/metrics", self._handle_metrics)
         app.router.add_get("/list_workers", self._handle_list_workers)
@@ -466,10 +477,15 @@ class InferenceRouter:
 
     # ------------------------------------------------------------------ admin endpoints
 
-    def _check_auth(self, request: web.Request) -> web.Response | None:
-        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
-            return json_error(401, "missing or wrong bearer token (Authorization: Bearer <api key>)")
-        return None
+    @web.middleware
+    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key and request.path not in OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                return json_error(
+                    401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'"
+                )
+        return await handler(request)
 
     async def _url_param(self, request: web.Request) -> str | web.Response:
         url = request.query.get("url")
@@ -484,8 +500,6 @@ class InferenceRouter:
         return url
 
     async def _handle_add_worker(self, request: web.Request) -> web.Response:
-        if denied := self._check_auth(request):
-            return denied
         url = await self._url_param(request)
         if isinstance(url, web.Response):
             return url
@@ -496,8 +510,6 @@ class InferenceRouter:
         return web.json_response({"status": "added" if added else "exists", "url": url.rstrip("/")})
 
     async def _handle_remove_worker(self, request: web.Request) -> web.Response:
-        if denied := self._check_auth(request):
-            return denied
         url = await self._url_param(request)
         if isinstance(url, web.Response):
             return url

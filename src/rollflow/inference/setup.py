@@ -13,7 +13,8 @@ set                        –                      nothing; the proxy is data p
 set                        set                    nothing (fully external)
 =========================  =====================  ======================================================
 
-The router listens on 127.0.0.1:``router_port`` in this process. Servers' logs go to
+The router listens on 127.0.0.1:``router_port`` in this process. With an API key (``inference.api_key`` or
+``$ROLLFLOW_API_KEY``) the servers and router rollflow starts require it, and the client sends it everywhere. Servers' logs go to
 ``{run_dir}/logs/inference/server-{i}.log``.
 """
 
@@ -68,6 +69,7 @@ async def get_inference_client(
         OSError: the router port is taken (set ``inference.router_port = 0`` for a free one).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
     """
+    from rollflow.config import resolve_api_key
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router import InferenceRouter
     from rollflow.inference.server_group import ServerGroup
@@ -83,12 +85,13 @@ async def get_inference_client(
         return
 
     run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+    api_key = resolve_api_key(inference)
     stack = contextlib.AsyncExitStack()
     try:
         proxy_url = inference.external_proxy_url
         server_urls = list(inference.external_server_urls)
         if proxy_url is None and not server_urls:
-            options: dict[str, object] = {"max_model_len": inference.max_model_len}
+            options: dict[str, object] = {"max_model_len": inference.max_model_len, "api_key": api_key}
             if inference.engine == "torch":
                 options["max_batch_size"] = inference.max_batch_size
             else:
@@ -109,6 +112,7 @@ async def get_inference_client(
                 port=inference.router_port,
                 health_check_interval_s=inference.health_check_interval_s,
                 request_timeout_s=inference.request_timeout_s,
+                api_key=api_key,
             )
             await stack.enter_async_context(router)
             assert router.url is not None
@@ -118,6 +122,7 @@ async def get_inference_client(
         client = RemoteInferenceClient(
             proxy_url,
             server_urls,
+            api_key=api_key,
             request_timeout_s=inference.request_timeout_s,
             control_timeout_s=inference.control_timeout_s,
             # With several servers, a dead one leaves the control plane too (the router already routes

@@ -61,27 +61,9 @@ log = structlog.get_logger(__name__)
 # Request bodies above this are refused with 413 (a 128k-token prompt is about 1 MB of JSON).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
-# Paths that need the bearer token when the server has an API key.
-CONTROL_PATHS = frozenset(
-    {
-        "/pause",
-        "/resume",
-        "/is_paused",
-        "/sleep",
-        "/wake_up",
-        "/is_sleeping",
-        "/reset_prefix_cache",
-        "/abort_requests",
-        "/inference/v1/abort_requests",
-        "/get_world_size",
-        "/init_weight_transfer_engine",
-        "/shutdown_weight_transfer_engine",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/weight_info",
-    }
-)
+# Paths open without the bearer token when the server has an API key: probes and scrapers carry no secret.
+# (vLLM itself guards only /v1/*; this server guards the control plane and /inference/v1/* too.)
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 # create_receiver(init_info, worker_rank) -> receiver with receive(update_info) and close(); both blocking.
 ReceiverFactory = Callable[[dict[str, Any], int], Any]
@@ -119,7 +101,7 @@ class EngineServer:
         tokenizer: the model's Hugging Face tokenizer (text endpoints, eos ids).
         served_model_name: the ``model`` name clients must send (or omit); others get 404.
         renderer: a ``renderers`` chat renderer for ``/v1/chat/completions``; None disables chat (400).
-        api_key: bearer token the control-plane endpoints require; None leaves them open.
+        api_key: bearer token every endpoint but ``OPEN_PATHS`` requires (401 without it); None: no check.
         receiver_factory: builds the weight receiver on ``/init_weight_transfer_engine``; the default is
             ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
@@ -351,7 +333,7 @@ class EngineServer:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key is not None and request.path in CONTROL_PATHS:
+        if self.api_key is not None and request.path not in OPEN_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -751,4 +733,4 @@ def main(args: Any) -> int:
     return 0
 
 
-__all__ = ["CONTROL_PATHS", "EngineServer", "main", "serve"]
+__all__ = ["OPEN_PATHS", "EngineServer", "main", "serve"]
