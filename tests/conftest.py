@@ -25,6 +25,13 @@ def tiny_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_model_dir() -> Path:
+    from rollflow.models.tiny import ensure_tiny_moe_model
+
+    return ensure_tiny_moe_model()
+
+
+@pytest.fixture(scope="session")
 def inference_servers(tmp_path_factory):
     """Two real ``rollflow serve`` servers shared by the HTTP tests (see ``tests/inference_servers.py``).
 

@@ -6,8 +6,8 @@ import pytest
 
 from rollflow.config import ModelConfig
 from rollflow.errors import ConfigError, ModelNotFoundError
-from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
-from rollflow.models.tiny import ensure_tiny_model
+from rollflow.models.loading import create_chat_renderer, load_causal_lm, load_tokenizer, resolve_model_path
+from rollflow.models.tiny import TINY_MOE_ARCHITECTURE, ensure_tiny_model, ensure_tiny_moe_model
 
 
 def test_tiny_build_is_deterministic_and_cached(tmp_path, monkeypatch):
@@ -21,6 +21,23 @@ def test_tiny_build_is_deterministic_and_cached(tmp_path, monkeypatch):
     stamp = (builds[1] / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model() == builds[1]
     assert (builds[1] / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_tiny_moe_is_a_deterministic_qwen3_moe_with_tinys_tokenizer(
+    tmp_path, monkeypatch, tiny_moe_model_dir
+):
+    monkeypatch.setenv("ROLLFLOW_CACHE_DIR", str(tmp_path))
+    built = resolve_model_path("rollflow:tiny-moe")
+    assert built == ensure_tiny_moe_model() and built.parent == tmp_path
+    for filename in ("tokenizer.json", "model.safetensors", "config.json"):
+        assert (built / filename).read_bytes() == (tiny_moe_model_dir / filename).read_bytes(), filename
+    assert (built / "tokenizer.json").read_bytes() == (ensure_tiny_model() / "tokenizer.json").read_bytes()
+    model = load_causal_lm(built)
+    assert model.config.model_type == "qwen3_moe"
+    assert (model.config.num_experts, model.config.num_experts_per_tok) == (4, 2)
+    assert model.config.num_hidden_layers == TINY_MOE_ARCHITECTURE["num_hidden_layers"]
+    renderer = create_chat_renderer(load_tokenizer(built), ModelConfig(path="rollflow:tiny-moe"))
+    assert renderer.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
 def test_tiny_tokenizer_has_the_qwen3_specials(tiny_model_dir):

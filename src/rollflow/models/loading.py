@@ -1,4 +1,5 @@
-"""Resolve, load and render for a configured model: ``rollflow:tiny``, a local directory or a cached HF name."""
+"""Resolve, load and render for a configured model: ``rollflow:tiny`` (or ``rollflow:tiny-moe``), a local
+directory or a cached HF name."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rollflow.errors import ConfigError, ModelNotFoundError
-from rollflow.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+from rollflow.models.tiny import (
+    TINY_MODEL_NAME,
+    TINY_MOE_MODEL_NAME,
+    ensure_tiny_model,
+    ensure_tiny_moe_model,
+)
+
+# The embedded models, built locally on first use; both use tiny's Qwen3-format tokenizer.
+EMBEDDED_MODELS = {TINY_MODEL_NAME: ensure_tiny_model, TINY_MOE_MODEL_NAME: ensure_tiny_moe_model}
 
 if TYPE_CHECKING:
     from rollflow.config import ModelConfig
@@ -19,8 +28,8 @@ def resolve_model_path(path: str) -> Path:
     Raises:
         ModelNotFoundError: the path is neither a model directory nor a name in the local HF cache.
     """
-    if path == TINY_MODEL_NAME:
-        return ensure_tiny_model()
+    if path in EMBEDDED_MODELS:
+        return EMBEDDED_MODELS[path]()
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").exists():
@@ -74,7 +83,7 @@ def create_chat_renderer(tokenizer: Any, config: ModelConfig) -> Any:
     import renderers
 
     name = config.renderer
-    if name == "auto" and config.path == TINY_MODEL_NAME:
+    if name == "auto" and config.path in EMBEDDED_MODELS:
         name = "qwen3"
     try:
         if name == "auto":

@@ -1,8 +1,10 @@
-"""The embedded default model, ``rollflow:tiny``.
+"""The embedded models: the default ``rollflow:tiny`` and its mixture-of-experts sibling ``rollflow:tiny-moe``.
 
 A Qwen3-format byte-level BPE tokenizer trained in-process on generated text, and a tiny random-init
 ``Qwen3ForCausalLM`` (about 230k parameters). Both are built once, deterministically, into a user cache
-directory, so a CPU-only machine with no network can run the quickstart.
+directory, so a CPU-only machine with no network can run the quickstart. ``rollflow:tiny-moe`` is a
+random-init ``Qwen3MoeForCausalLM`` of the same shape with the same tokenizer: every layer's MLP is 4 experts
+of which each token is routed to 2, so MoE routing (routed-expert replay) can be exercised on a CPU.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -18,8 +21,10 @@ import structlog
 log = structlog.get_logger(__name__)
 
 TINY_MODEL_NAME = "rollflow:tiny"
+TINY_MOE_MODEL_NAME = "rollflow:tiny-moe"
 # Bump when the corpus, the tokenizer recipe or the architecture changes: old caches are then ignored.
 TINY_BUILD_VERSION = 1
+TINY_MOE_BUILD_VERSION = 1
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens that renderers' Qwen3 renderer requires to be single tokens.
@@ -48,6 +53,20 @@ TINY_ARCHITECTURE = dict(
     tie_word_embeddings=True,
     rope_theta=10000.0,
 )
+
+# The MoE sibling: the tiny attention stack, every MLP replaced by a sparse block of 4 small experts, top-2.
+TINY_MOE_ARCHITECTURE = dict(
+    TINY_ARCHITECTURE,
+    moe_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+# Router weights are drawn at this std instead of the init's 0.02, so router logits differ by whole units and
+# the top-2 choice does not flip between two forwards that differ only in float rounding.
+TINY_MOE_ROUTER_STD = 0.5
 
 CHAT_TEMPLATE = """\
 {%- for message in messages -%}
@@ -252,6 +271,27 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
     return model
 
 
+def build_moe_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
+    """A random-init ``Qwen3MoeForCausalLM`` with the tiny MoE architecture (seeded, so deterministic)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab_size,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        **TINY_MOE_ARCHITECTURE,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(TINY_MOE_BUILD_VERSION)
+        model = Qwen3MoeForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0.0, TINY_MOE_ROUTER_STD)
+    return model
+
+
 def cache_dir() -> Path:
     """Where built models live: ``$ROLLFLOW_CACHE_DIR``, else ``$XDG_CACHE_HOME/rollflow``, else ``~/.cache/rollflow``."""
     if explicit := os.environ.get("ROLLFLOW_CACHE_DIR"):
@@ -261,27 +301,55 @@ def cache_dir() -> Path:
 
 
 def ensure_tiny_model() -> Path:
-    """Return the directory of the built tiny model, building it on first use.
+    """Return the directory of the built tiny model, building it on first use."""
+    return _ensure_built(cache_dir() / f"tiny-v{TINY_BUILD_VERSION}", _write_tiny)
+
+
+def ensure_tiny_moe_model() -> Path:
+    """Return the directory of the built tiny MoE model (tiny's tokenizer), building it on first use."""
+    return _ensure_built(cache_dir() / f"tiny-moe-v{TINY_MOE_BUILD_VERSION}", _write_tiny_moe)
+
+
+def _write_tiny(staging: Path) -> None:
+    tokenizer = build_tokenizer()
+    _save(tokenizer, build_model(**_token_ids(tokenizer)), staging)
+
+
+def _write_tiny_moe(staging: Path) -> None:
+    from transformers import AutoTokenizer
+
+    # The same tokenizer as rollflow:tiny; loading the built one skips training it a second time.
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    _save(tokenizer, build_moe_model(**_token_ids(tokenizer)), staging)
+
+
+def _token_ids(tokenizer) -> dict[str, int]:
+    return dict(
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+
+
+def _save(tokenizer, model, staging: Path) -> None:
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    model.generation_config.pad_token_id = model.config.pad_token_id
+    tokenizer.save_pretrained(staging)
+    model.save_pretrained(staging)
+
+
+def _ensure_built(target: Path, write: Callable[[Path], None]) -> Path:
+    """Return ``target``, first running ``write`` into a fresh directory if it has no ``config.json``.
 
     The build goes to a temporary directory and is renamed into place, so concurrent first uses
     (parallel tests, several servers) never see a half-written model.
     """
-    target = cache_dir() / f"tiny-v{TINY_BUILD_VERSION}"
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
     try:
-        tokenizer = build_tokenizer()
-        model = build_model(
-            vocab_size=len(tokenizer),
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        )
-        model.generation_config.eos_token_id = model.config.eos_token_id
-        model.generation_config.pad_token_id = model.config.pad_token_id
-        tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging)
+        write(staging)
         try:
             staging.rename(target)
         except OSError:
