@@ -16,6 +16,9 @@ Failure handling:
   on another server. All proxied endpoints are treated as idempotent: generation keeps no server state the
   caller could observe, and the failed attempt returned nothing.
 
+Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world size …) fan out to every healthy
+server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
+
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
 ``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
 through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
@@ -42,6 +45,7 @@ import structlog
 from aiohttp import web
 
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware
+from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
 
 log = structlog.get_logger(__name__)
 
@@ -216,6 +220,10 @@ class InferenceRouter:
             app.router.add_post(path, self._handle_proxy)
         for path in PROXIED_GET:
             app.router.add_get(path, self._handle_proxy)
+        for path in CONTROL_POST:
+            app.router.add_post(path, self._handle_control)
+        for path in CONTROL_GET:
+            app.router.add_get(path, self._handle_control)
         # handler_cancellation: a caller that disconnects cancels the upstream request, so the server
         # sees the disconnect and aborts the engine request.
         self._runner = JSONErrorAppRunner(app, access_log=None, handler_cancellation=True)
@@ -379,6 +387,10 @@ class InferenceRouter:
         self.num_errors += 1
         status = 503 if not tried else 502
         return json_error(status, f"{request.method} {request.path} failed: {last_error}")
+
+    async def _handle_control(self, request: web.Request) -> web.Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+        return await handle_control(self, request, headers)
 
     async def _forward(
         self, request: web.Request, worker: _Worker, body: bytes, headers: dict[str, str]

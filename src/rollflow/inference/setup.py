@@ -9,7 +9,8 @@ external_proxy_url         external_server_urls   what rollflow starts
 =========================  =====================  ======================================================
 –                          –                      ``num_servers`` servers (ServerGroup) and a router
 –                          set                    a router over the given servers
-set                        –                      nothing; the proxy is data plane and control plane
+set                        –                      nothing; the proxy is data plane and control plane (a
+                                                  rollflow router fans control calls out to its servers)
 set                        set                    nothing (fully external)
 =========================  =====================  ======================================================
 
