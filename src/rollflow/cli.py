@@ -14,6 +14,7 @@ from pathlib import Path
 
 import structlog
 
+from rollflow import eventloop
 from rollflow.errors import ConfigError, RollflowError
 
 EXIT_FAILURE = 1
@@ -165,13 +166,18 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="prompts to generate (default prompts_per_step)",
     )
+    generate.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="sample from a training checkpoint: its directory, or a run directory for its latest "
+        "(default: the initial weights)",
+    )
     return parser
 
 
 def _generate(args: argparse.Namespace) -> int:
     import json
-
-    import anyio
 
     from rollflow.config import load_config
     from rollflow.rollout.generate import generate
@@ -179,7 +185,9 @@ def _generate(args: argparse.Namespace) -> int:
     config = load_config(args.configs, args.overrides)
     num_prompts = config.orchestrator.prompts_per_step if args.num_prompts is None else args.num_prompts
     try:
-        summary = anyio.run(lambda: generate(config, num_prompts=num_prompts, output=args.output))
+        summary = eventloop.run(
+            generate(config, num_prompts=num_prompts, output=args.output, checkpoint=args.checkpoint)
+        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     sys.stderr.write(json.dumps({"event": "generated", **summary}) + "\n")
@@ -218,8 +226,6 @@ async def _train(config, resume: bool, show_progress: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import anyio
-
     from rollflow.config import to_json
 
     config = _resolve_run_config(args)
@@ -229,7 +235,7 @@ def _run(args: argparse.Namespace) -> int:
     log = structlog.get_logger("rollflow.cli")
     log.info("starting run", name=config.name, run_dir=str(config.run_dir), resume=args.resume is not None)
     try:
-        anyio.run(_train, config, args.resume is not None, not args.no_progress)
+        eventloop.run(_train(config, args.resume is not None, not args.no_progress))
     except KeyboardInterrupt:
         sys.stderr.write(
             f"\ninterrupted: metrics and checkpoints so far are in {config.run_dir}; "
@@ -241,7 +247,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import asyncio
     import json
 
     from rollflow.inference.router import InferenceRouter, serve_router
@@ -263,7 +268,7 @@ def _router(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        asyncio.run(serve_router(router, ready))
+        eventloop.run(serve_router(router, ready))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except OSError as error:
@@ -275,7 +280,6 @@ def _router(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     """Admin endpoints take the bearer token from ROLLFLOW_ADMIN_TOKEN, or a generated one that the ready
     line prints."""
-    import asyncio
     import json
     import os
     import secrets
@@ -296,7 +300,9 @@ def _proxy(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        asyncio.run(serve_standalone(config, host=args.host, port=args.port, admin_token=token, ready=ready))
+        eventloop.run(
+            serve_standalone(config, host=args.host, port=args.port, admin_token=token, ready=ready)
+        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except OSError as error:

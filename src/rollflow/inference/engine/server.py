@@ -38,6 +38,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from rollflow import eventloop
 from rollflow.errors import ConfigError, EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES
 from rollflow.inference.engine.engine import TorchEngine
@@ -718,7 +719,7 @@ def main(args: Any) -> int:
         sys.stdout.write(json.dumps(event) + "\n")
         sys.stdout.flush()
 
-    asyncio.run(
+    eventloop.run(
         serve(
             args.model,
             host=args.host,
