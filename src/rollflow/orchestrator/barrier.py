@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import structlog
 
+from rollflow.config import RunConfig
 from rollflow.errors import RollflowError
 from rollflow.inference.client import InferenceClient, PauseMode
 
@@ -31,6 +32,16 @@ class WeightBarrier:
         self.client = client
         self.transfer = transfer
         self.timeout_s = timeout_s
+
+    @classmethod
+    def from_config(cls, config: RunConfig, client: InferenceClient) -> WeightBarrier:
+        """The barrier a run uses: ``weight_sync``'s strategy (resolved for the inference mode and engine)."""
+        from rollflow.weights import WeightTransfer, create_strategy
+
+        sync = config.weight_sync
+        strategy = sync.resolved_strategy(config.inference.mode)
+        options = sync.strategy_options(strategy, config.inference.engine)
+        return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
 
     async def update(
         self,

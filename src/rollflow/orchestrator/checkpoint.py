@@ -11,6 +11,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -93,3 +94,42 @@ def load_state(checkpoint: Path) -> OrchestratorState:
         return msgspec.json.decode((checkpoint / STATE_FILE).read_bytes(), type=OrchestratorState)
     except (OSError, msgspec.DecodeError) as error:
         raise CheckpointError(f"checkpoint {checkpoint} has no readable {STATE_FILE}: {error}") from None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` itself when it is a checkpoint directory, else the latest checkpoint of the run directory
+    ``path``.
+
+    Raises:
+        CheckpointError: ``path`` is neither, or the run has no complete checkpoint yet.
+    """
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(
+            f"{path} is neither a checkpoint (it has no {STATE_FILE}) nor a run directory with a complete "
+            f"checkpoint under {checkpoints_dir(path).name}/"
+        )
+    return latest
+
+
+def load_policy_weights(checkpoint: Path) -> tuple[dict[str, Any], int]:
+    """The model weights of a checkpoint (Hugging Face names, on CPU) and the policy version they are.
+
+    Raises:
+        CheckpointError: the state or weights file is missing or unreadable.
+    """
+    from safetensors.torch import load_file
+
+    from rollflow.train.trainer import WEIGHTS_FILE
+
+    state = load_state(checkpoint)
+    try:
+        weights = load_file(checkpoint / WEIGHTS_FILE)
+    except Exception as error:  # OSError, or safetensors' own SafetensorError for a corrupt file
+        raise CheckpointError(f"checkpoint {checkpoint} has no readable {WEIGHTS_FILE}: {error}") from None
+    return weights, state.policy_version

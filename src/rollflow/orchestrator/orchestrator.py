@@ -140,7 +140,6 @@ class Orchestrator:
         if self._is_set_up:
             return
         from rollflow.inference.setup import get_inference_client
-        from rollflow.weights import WeightTransfer, create_strategy
 
         checkpoint = self._prepare_run_dir()
         config = self.config
@@ -152,13 +151,7 @@ class Orchestrator:
             self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
-            strategy = config.weight_sync.resolved_strategy(config.inference.mode)
-            transfer = WeightTransfer(
-                create_strategy(
-                    strategy, **config.weight_sync.strategy_options(strategy, config.inference.engine)
-                )
-            )
-            self.barrier = WeightBarrier(self.client, transfer, timeout_s=config.weight_sync.timeout_s)
+            self.barrier = WeightBarrier.from_config(config, self.client)
             self._exit_stack.callback(self.barrier.close)
             if config.agent is not None:
                 # Agent rollouts: each sample is an agent session through the TITO proxy.

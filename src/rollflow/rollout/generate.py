@@ -1,5 +1,6 @@
 """Generate-only runs (``rollflow generate``): the configured generator — the agent (``[agent]``) or
-single-turn — over the first N prompts of the task, with the initial weights, written as JSONL.
+single-turn — over the first N prompts of the task, written as JSONL. The engines hold the initial weights,
+or a training checkpoint's (``--checkpoint``), pushed by the run's weight-transfer strategy.
 
 Each line is one sample: ``prompt_index``, ``sample_index``, ``reward`` (its group's reward for that
 trajectory), ``masked``, ``mask_reason``, ``finish_reason``, ``prompt_token_ids``, ``completion_token_ids``,
@@ -81,32 +82,63 @@ async def generate_groups(
         yield groups[index]
 
 
+async def push_policy(config: RunConfig, client: Any, weights: dict[str, Any], policy_version: int) -> None:
+    """Push checkpoint ``weights`` into the engines behind ``client`` by the run's ``weight_sync`` strategy;
+    the engines then stamp ``policy_version`` on their tokens."""
+    from rollflow.orchestrator.barrier import WeightBarrier
+
+    barrier = WeightBarrier.from_config(config, client)
+    try:
+        await barrier.update(lambda: weights.items(), policy_version, "wait")
+    finally:
+        barrier.close()
+
+
 async def generate(
-    config: RunConfig, *, num_prompts: int, output: str | Path | None = None
+    config: RunConfig,
+    *,
+    num_prompts: int,
+    output: str | Path | None = None,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, float]:
     """Generate ``num_prompts`` groups and write their samples as JSONL to ``output`` (default
-    ``{run_dir}/samples.jsonl``; ``"-"``: stdout). Returns a summary: counts, the mean reward of unmasked
-    samples and the summed group metrics.
+    ``{run_dir}/samples.jsonl``; ``"-"``: stdout). With ``checkpoint`` (a checkpoint directory, or a run
+    directory for its latest checkpoint) the engines first get its weights. Returns a summary: counts, the
+    policy version sampled from, the mean reward of unmasked samples and the summed group metrics.
 
     Raises:
         ConfigError: ``num_prompts`` < 1, or the task, reward, agent or composer does not resolve.
+        CheckpointError: ``checkpoint`` is not a checkpoint or run directory, or its files are unreadable.
     """
     from rollflow.errors import ConfigError
     from rollflow.inference.setup import get_inference_client
+    from rollflow.orchestrator.checkpoint import load_policy_weights, resolve_checkpoint
     from rollflow.rollout.tasks import load_task
 
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be >= 1, got {num_prompts}")
+    policy = None
+    if checkpoint is not None:
+        # Read before any engine starts, so a wrong path or a corrupt file fails at once.
+        policy = await anyio.to_thread.run_sync(load_policy_weights, resolve_checkpoint(checkpoint))
     task = load_task(config.data.task, config.data.seed)
     tokenizer, renderer = await anyio.to_thread.run_sync(_load_chat, config)
     path = config.run_dir / SAMPLES_FILE if output is None else output
-    summary: dict[str, float] = {"num_groups": 0.0, "num_samples": 0.0, "num_masked": 0.0}
+    summary: dict[str, float] = {
+        "num_groups": 0.0,
+        "num_samples": 0.0,
+        "num_masked": 0.0,
+        "policy_version": 0.0,
+    }
     rewards: list[float] = []
     encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
     async with (
         get_inference_client(config) as client,
         open_generator(config, client, renderer, tokenizer, task) as generator,
     ):
+        if policy is not None:
+            await push_policy(config, client, *policy)
+            summary["policy_version"] = float(policy[1])
         groups = generate_groups(
             generator,
             task,
