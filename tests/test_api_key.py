@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
+
 import aiohttp
 import pytest
 
@@ -112,3 +117,25 @@ async def test_key_guards_client_router_and_servers(tmp_path, monkeypatch):
         # A router without a key of its own forwards the caller's Authorization header to the server.
         async with InferenceRouter([server_url], health_check_interval_s=60) as open_router:
             await assert_guarded(http, open_router.url, "POST", "/inference/v1/generate", GENERATE)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+async def test_router_cli_takes_the_key_from_the_flag_or_the_environment(how):
+    argv = [sys.executable, "-m", "rollflow", "router", "--port", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "ROLLFLOW_API_KEY"}
+    if how == "flag":
+        argv += ["--api-key", KEY]
+    else:
+        env["ROLLFLOW_API_KEY"] = KEY
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env
+    )
+    try:
+        event = json.loads(await asyncio.wait_for(process.stdout.readline(), 60))
+        async with aiohttp.ClientSession() as http:
+            await assert_guarded(http, event["url"], "GET", "/list_workers")
+            async with http.get(f"{event['url']}/metrics") as response:
+                assert response.status == 200
+    finally:
+        process.kill()
+        await process.wait()
