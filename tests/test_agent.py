@@ -149,6 +149,9 @@ async def test_summarizing_example_agent_branches(proxy, tiny_model):
     )
 
     assert len(traces) == 2 and len(group.samples) == 4  # two branches per trajectory
+    # Both branches of a run are one trajectory: one unit of the group's baseline.
+    assert [s.trajectory for s in group.samples] == [0, 0, 1, 1]
+    assert [s.sample_index for s in group.samples] == [0, 1, 2, 3]
     metrics = group.metrics
     assert (
         metrics["agent_branches"] == 4 and metrics["agent_forked_turns"] == 2 and metrics["agent_turns"] == 6

@@ -155,9 +155,31 @@ def test_non_finite_rewards_propagate(method):
     assert not all(math.isfinite(a) for a in advantages)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_trajectory_counts_once_in_the_baseline_however_many_samples_it_composed(method):
+    """Trajectory 0 (reward 1) branched into 3 samples, trajectories 1 and 2 (reward 0) into 1 each: the
+    baseline is over the 3 trajectories, as if each had one sample, and a trajectory's samples share its
+    advantage. Without trajectories the branches would tilt the mean towards trajectory 0."""
+    rewards = [1.0, 1.0, 1.0, 0.0, 0.0]
+    per_trajectory = compute_advantages([1.0, 0.0, 0.0], [True] * 3, method)
+    advantages = compute_advantages(rewards, [True] * 5, method, trajectories=[0, 0, 0, 1, 2])
+    assert advantages == pytest.approx([per_trajectory[0]] * 3 + per_trajectory[1:])
+    assert advantages != pytest.approx(compute_advantages(rewards, [True] * 5, method))
+
+
+def test_trajectories_mix_with_masked_and_standalone_samples():
+    # A masked sample of trajectory 0 leaves its trajectory's reward alone; None samples stand alone.
+    advantages = compute_advantages(
+        [1.0, 99.0, 0.0, 0.5], [True, False, True, True], "grpo_no_std", trajectories=[0, 0, None, None]
+    )
+    assert advantages == pytest.approx([0.5, 0.0, -0.5, 0.0])
+
+
 def test_advantage_inputs_are_checked():
     with pytest.raises(ValueError, match="one entry per sample"):
         compute_advantages([1.0, 2.0], [True], "grpo")
+    with pytest.raises(ValueError, match="trajectories must have one entry per sample"):
+        compute_advantages([1.0, 2.0], [True, True], "grpo", trajectories=[0])
     with pytest.raises(ValueError, match="unknown advantage method"):
         compute_advantages([1.0, 2.0], [True, True], "ppo")
 

@@ -55,6 +55,10 @@ class GenerateOutput(msgspec.Struct):
     # Policy version that produced each token; differs within one output only if weights changed mid-request.
     policy_versions: list[int]
     prompt_len: int = 0
+    # MoE routing replay: the top-k expert ids of every token the engine ran, a numpy integer array
+    # [prompt_len + len(token_ids) - 1, moe_layers, topk] (the last sampled token is never run), or None when
+    # the engine does not return them. Encode it with ``rollflow.inference.routed_experts.pack_routed_experts``.
+    routed_experts: Any = None
 
 
 class GenerateChunk(msgspec.Struct):
@@ -100,6 +104,9 @@ class Sample(msgspec.Struct):
     masked: bool = False
     # Why the sample was masked (e.g. "reward_error"), for metrics.
     mask_reason: str | None = None
+    # The agent trajectory (within its group) the sample was composed from: samples of one trajectory count
+    # once in the group's baseline. None: the sample is a trajectory of its own (single turn).
+    trajectory: int | None = None
 
     @property
     def min_policy_version(self) -> int:

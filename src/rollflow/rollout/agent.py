@@ -234,7 +234,11 @@ class AgentGenerator:
         async with anyio.create_task_group() as tg:
             for sample_index in range(request.num_samples):
                 tg.start_soon(run, sample_index)
-        samples = [sample for trajectory, _ in results for sample in trajectory]
+        samples = []
+        for trajectory, (composed, _) in enumerate(results):
+            for sample in composed:
+                sample.trajectory = trajectory
+                samples.append(sample)
         for index, sample in enumerate(samples):
             sample.sample_index = index
         return ScoredGroup(

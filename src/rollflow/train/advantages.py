@@ -13,12 +13,15 @@
 For every method, masked (invalid) samples get advantage 0 and are left out of the baseline, so a failed
 reward never shifts its group's other advantages. Non-finite rewards of valid samples are propagated (they
 give non-finite advantages), so the trainer sees them and skips the step instead of training on garbage.
+
+An agent run composed into several samples (one per branch or per step) is one unit of the baseline: its
+samples share the trajectory's advantage instead of each weighing in on the group's mean and std.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Literal
 
 AdvantageMethod = Literal["grpo", "rloo", "grpo_no_std"]
@@ -31,6 +34,7 @@ def compute_advantages(
     valid: Sequence[bool],
     method: AdvantageMethod,
     *,
+    trajectories: Sequence[Hashable | None] | None = None,
     epsilon: float = GRPO_STD_EPSILON,
 ) -> list[float]:
     """The advantage of each sample of one group, in the order given.
@@ -39,43 +43,53 @@ def compute_advantages(
         rewards: one reward per sample.
         valid: ``False`` for masked samples (advantage 0, not part of the baseline).
         method: ``grpo``, ``grpo_no_std`` or ``rloo`` (see the module docstring).
+        trajectories: per sample, the agent trajectory it came from (None: a trajectory of its own). An
+            agent run composed into several samples (branches, steps) counts once in the baseline, with
+            its samples' mean reward, and each of its samples gets the trajectory's advantage; otherwise
+            a run that branched more would weigh more in its group's mean and std.
         epsilon: added to the std in ``grpo`` so a near-constant group does not blow up.
 
     Raises:
-        ValueError: ``rewards`` and ``valid`` differ in length, or ``method`` is unknown.
+        ValueError: the sequences differ in length, or ``method`` is unknown.
     """
     if len(rewards) != len(valid):
         raise ValueError(f"rewards and valid must have one entry per sample ({len(rewards)} != {len(valid)})")
-    valid_rewards = [float(r) for r, ok in zip(rewards, valid, strict=True) if ok]
-    advantages = [0.0] * len(rewards)
-    count = len(valid_rewards)
-    # `max == min` is False when a NaN is present, so non-finite rewards fall through and propagate.
-    if count == 0 or max(valid_rewards) == min(valid_rewards):
-        return advantages
-
-    mean = math.fsum(valid_rewards) / count
-    if method == "grpo":
-        std = math.sqrt(math.fsum((r - mean) ** 2 for r in valid_rewards) / count)
-
-        def advantage(r: float) -> float:
-            return (r - mean) / (std + epsilon)
-
-    elif method == "grpo_no_std":
-
-        def advantage(r: float) -> float:
-            return r - mean
-
-    elif method == "rloo":
-        # count >= 2 here: a lone valid sample is a constant group and returned zeros above.
-        total = math.fsum(valid_rewards)
-
-        def advantage(r: float) -> float:
-            return r - (total - r) / (count - 1)
-
-    else:
-        raise ValueError(f"unknown advantage method {method!r}; expected 'grpo', 'rloo' or 'grpo_no_std'")
-
-    for index, (reward, ok) in enumerate(zip(rewards, valid, strict=True)):
+    if trajectories is not None and len(trajectories) != len(rewards):
+        raise ValueError(
+            f"trajectories must have one entry per sample ({len(trajectories)} != {len(rewards)})"
+        )
+    # The units of the baseline: each trajectory once, each sample without one on its own.
+    units: dict[Hashable, list[int]] = {}
+    for index, ok in enumerate(valid):
         if ok:
-            advantages[index] = advantage(float(reward))
+            trajectory = None if trajectories is None else trajectories[index]
+            units.setdefault(("sample", index) if trajectory is None else trajectory, []).append(index)
+    unit_rewards = [
+        math.fsum(float(rewards[i]) for i in members) / len(members) for members in units.values()
+    ]
+    advantages = [0.0] * len(rewards)
+    for advantage, members in zip(
+        _unit_advantages(unit_rewards, method, epsilon), units.values(), strict=True
+    ):
+        for index in members:
+            advantages[index] = advantage
     return advantages
+
+
+def _unit_advantages(rewards: list[float], method: AdvantageMethod, epsilon: float) -> list[float]:
+    """Advantages of baseline units that are all valid."""
+    if method not in ("grpo", "rloo", "grpo_no_std"):
+        raise ValueError(f"unknown advantage method {method!r}; expected 'grpo', 'rloo' or 'grpo_no_std'")
+    count = len(rewards)
+    # `max == min` is False when a NaN is present, so non-finite rewards fall through and propagate.
+    if count == 0 or max(rewards) == min(rewards):
+        return [0.0] * count
+    mean = math.fsum(rewards) / count
+    if method == "grpo":
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / count)
+        return [(r - mean) / (std + epsilon) for r in rewards]
+    if method == "grpo_no_std":
+        return [r - mean for r in rewards]
+    # rloo; count >= 2 here: a lone unit is a constant group and returned zeros above.
+    total = math.fsum(rewards)
+    return [r - (total - r) / (count - 1) for r in rewards]

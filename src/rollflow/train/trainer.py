@@ -273,6 +273,7 @@ class Trainer:
                     [s.reward for s in group.samples],
                     [not s.masked for s in group.samples],
                     self.config.advantage,
+                    trajectories=[s.trajectory for s in group.samples],
                 )
             )
         return samples, advantages
