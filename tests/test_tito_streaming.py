@@ -253,3 +253,23 @@ async def test_text_deltas_hold_back_half_sampled_characters(tiny_chat):
     stripped = TextDeltas(strip=True)
     assert stripped.update("a ") == "a" and stripped.update("a b") == " b"
     assert stripped.update("x", final=True) == "" and stripped.diverged
+
+
+async def test_incremental_decoder_sends_stable_text_from_a_short_window(tiny_chat):
+    from rollflow.inference.streaming import IncrementalDecoder
+
+    tokenizer = tiny_chat.tokenizer
+    text = "漢字 é 🙂 end  " * 20
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoded_lengths = []
+
+    def decode(token_ids: list[int]) -> str:
+        decoded_lengths.append(len(token_ids))
+        return tokenizer.decode(token_ids)
+
+    decoder = IncrementalDecoder(decode)
+    sent = [decoder.update(ids[:k]) for k in range(1, len(ids) + 1)]
+    assert not any("\ufffd" in piece for piece in sent) and len([p for p in sent if p]) > 40
+    assert max(decoded_lengths) < 10  # windows, not the whole text (len(ids) tokens) each time
+    sent.append(decoder.finish(ids))
+    assert "".join(sent) == text and not decoder.diverged

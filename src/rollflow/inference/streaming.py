@@ -3,13 +3,14 @@
 SSE as OpenAI and vLLM stream it: one ``data: <json>\\n\\n`` event per chunk, then ``data: [DONE]\\n\\n``.
 
 Streamed text is never decoded token by token: a byte-level BPE token may hold half of a UTF-8 character, and
-parsers (reasoning, tool calls) may change how earlier text reads. So the whole output so far is decoded (or
-parsed) each time and only its new suffix is sent, once stable (``TextDeltas``). No torch here.
+parsers (reasoning, tool calls) may change how earlier text reads. Parsed replies are parsed whole each time
+and only their new, stable suffix is sent (``TextDeltas``); plain text decodes a short window of the last
+tokens (``IncrementalDecoder``). Both check at the end that what they sent adds up to the final text. No torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -54,6 +55,37 @@ class TextDeltas:
         delta = text[len(self.sent) :]
         self.sent = text
         return delta
+
+
+class IncrementalDecoder:
+    """Plain text of a growing list of token ids, one stable delta at a time, decoding only the tokens since
+    the last delta (and the few before them, so that a tokenizer sees the context of a word's start).
+
+    Each ``update`` costs a decode of a few tokens, not of the whole output; ``finish`` decodes the whole
+    output once and sends the rest, so the deltas add up to ``decode(token_ids)`` (``diverged`` tells when
+    they could not: a tokenizer whose text of a window differs from its share of the whole text).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.text = TextDeltas()
+        self._prefix_offset = 0  # tokens before this were sent and are not decoded again
+        self._read_offset = 0  # tokens before this were sent
+
+    @property
+    def diverged(self) -> bool:
+        return self.text.diverged
+
+    def update(self, token_ids: list[int]) -> str:
+        prefix = self.decode(token_ids[self._prefix_offset : self._read_offset])
+        window = self.decode(token_ids[self._prefix_offset :])
+        if len(window) <= len(prefix) or window.endswith(_REPLACEMENT) or not window.startswith(prefix):
+            return ""  # nothing new yet, or a character still incomplete
+        self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
+        return self.text.update(self.text.sent + window[len(prefix) :])
+
+    def finish(self, token_ids: list[int]) -> str:
+        return self.text.update(self.decode(token_ids), final=True)
 
 
 async def iter_sse(lines: AsyncIterator[bytes]) -> AsyncIterator[Any]:

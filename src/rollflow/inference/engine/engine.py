@@ -109,13 +109,28 @@ class _StreamReply:
     def create(cls) -> _StreamReply:
         return cls(asyncio.get_running_loop(), asyncio.Queue())
 
-    def send_token(self, token: int, logprob: float, policy_version: int) -> None:
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (token, logprob, policy_version))
-
     def send(self, result: Any = None, error: BaseException | None = None) -> None:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (result, error))
+
+
+def _put_all(items: list[tuple[asyncio.Queue, tuple[int, float, int]]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)
+
+
+def _send_tokens(sequences: list[_Sequence]) -> None:
+    """Send the token each streamed sequence just sampled: one callback per caller loop and step, not per token
+    (each ``call_soon_threadsafe`` wakes its loop)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[int, float, int]]]] = {}
+    for sequence in sequences:
+        reply = sequence.reply
+        if type(reply) is _StreamReply:
+            item = (sequence.token_ids[-1], sequence.logprobs[-1], sequence.policy_versions[-1])
+            by_loop.setdefault(reply.loop, []).append((reply.queue, item))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
+            loop.call_soon_threadsafe(_put_all, items)
 
 
 @dataclass(eq=False, slots=True)
@@ -721,16 +736,18 @@ class TorchEngine:
         )
         version = self.policy_version
         self.total_generated_tokens += len(tokens)
+        finished: list[tuple[int, FinishReason]] = []
         for sequence, token, logprob in zip(sequences, tokens, logprobs, strict=True):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.policy_versions.append(version)
-            if type(sequence.reply) is _StreamReply:
-                sequence.reply.send_token(token, logprob, version)
             if token in sequence.stop_token_ids:
-                self._finish(sequence.slot, FinishReason.STOP)
+                finished.append((sequence.slot, FinishReason.STOP))
             elif len(sequence.token_ids) >= sequence.max_output_len:
-                self._finish(sequence.slot, FinishReason.LENGTH)
+                finished.append((sequence.slot, FinishReason.LENGTH))
+        _send_tokens(sequences)  # before the outcomes: a stream's last token precedes its end
+        for slot, reason in finished:
+            self._finish(slot, reason)
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         sequence = self._slots[slot]

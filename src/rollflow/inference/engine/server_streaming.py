@@ -28,7 +28,7 @@ from aiohttp import web
 
 from rollflow.errors import EngineDeadError, EngineError
 from rollflow.inference.engine.server_protocol import ApiError, StreamOptions, bad_request, error_body
-from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
+from rollflow.inference.streaming import SSE_DONE, IncrementalDecoder, TextDeltas, sse_event
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class _Choice:
     prompt: list[int]
     token_ids: list[int] = field(default_factory=list)
     started: bool = False
-    text: TextDeltas = field(default_factory=TextDeltas)
+    # Completions text (set by the handler, which knows skip_special_tokens).
+    text: IncrementalDecoder | None = None
     reasoning: TextDeltas = field(default_factory=lambda: TextDeltas(strip=True))
     # Chat content: parsers strip the reply, so trailing whitespace waits for more text.
     content: TextDeltas = field(default_factory=lambda: TextDeltas(strip=True))
@@ -74,6 +75,20 @@ async def _engine_chunks(
         ApiError: 400 for a request the engine refuses, 503 when the engine is not running.
     """
     plane.server.check_accepting()
+    requests = [
+        GenerateRequest(prompt, params, request_id=request_id, session_id=session_id)
+        for prompt, params in jobs
+    ]
+    if len(requests) == 1:  # the common case: no task and no second queue between engine and response
+        try:
+            async with contextlib.aclosing(plane.engine.generate_stream(requests[0])) as stream:
+                async for chunk in stream:
+                    yield 0, chunk
+        except EngineError as error:
+            raise bad_request(str(error)) from None
+        except EngineDeadError as error:
+            raise ApiError(503, f"the engine is not running: {error}") from None
+        return
     queue: asyncio.Queue[tuple[int, GenerateChunk | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(index: int, request: GenerateRequest) -> None:
@@ -84,12 +99,7 @@ async def _engine_chunks(
         except (EngineError, EngineDeadError) as error:
             queue.put_nowait((index, None, error))
 
-    tasks = [
-        asyncio.create_task(
-            pump(index, GenerateRequest(prompt, params, request_id=request_id, session_id=session_id))
-        )
-        for index, (prompt, params) in enumerate(jobs)
-    ]
+    tasks = [asyncio.create_task(pump(index, request)) for index, request in enumerate(requests)]
     try:
         running = len(tasks)
         while running:
@@ -167,6 +177,8 @@ async def stream_completions(
     skip_special = True if body.skip_special_tokens is None else body.skip_special_tokens
     options = body.stream_options or StreamOptions()
     choices = [_Choice(index, prompt) for index, (prompt, _) in enumerate(jobs)]
+    for choice in choices:
+        choice.text = IncrementalDecoder(lambda ids: plane._decode(ids, skip_special))
 
     def usage() -> dict[str, int]:
         return _usage(prompt_tokens, sum(len(c.token_ids) for c in choices))
@@ -187,7 +199,9 @@ async def stream_completions(
         state = choices[index]
         state.token_ids += chunk.token_ids
         final = chunk.finish_reason is not None
-        text = state.text.update(plane._decode(state.token_ids, skip_special), final=final)
+        text = state.text.finish(state.token_ids) if final else state.text.update(state.token_ids)
+        if final and state.text.diverged:
+            log.warning("streamed text differs from the decoded completion", request_id=request_id)
         out: dict[str, Any] = {
             "index": index,
             "text": text,
