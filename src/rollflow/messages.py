@@ -73,6 +73,9 @@ class GenerateChunk(msgspec.Struct):
     # None until the last chunk.
     finish_reason: FinishReason | None = None
     prompt_len: int = 0
+    # The whole output's ``GenerateOutput.routed_experts``, on the last chunk only (routes are per token run,
+    # including prompt tokens, so they do not split by chunk).
+    routed_experts: Any = None
 
 
 class RolloutRequest(msgspec.Struct, frozen=True):

@@ -141,5 +141,6 @@ async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput
                 finish_reason=chunk.finish_reason,
                 policy_versions=policy_versions,
                 prompt_len=chunk.prompt_len,
+                routed_experts=chunk.routed_experts,
             )
     raise ValueError("the generation stream ended without a finish reason")

@@ -279,6 +279,7 @@ class Session:
                         chunk.finish_reason,
                         versions,
                         chunk.prompt_len,
+                        chunk.routed_experts,
                     )
         raise RollflowError("the generation stream ended without a finish reason")
 

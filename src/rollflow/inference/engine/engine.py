@@ -354,6 +354,7 @@ class TorchEngine:
                     if error is not None:
                         raise error
                     chunk.finish_reason = output.finish_reason
+                    chunk.routed_experts = getattr(output, "routed_experts", None)
                 yield chunk
         finally:
             if not finished:  # the consumer left early or was cancelled: abort the engine request
