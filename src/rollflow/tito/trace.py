@@ -15,21 +15,49 @@ at a sampled assistant turn is extended with ``bridge_to_next_turn`` when the re
 keeps every recorded token; otherwise the request is rendered fully, matched against the tree by message
 and token, and wherever the tokens differ from what was recorded it starts a new branch. How each turn
 was rendered, and why, is kept in ``Turn.render``.
+
+Cost per turn: an agent's next request is usually its last request plus the reply and a tool result or user
+message. The trace keeps a digest of the last committed request, so such a request is matched by one
+encode and one digest of the request (in C) and a comparison of the reply, not by comparing every message
+with the tree; and the bridge is handed the prompt from the previous sampled turn on, not the whole history.
+What remains proportional to the history is reading the request once and building the prompt list the
+engine takes. The tree itself is stored compactly (``rollflow.tito.store``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
+import hashlib
 import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from rollflow.errors import RollflowError
 from rollflow.tito.renderer import TITORenderer, tools_key
+from rollflow.tito.store import (
+    Node,
+    NodeList,
+    NodeStore,
+    RenderRecord,
+    Turn,
+    TurnLog,
+    encode_message,
+)
+
+__all__ = [
+    "Node",
+    "PreparedTurn",
+    "RenderRecord",
+    "RoutedExpertsError",
+    "Sampled",
+    "Trace",
+    "TraceSealedError",
+    "TraceStats",
+    "Turn",
+]
 
 
 class TraceSealedError(RollflowError):
@@ -40,104 +68,14 @@ class RoutedExpertsError(RollflowError):
     """Routed-expert indices of a generation do not have the shape ``[tokens, layers, topk]`` of integers."""
 
 
-def _strip_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    if "reasoning_content" not in message:
-        return message
-    return {k: v for k, v in message.items() if k != "reasoning_content"}
-
-
-class Node:
-    """One message of the tree and the tokens it added (see the module docstring)."""
-
-    __slots__ = (
-        "children",
-        "finish_reason",
-        "id",
-        "logprobs",
-        "match_message",
-        "message",
-        "num_prompt",
-        "parent",
-        "policy_versions",
-        "routed_experts",
-        "start",
-        "token_ids",
-        "tools_key",
-    )
-
-    def __init__(
-        self,
-        id: int,
-        parent: Node | None,
-        message: dict[str, Any] | None,
-        token_ids: array,
-        num_prompt: int,
-        logprobs: array | None = None,
-        policy_versions: array | None = None,
-        routed_experts: Any = None,
-        finish_reason: str | None = None,
-        tools_key: bytes | None = None,
-    ):
-        self.id = id
-        self.parent = parent
-        self.message = message
-        # The message as a request must send it back to match (reasoning is optional there).
-        self.match_message = _strip_reasoning(message) if message is not None else None
-        self.token_ids = token_ids
-        # Leading tokens that were rendered, not sampled; the rest (if any) were sampled.
-        self.num_prompt = num_prompt
-        self.logprobs = logprobs
-        self.policy_versions = policy_versions
-        self.routed_experts = routed_experts  # ndarray [len(token_ids), layers, topk] or None
-        self.finish_reason = finish_reason
-        # Sampled nodes: the tools the turn was rendered with; a bridge from it needs the same tools.
-        self.tools_key = tools_key
-        self.start = parent.start + len(parent.token_ids) if parent is not None else 0
-        self.children: list[Node] = []
-
-    @property
-    def sampled(self) -> bool:
-        """Whether this node holds tokens the policy sampled (an assistant turn generated here)."""
-        return self.logprobs is not None
-
-    @property
-    def sampled_mask(self) -> list[bool]:
-        n_sampled = len(self.token_ids) - self.num_prompt
-        return [False] * self.num_prompt + [True] * n_sampled
-
-    def path(self) -> list[Node]:
-        """Nodes from the first message down to this one (the root excluded)."""
-        nodes = []
-        node: Node | None = self
-        while node is not None and node.parent is not None:
-            nodes.append(node)
-            node = node.parent
-        return nodes[::-1]
-
-    def prefix_ids(self) -> array:
-        """All tokens from the start of the conversation to the end of this node."""
-        out = array("i")
-        for node in self.path():
-            out.extend(node.token_ids)
-        return out
-
-
 @dataclass(frozen=True, slots=True)
-class RenderRecord:
-    """How one request's prompt was built.
+class _RequestPrefix:
+    """A request's messages as the next request of the session is checked against them: how many there
+    were, and the digest of their JSON encoding up to (not including) the closing bracket."""
 
-    ``method``: ``bridge`` (recorded tokens extended by the renderer) or ``full`` (the history rendered).
-    ``outcome``: ``extended`` (bridged), ``same_tokens`` (full render equal to the recorded path, which it
-    extends), ``forked`` (the render differs from, or continues differently than, what was recorded: a new
-    branch), ``new`` (no recorded message matched).
-    ``fork_position``: for ``forked``, the first token position where the render differs from the recorded
-    continuation.
-    """
-
-    method: Literal["bridge", "full"]
-    outcome: Literal["extended", "same_tokens", "forked", "new"]
-    reason: str
-    fork_position: int | None = None
+    num_messages: int
+    encoded_len: int
+    digest: bytes
 
 
 @dataclass(slots=True)
@@ -147,10 +85,11 @@ class PreparedTurn:
     prompt_ids: list[int]
     tools: list[dict[str, Any]] | None
     render: RenderRecord
-    _base: Node
+    _base: int
     _new_messages: list[dict[str, Any]]
     _segment_ends: list[int]
     _tools_key: bytes
+    _request: _RequestPrefix
 
 
 @dataclass(slots=True)
@@ -164,29 +103,6 @@ class Sampled:
     routed_experts: Any = None  # [prompt + completion (or one less), layers, topk] integers, or None
 
 
-@dataclass(slots=True)
-class Turn:
-    """One answered model call, as recorded (replayed verbatim to a retried request)."""
-
-    index: int
-    response_id: str
-    created: int
-    node: Node
-    message: dict[str, Any]
-    finish_reason: str  # the API's: stop, length, tool_calls
-    prompt_len: int
-    render: RenderRecord
-    request_key: str | None = None
-
-    @property
-    def completion_ids(self) -> list[int]:
-        return self.node.token_ids[self.node.num_prompt :].tolist()
-
-    @property
-    def logprobs(self) -> list[float]:
-        return self.node.logprobs.tolist()
-
-
 @dataclass
 class TraceStats:
     turns: int = 0
@@ -196,6 +112,11 @@ class TraceStats:
     replayed: int = 0
     errors: int = 0
     context_exceeded: int = 0
+    # Requests whose history was matched by following the previous turn (no walk of the tree).
+    followed: int = 0
+
+
+_BRIDGE_REASON = "the history extends a recorded sampled turn"
 
 
 class Trace:
@@ -209,9 +130,10 @@ class Trace:
     def __init__(self, renderer: TITORenderer, session_id: str = ""):
         self.renderer = renderer
         self.session_id = session_id
-        self.root = Node(0, None, None, array("i"), 0)
-        self.nodes: list[Node] = [self.root]
-        self.turns: list[Turn] = []
+        self._store = NodeStore()
+        self.nodes = NodeList(self._store)
+        self.root = Node(self._store, 0)
+        self.turns = TurnLog(self._store)
         self.stats = TraceStats()
         # Turn failures inside the proxy (engine gone, bugs); set by the proxy.
         self.errors: list[str] = []
@@ -219,8 +141,11 @@ class Trace:
         self.error: str | None = None
         self.timed_out = False
         self.sealed = False
-        self._replays: dict[str, Turn] = {}
-        self._ids = itertools.count(1)
+        self._replays: dict[str, int] = {}
+        # The last committed turn's node and its request: a request that repeats that request and adds the
+        # reply is matched by one digest instead of a walk over the tree.
+        self._cursor: tuple[int, _RequestPrefix] | None = None
+        self._latest_sampled = 0  # the newest sampled node (a bridge anchors at the newest match)
         self._mailbox: collections.deque[tuple[Callable[..., Any], tuple, asyncio.Future]] = (
             collections.deque()
         )
@@ -247,6 +172,9 @@ class Trace:
                     future.set_exception(error)
                 else:
                     future.set_result(result)
+                # Drop this operation's arguments and result before yielding: the worker must not keep a
+                # request's prompt alive while other sessions run.
+                fn = args = future = result = None
                 await asyncio.sleep(0)  # let other sessions' work interleave between operations
         finally:
             self._worker = None
@@ -289,16 +217,18 @@ class Trace:
 
     def replay(self, request_key: str) -> Turn | None:
         """The turn recorded for ``request_key`` (a retried request), if any."""
-        turn = self._replays.get(request_key)
-        if turn is not None:
-            self.stats.replayed += 1
-        return turn
+        index = self._replays.get(request_key)
+        if index is None:
+            return None
+        self.stats.replayed += 1
+        return self.turns[index]
 
     # ------------------------------------------------------------------ reading (after sealing, or any time)
 
     def leaves(self) -> list[Node]:
         """Branch ends in creation order."""
-        return [node for node in self.nodes[1:] if not node.children]
+        first_child = self._store.first_child
+        return [Node(self._store, i) for i in range(1, len(first_child)) if first_child[i] < 0]
 
     def branches(self) -> list[list[Node]]:
         """Every root-to-leaf path (the root excluded), in the order their leaves were created."""
@@ -316,7 +246,7 @@ class Trace:
             "nodes": [
                 {
                     "id": node.id,
-                    "parent": node.parent.id if node.parent is not None else None,
+                    "parent": self._store.parent[node.id],
                     "message": node.message,
                     "token_ids": node.token_ids.tolist(),
                     "num_prompt": node.num_prompt,
@@ -348,6 +278,8 @@ class Trace:
 
     # ------------------------------------------------------------------ operations (run by the worker)
 
+    # ------------------------------------------------------------------ operations (run by the worker)
+
     def _seal(self) -> None:
         self.sealed = True
 
@@ -358,103 +290,139 @@ class Trace:
     def _prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PreparedTurn:
         self._check_open()
         key = tools_key(tools)
-        match_messages = [_strip_reasoning(m) for m in messages]
-        last_assistant = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        last_assistant = next(
+            (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), -1
+        )
+        anchor, request = self._follow(messages, last_assistant)
         if last_assistant < 0:
             reason = "no assistant turn in the history"
         else:
-            anchor = self._find_anchor(messages[: last_assistant + 1], match_messages)
+            if anchor is None:
+                anchor = self._find_anchor(messages[: last_assistant + 1])
             if anchor is None:
                 reason = "no recorded sampled turn matches the history"
-            elif anchor.tools_key != key:
+            elif Node(self._store, anchor).tools_key != key:
                 reason = "tools changed since the recorded turn"
             else:
-                prepared = self._try_bridge(anchor, messages[last_assistant + 1 :], tools, key)
+                prepared = self._try_bridge(anchor, messages[last_assistant + 1 :], tools, key, request)
                 if isinstance(prepared, PreparedTurn):
                     return prepared
                 reason = prepared
-        return self._full_render(messages, match_messages, tools, key, reason)
+        return self._full_render(messages, tools, key, reason, request)
 
-    def _find_anchor(
-        self, history: list[dict[str, Any]], match_messages: list[dict[str, Any]]
-    ) -> Node | None:
+    def _follow(
+        self, messages: list[dict[str, Any]], last_assistant: int
+    ) -> tuple[int | None, _RequestPrefix]:
+        """The anchor when the request is the last committed request plus that turn's reply (and what
+        follows it), else None; and this request's prefix record. One encode and one digest of the
+        request, in C, instead of a walk comparing each message of the history with the tree."""
+        encoded = memoryview(encode_message(messages))  # type: ignore[arg-type]
+        digest = hashlib.sha256()
+        done = 0
+        anchor = None
+        if self._cursor is not None:
+            node, previous = self._cursor
+            if (
+                node == self._latest_sampled  # a newer match would be the anchor otherwise
+                and last_assistant == previous.num_messages > 0
+                and len(encoded) > previous.encoded_len
+                and encoded[previous.encoded_len] == ord(",")  # the previous messages end exactly here
+            ):
+                done = previous.encoded_len
+                digest.update(encoded[:done])
+                reply = messages[last_assistant]
+                if digest.copy().digest() == previous.digest and self._store.matches(
+                    node, reply, encode_message(reply)
+                ):
+                    anchor = node
+                    self.stats.followed += 1
+        digest.update(encoded[done:-1])
+        return anchor, _RequestPrefix(len(messages), len(encoded) - 1, digest.digest())
+
+    def _find_anchor(self, history: list[dict[str, Any]]) -> int | None:
         """The latest sampled assistant node whose path's messages equal ``history``."""
-        frontier = [self.root]
-        # match_messages covers the whole request; history ends at its last assistant message.
-        for message, match in zip(history, match_messages, strict=False):
-            exact = "reasoning_content" in message
-            # A linear conversation (the common case) needs no frontier lists.
-            if len(frontier) == 1 and len(frontier[0].children) == 1:
-                child = frontier[0].children[0]
-                if not (child.message == message if exact else child.match_message == match):
-                    return None
-                frontier[0] = child
-                continue
+        store = self._store
+        frontier = [0]
+        for message in history:
+            encoded = encode_message(message)
             frontier = [
                 child
                 for node in frontier
-                for child in node.children
-                if (child.message == message if exact else child.match_message == match)
+                for child in store.children(node)
+                if store.matches(child, message, encoded)
             ]
             if not frontier:
                 return None
-        sampled = [node for node in frontier if node.sampled]
-        return max(sampled, key=lambda node: node.id) if sampled else None
+        return max((node for node in frontier if store.sampled(node)), default=None)
 
     def _try_bridge(
-        self, anchor: Node, new_messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, key: bytes
+        self,
+        anchor: int,
+        new_messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        key: bytes,
+        request: _RequestPrefix,
     ) -> PreparedTurn | str:
-        previous = anchor.prefix_ids().tolist()
-        split = anchor.start + anchor.num_prompt
-        rendered = self.renderer.bridge(previous[:split], previous[split:], new_messages, tools)
+        store = self._store
+        recorded = store.path_tokens(anchor)
+        split = store.start[anchor] + store.num_prompt[anchor]
+        # The renderer sees the prompt from the previous sampled turn on (the whole prompt when there is
+        # none): it reads only the turn boundary and the generation prompt before the sampled tokens, and
+        # concatenating the whole history on every turn would make each turn cost more than the last.
+        earlier = store.parent[anchor]
+        while earlier > 0 and not store.sampled(earlier):
+            earlier = store.parent[earlier]
+        context = store.start[earlier] if earlier > 0 else 0
+        prompt_tail, completion = recorded[context:split].tolist(), recorded[split:].tolist()
+        rendered = self.renderer.bridge(prompt_tail, completion, new_messages, tools)
         if rendered is None:
             return "renderer declined to bridge (it cannot prove the bridge equals a full render)"
-        if rendered.token_ids[: len(previous)] != previous:
+        kept = len(prompt_tail) + len(completion)
+        if rendered.token_ids[:kept] != prompt_tail + completion:
             return "bridge changed recorded tokens"
-        ends = _segment_ends(rendered.message_indices, len(previous), len(new_messages), 0)
-        record = RenderRecord("bridge", "extended", f"extends turn at node {anchor.id}")
-        return PreparedTurn(rendered.token_ids, tools, record, anchor, new_messages, ends, key)
+        ends = _segment_ends(rendered.message_indices, kept, len(new_messages), 0)
+        ends = [context + end for end in ends]
+        record = RenderRecord("bridge", "extended", _BRIDGE_REASON)
+        # The prompt: the recorded tokens, then what the new messages added.
+        prompt_ids = recorded.tolist()
+        prompt_ids += rendered.token_ids[kept:]
+        return PreparedTurn(prompt_ids, tools, record, anchor, new_messages, ends, key, request)
 
     def _full_render(
         self,
         messages: list[dict[str, Any]],
-        match_messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         key: bytes,
         reason: str,
+        request: _RequestPrefix,
     ) -> PreparedTurn:
+        store = self._store
         rendered = self.renderer.render(messages, tools)
         prompt = array("i", rendered.token_ids)
-        node, depth = self.root, 0
+        node, depth = 0, 0
         fork_position = None
         while depth < len(messages):
-            exact = "reasoning_content" in messages[depth]
-            same_message = [
-                child
-                for child in node.children
-                if (
-                    child.message == messages[depth]
-                    if exact
-                    else child.match_message == match_messages[depth]
-                )
-            ]
-            start = node.start + len(node.token_ids)
+            message = messages[depth]
+            encoded = encode_message(message)
+            same_message = [child for child in store.children(node) if store.matches(child, message, encoded)]
+            start = store.end(node)
             child = next(
                 (
                     c
                     for c in reversed(same_message)
-                    if prompt[start : start + len(c.token_ids)] == c.token_ids
+                    if prompt[start : start + store.num_tokens(c)] == store.token_ids(c)
                 ),
                 None,
             )
             if child is None:
                 if same_message:  # recorded under the same message, but with other tokens
-                    fork_position = start + _common_prefix(prompt[start:], same_message[-1].token_ids)
+                    fork_position = start + _common_prefix(prompt[start:], store.token_ids(same_message[-1]))
                 break
             node, depth = child, depth + 1
-        start = node.start + len(node.token_ids)
-        if fork_position is None and depth > 0 and node.children:  # the history continues differently here
-            fork_position = start + _common_prefix(prompt[start:], node.children[-1].token_ids)
+        start = store.end(node)
+        children = list(store.children(node))
+        if fork_position is None and depth > 0 and children:  # the history continues differently here
+            fork_position = start + _common_prefix(prompt[start:], store.token_ids(children[-1]))
         if fork_position is not None:
             record = RenderRecord("full", "forked", reason, fork_position)
         elif depth > 0:
@@ -462,7 +430,7 @@ class Trace:
         else:
             record = RenderRecord("full", "new", reason)
         ends = _segment_ends(rendered.message_indices, start, len(messages) - depth, depth)
-        return PreparedTurn(rendered.token_ids, tools, record, node, messages[depth:], ends, key)
+        return PreparedTurn(rendered.token_ids, tools, record, node, messages[depth:], ends, key, request)
 
     def _commit(
         self,
@@ -474,41 +442,29 @@ class Trace:
         request_key: str | None,
     ) -> Turn:
         self._check_open()
+        store = self._store
         prompt = prepared.prompt_ids
         total = len(prompt) + len(sampled.token_ids)
         experts = _check_routed_experts(sampled.routed_experts, total)
         node = prepared._base
         for new_message, end in zip(prepared._new_messages, prepared._segment_ends, strict=True):
-            start = node.start + len(node.token_ids)
-            segment = array("i", prompt[start:end])
-            node = self._child(node, new_message, segment, len(segment), experts=_rows(experts, start, end))
-        start = node.start + len(node.token_ids)
-        segment = array("i", prompt[start:])
-        num_prompt = len(segment)
-        segment.extend(sampled.token_ids)
+            start = store.end(node)
+            node = self._child(node, new_message, prompt[start:end], end - start, _rows(experts, start, end))
+        start = store.end(node)
         node = self._child(
             node,
             message,
-            segment,
-            num_prompt,
-            logprobs=array("d", sampled.logprobs),
-            policy_versions=array("i", sampled.policy_versions),
-            experts=_rows(experts, start, total),
-            finish_reason=sampled.finish_reason,
+            prompt[start:] + sampled.token_ids,
+            len(prompt) - start,
+            _rows(experts, start, total),
+            sampled=sampled,
             tools_key=prepared._tools_key,
         )
-        turn = Turn(
-            index=len(self.turns),
-            response_id=response_id,
-            created=int(time.time()),
-            node=node,
-            message=message,
-            finish_reason=finish_reason,
-            prompt_len=len(prompt),
-            render=prepared.render,
-            request_key=request_key,
+        self._latest_sampled = max(self._latest_sampled, node)
+        self._cursor = (node, prepared._request)
+        turn = self.turns.append(
+            node, response_id, int(time.time()), finish_reason, len(prompt), prepared.render, request_key
         )
-        self.turns.append(turn)
         self.stats.turns += 1
         if prepared.render.method == "bridge":
             self.stats.bridged += 1
@@ -516,45 +472,44 @@ class Trace:
             self.stats.full_render += 1
             self.stats.forked += prepared.render.outcome == "forked"
         if request_key is not None:
-            self._replays[request_key] = turn
+            self._replays[request_key] = turn.index
         return turn
 
     def _child(
         self,
-        parent: Node,
+        parent: int,
         message: dict[str, Any],
-        token_ids: array,
+        token_ids: list[int],
         num_prompt: int,
+        experts: Any,
         *,
-        logprobs: array | None = None,
-        policy_versions: array | None = None,
-        experts: Any = None,
-        finish_reason: str | None = None,
+        sampled: Sampled | None = None,
         tools_key: bytes | None = None,
-    ) -> Node:
-        for child in parent.children:
+    ) -> int:
+        """The child of ``parent`` with this message and these tokens: an existing one, else a new one."""
+        store = self._store
+        encoded = encode_message(message)
+        for child in store.children(parent):
             if (
-                child.message == message
-                and child.num_prompt == num_prompt
-                and child.sampled == (logprobs is not None)
-                and child.token_ids == token_ids
+                store.num_tokens(child) == len(token_ids)
+                and store.num_prompt[child] == num_prompt
+                and store.sampled(child) == (sampled is not None)
+                and store.same_message(child, message, encoded)
+                and store.token_ids(child).tolist() == token_ids
             ):
                 return child
-        node = Node(
-            next(self._ids),
+        return store.add(
             parent,
             message,
+            encoded,
             token_ids,
             num_prompt,
-            logprobs,
-            policy_versions,
-            experts,
-            finish_reason,
-            tools_key,
+            logprobs=sampled.logprobs if sampled is not None else None,
+            policy_versions=sampled.policy_versions if sampled is not None else None,
+            routed_experts=experts,
+            finish_reason=sampled.finish_reason if sampled is not None else None,
+            tools_key=tools_key,
         )
-        parent.children.append(node)
-        self.nodes.append(node)
-        return node
 
 
 def _common_prefix(a: array, b: array) -> int:
