@@ -188,9 +188,12 @@ async def _init_bodies(
         return sizes
     payloads = []
     offset = first
-    for size in sizes:
+    for worker, size in zip(workers, sizes, strict=True):
         payloads.append(msgspec.json.encode({**body, "init_info": {**info, "rank_offset": offset}}))
-        offset += int(size["world_size"])
+        try:
+            offset += int(size["world_size"])
+        except (KeyError, TypeError, ValueError):
+            return json_error(502, f"{worker.url}/get_world_size answered without a world_size: {size!r}")
     if offset > world_size:
         return json_error(
             400,
