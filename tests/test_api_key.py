@@ -102,6 +102,7 @@ async def test_key_guards_client_router_and_servers(tmp_path, monkeypatch):
                 async with http.get(f"{base}{path}") as response:
                     assert response.status == 200, (base, path)
         await assert_guarded(http, router_url, "GET", "/list_workers")
+        await assert_guarded(http, router_url, "GET", "/get_world_size")  # fanned out, key sent on
         await assert_guarded(http, server_url, "POST", "/resume")
         await assert_guarded(http, server_url, "GET", "/is_paused")
 

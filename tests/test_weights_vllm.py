@@ -243,7 +243,7 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.server_group import ServerGroup
     from rollflow.messages import GenerateRequest, SamplingParams
-    from rollflow.models.loading import load_causal_lm
+    from rollflow.models.loading import load_causal_lm, resolve_model_path
 
     model = os.environ.get("ROLLFLOW_VLLM_TEST_MODEL", str(tiny_model_dir))
     options = {"max_model_len": 256, "gpu_memory_utilization": 0.3}
@@ -253,7 +253,7 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
         client = RemoteInferenceClient(group.urls[0], group.urls, control_timeout_s=300)
         request = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
         before = await client.generate(request)
-        state = load_causal_lm(model).state_dict()
+        state = load_causal_lm(resolve_model_path(model)).state_dict()
         sender = await connect_sender(create_strategy("broadcast", engine="vllm", timeout_s=300), client)
         try:
             for version in (1, 2):
