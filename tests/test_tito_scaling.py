@@ -173,3 +173,16 @@ async def test_a_node_costs_its_data_and_a_few_dozen_bytes(tiny_chat):
     extra_nodes = 2 * 64
     overhead_per_node = ((large - small) - (large_data - small_data)) / extra_nodes
     assert overhead_per_node < 100, f"{overhead_per_node:.0f} bytes per node besides its tokens and text"
+
+
+async def test_a_ragged_sampled_output_is_refused(tiny_chat):
+    from rollflow.errors import EngineError
+
+    session = make_session(ScriptedClient(tiny_chat.tokenizer), tiny_chat)
+    prepared = await session.trace.prepare([{"role": "user", "content": "hi"}], None)
+    ragged = Sampled([5, 6, 2], [-0.1, -0.2], [0, 0, 0], "stop")
+    with pytest.raises(EngineError, match="3 tokens, 2 logprobs"):
+        await session.trace.commit(
+            prepared, ragged, {"role": "assistant", "content": "x"}, finish_reason="stop", response_id="r"
+        )
+    assert session.trace.turns == [] and len(session.trace.nodes) == 1

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollflow.errors import RollflowError
+from rollflow.errors import EngineError, RollflowError
 from rollflow.tito.renderer import TITORenderer, tools_key
 from rollflow.tito.store import (
     Node,
@@ -206,6 +206,7 @@ class Trace:
         Raises:
             TraceSealedError: the session is closed.
             RoutedExpertsError: ``sampled.routed_experts`` has the wrong shape or dtype.
+            EngineError: ``sampled`` has not one logprob and one policy version per token.
         """
         return await self._call(
             self._commit, prepared, sampled, message, finish_reason, response_id, request_key
@@ -442,6 +443,12 @@ class Trace:
         request_key: str | None,
     ) -> Turn:
         self._check_open()
+        if not len(sampled.token_ids) == len(sampled.logprobs) == len(sampled.policy_versions):
+            # The store keeps logprobs and versions side by side: a ragged output would shift every later node.
+            raise EngineError(
+                f"sampled output is ragged: {len(sampled.token_ids)} tokens, {len(sampled.logprobs)} logprobs, "
+                f"{len(sampled.policy_versions)} policy versions"
+            )
         store = self._store
         prompt = prepared.prompt_ids
         total = len(prompt) + len(sampled.token_ids)
