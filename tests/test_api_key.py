@@ -53,12 +53,12 @@ def test_api_key_comes_from_config_else_the_environment(monkeypatch):
     assert resolve_api_key(build_config({"inference": {"api_key": "from-config"}}).inference) == "from-config"
 
 
-def test_server_commands_carry_the_key():
-    argv = build_torch_server_command("rollflow:tiny", port=0, api_key=KEY)
-    assert argv[argv.index("--api-key") + 1] == KEY
-    argv, _ = build_vllm_server_command("some/model", port=8000, api_key=KEY)
-    assert argv[argv.index("--api-key") + 1] == KEY
-    assert "--api-key" not in build_torch_server_command("rollflow:tiny", port=0)
+def test_server_commands_pass_the_key_in_their_environment_not_their_argv():
+    argv, env = build_torch_server_command("rollflow:tiny", port=0, api_key=KEY)
+    assert env == {"ROLLFLOW_API_KEY": KEY} and KEY not in " ".join(argv)
+    argv, env = build_vllm_server_command("some/model", port=8000, api_key=KEY)
+    assert env["VLLM_API_KEY"] == KEY and KEY not in " ".join(argv)
+    assert build_torch_server_command("rollflow:tiny", port=0)[1] == {}
 
 
 async def status_of(http, method, url, key=None, body=None):

@@ -82,7 +82,7 @@ def test_vllm_command_line_colocated():
 
 
 def test_torch_command_line():
-    argv = build_torch_server_command("rollflow:tiny", port=0, max_batch_size=8, max_model_len=256)
+    argv, _ = build_torch_server_command("rollflow:tiny", port=0, max_batch_size=8, max_model_len=256)
     assert argv[:4] == [sys.executable, "-m", "rollflow", "serve"]
     assert argv[argv.index("--model") + 1] == "rollflow:tiny"
     assert argv[argv.index("--port") + 1] == "0"

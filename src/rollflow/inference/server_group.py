@@ -50,8 +50,13 @@ def build_torch_server_command(
     served_model_name: str | None = None,
     api_key: str | None = None,
     extra_args: Sequence[str] = (),
-) -> list[str]:
-    """Command line of one rollflow torch engine server (``python -m rollflow serve``)."""
+) -> tuple[list[str], dict[str, str]]:
+    """Command line of one rollflow torch engine server (``python -m rollflow serve``).
+
+    Returns:
+        ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment. The API key
+        travels there (``ROLLFLOW_API_KEY``), not on the command line, where ``ps`` would show it.
+    """
     command = [
         sys.executable,
         "-m",
@@ -70,9 +75,8 @@ def build_torch_server_command(
         command += ["--max-model-len", str(max_model_len)]
     if served_model_name is not None:
         command += ["--served-model-name", served_model_name]
-    if api_key is not None:
-        command += ["--api-key", api_key]
-    return [*command, *extra_args]
+    env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
+    return [*command, *extra_args], env
 
 
 def build_vllm_server_command(
@@ -129,9 +133,9 @@ def build_vllm_server_command(
         command += ["--max-num-seqs", str(max_num_seqs)]
     if gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    if api_key is not None:
-        command += ["--api-key", api_key]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if api_key is not None:
+        env["VLLM_API_KEY"] = api_key  # not ``--api-key``: the command line is visible to every user
     if backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return [*command, *extra_args], env
@@ -263,7 +267,9 @@ class ServerGroup:
         env = {**os.environ, **self.env}
         if self.engine == "torch":
             port = 0
-            command = build_torch_server_command(self.model, host=self.host, port=0, **self.server_options)
+            command, server_env = build_torch_server_command(
+                self.model, host=self.host, port=0, **self.server_options
+            )
         else:
             from shutil import which
 
@@ -274,10 +280,10 @@ class ServerGroup:
                     "inference.engine = 'vllm' needs vLLM: pip install 'rollflow[vllm]' (on a GPU machine)"
                 )
             port = free_port(self.host)
-            command, vllm_env = build_vllm_server_command(
+            command, server_env = build_vllm_server_command(
                 self.model, host=self.host, port=port, **self.server_options
             )
-            env.update(vllm_env)
+        env.update(server_env)
         server.log_file = open(server.log_path, "ab")  # noqa: SIM115 - closed in stop()
         server.log_file.write(f"$ {' '.join(command)}\n".encode())
         server.log_file.flush()
