@@ -16,6 +16,11 @@ belong to. A new request whose prompt starts with some of those tokens takes tha
 of its prompt (``ModelRunner.extend``); otherwise it takes an unlabelled slot, or evicts the least recently used
 label. Loading weights drops every label: keys and values computed under old weights are stale.
 
+Routed experts (``return_routed_experts``, MoE models): each sequence keeps the top-k expert ids of every token
+the model ran for it, per MoE layer: its prompt tokens, then each sampled token as it is fed back. The last
+sampled token is never fed back, so an output holds ``prompt_len + len(token_ids) - 1`` rows. A cached prefix
+keeps its tokens' routes with its keys and values, so a prefix hit returns the same routes as a full prefill.
+
 A failure inside the loop kills the engine: every pending and later call raises ``EngineDeadError`` instead of
 hanging. Invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop.
 """
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import numpy as np
 import structlog
 import torch
 
@@ -149,6 +155,19 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     slot: int = -1
+    # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
+    # engine does not record them.
+    routes: list[np.ndarray] | None = None
+
+    def routed_experts(self) -> np.ndarray | None:
+        """The routes joined into one array (kept joined); None if not recorded or never admitted."""
+        if not self.routes:
+            return None
+        if len(self.routes) > 1:
+            self.routes[:] = [np.concatenate(self.routes)]
+        joined = self.routes[0]
+        joined.flags.writeable = False  # shared by the output and the prefix cache
+        return joined
 
     def output(self, finish_reason: FinishReason) -> GenerateOutput:
         return GenerateOutput(
@@ -158,6 +177,7 @@ class _Sequence:
             finish_reason=finish_reason,
             policy_versions=self.policy_versions,
             prompt_len=self.prompt_len,
+            routed_experts=self.routed_experts(),
         )
 
 
@@ -183,6 +203,8 @@ class TorchEngine:
             models whose matmuls dominate (a large model, many cores, long prompts).
         enable_prefix_caching: reuse the keys and values of earlier requests' prompt prefixes (see the module
             docstring); False prefills every prompt from scratch.
+        return_routed_experts: record each token's top-k expert ids per MoE layer and return them as
+            ``GenerateOutput.routed_experts`` (see the module docstring); MoE models only. Off, nothing is recorded.
 
     Stops only on ``SamplingParams.stop_token_ids`` (callers pass the tokenizer's eos there); the stop token is
     part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token, before
@@ -194,7 +216,8 @@ class TorchEngine:
     or submitted during the pause) stay queued and start after ``resume``.
 
     Raises:
-        EngineError: unsupported architecture (the message names the ``model_type``).
+        EngineError: unsupported architecture (the message names the ``model_type``), or
+            ``return_routed_experts`` for a model without MoE layers.
         ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
     """
 
@@ -212,6 +235,7 @@ class TorchEngine:
         policy_version: int = 0,
         num_threads: int | None = 1,
         enable_prefix_caching: bool = True,
+        return_routed_experts: bool = False,
     ):
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None (keep torch's count), got {num_threads}")
@@ -221,7 +245,13 @@ class TorchEngine:
         self._process_num_threads = torch.get_num_threads()
         # Swappable: the forward. Fixed: limits and the model.
         self.model = model
-        self.runner = ModelRunner(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        self.runner = ModelRunner(
+            model,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            record_routed_experts=return_routed_experts,
+        )
+        self.return_routed_experts = return_routed_experts
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.vocab_size = self.runner.vocab_size
@@ -242,6 +272,8 @@ class TorchEngine:
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}
+        # With routed experts: free slot -> the routes of its cached tokens (row i belongs to token i).
+        self._cached_routes: dict[int, np.ndarray] = {}
         self._slot_last_used = [0] * max_batch_size
         self._clock = 0
         self._num_running = 0
@@ -266,17 +298,18 @@ class TorchEngine:
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> TorchEngine:
-        """Load a local HF model directory (or ``rollflow:tiny``) in float32 on CPU and wrap it in an engine.
+        """Load a local HF model directory (or ``rollflow:tiny``, ``rollflow:tiny-moe``) in float32 on CPU and
+        wrap it in an engine.
 
         ``kwargs`` go to ``TorchEngine``. Raises what ``transformers`` raises for a missing model, and
         ``EngineError`` for an unsupported architecture.
         """
         from transformers import AutoModelForCausalLM
 
-        from rollflow.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+        from rollflow.models.loading import EMBEDDED_MODELS
 
-        if path == TINY_MODEL_NAME:
-            path = str(ensure_tiny_model())
+        if path in EMBEDDED_MODELS:
+            path = str(EMBEDDED_MODELS[path]())
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         return cls(model.eval(), **kwargs)
 
@@ -376,6 +409,7 @@ class TorchEngine:
             stop_token_ids=frozenset(params.stop_token_ids),
             prompt_len=prompt_len,
             max_output_len=min(params.max_tokens, self.max_model_len - prompt_len),
+            routes=[] if self.return_routed_experts else None,
         )
 
     async def pause(self, mode: PauseMode = "abort") -> None:
@@ -552,6 +586,7 @@ class TorchEngine:
             reply.send(self._abort(payload))
         elif kind == "reset_prefix_cache":
             self._cached_prefixes.clear()
+            self._cached_routes.clear()
             reply.send(True)
         elif kind == "pause":
             self._pause(payload, reply)
@@ -649,6 +684,7 @@ class TorchEngine:
                 state[name].copy_(tensor)
         self.runner.refresh_weights()
         self._cached_prefixes.clear()  # computed under the old weights
+        self._cached_routes.clear()
 
     # ------------------------------------------------------------------ scheduling
 
@@ -658,8 +694,10 @@ class TorchEngine:
         if not self._paused:
             while self._waiting and self._free_slots:
                 sequence = self._waiting.popleft()
-                sequence.slot, cached_len = self._take_slot(sequence.request.prompt_token_ids)
+                sequence.slot, cached_len, cached_routes = self._take_slot(sequence.request.prompt_token_ids)
                 self._slots[sequence.slot] = sequence
+                if cached_len and sequence.routes is not None:
+                    sequence.routes.append(cached_routes[:cached_len])
                 if cached_len:
                     resumed.append((sequence, cached_len))
                 else:
@@ -667,6 +705,8 @@ class TorchEngine:
             self._num_running += len(fresh) + len(resumed)
         if fresh:
             logits = self.runner.prefill([s.slot for s in fresh], [s.request.prompt_token_ids for s in fresh])
+            if self.return_routed_experts:
+                self._keep_routes(fresh, range(len(fresh)), [s.prompt_len for s in fresh])
             self.total_prompt_tokens += sum(s.prompt_len for s in fresh)
             self._append_samples(fresh, logits)
         if resumed:
@@ -676,14 +716,18 @@ class TorchEngine:
                 [s.request.prompt_token_ids for s in sequences],
                 [cached_len for _, cached_len in resumed],
             )
+            if self.return_routed_experts:
+                new_lens = [s.prompt_len - cached_len for s, cached_len in resumed]
+                self._keep_routes(sequences, range(len(sequences)), new_lens)
             self.total_prompt_tokens += sum(s.prompt_len for s in sequences)
             self._append_samples(sequences, logits)
         if self._num_running and not self._frozen:
             self._decode()
         self.num_steps += 1
 
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int]:
-        """A free slot for ``prompt`` and how many of its first tokens that slot already holds keys and values for.
+    def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
+        """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,
+        and the routes of the slot's cached tokens (None unless recorded).
 
         The slot with the longest cached prefix of the prompt wins (at least one prompt token is left to run,
         for the logits); without one, the lowest unlabelled slot (low slots keep decode rows dense), else the
@@ -711,9 +755,10 @@ class TorchEngine:
                 slot = min(self._free_slots, key=self._slot_last_used.__getitem__)
         self._free_slots.remove(slot)
         self._cached_prefixes.pop(slot, None)
+        cached_routes = self._cached_routes.pop(slot, None)
         self._clock += 1
         self._slot_last_used[slot] = self._clock
-        return slot, best_len
+        return slot, best_len, cached_routes
 
     def _decode(self) -> None:
         num_rows = max(slot for slot, s in enumerate(self._slots) if s is not None) + 1
@@ -727,6 +772,8 @@ class TorchEngine:
                 token_ids[slot] = sequence.token_ids[-1]
                 positions[slot] = sequence.prompt_len + len(sequence.token_ids) - 1
         logits = self.runner.decode(token_ids, positions)
+        if self.return_routed_experts:
+            self._keep_routes(running, [s.slot for s in running], [1] * len(running))
         if len(running) < num_rows:  # empty slots in between computed garbage rows
             logits = logits[torch.tensor([s.slot for s in running], device=logits.device)]
         self._append_samples(running, logits)
@@ -765,8 +812,17 @@ class TorchEngine:
             # The last sampled token was never fed back, so its keys and values are not in the cache.
             tokens = sequence.request.prompt_token_ids + sequence.token_ids[:-1]
             self._cached_prefixes[slot] = tokens
+            if sequence.routes is not None:  # one row per cached token: the last token's route is unknown too
+                self._cached_routes[slot] = sequence.routed_experts()
             self._clock += 1
             self._slot_last_used[slot] = self._clock
+
+    def _keep_routes(self, sequences: list[_Sequence], rows: Iterable[int], lengths: list[int]) -> None:
+        """Append to each sequence the routes of its tokens in the last forward: the first ``lengths[i]``
+        positions of runner row ``rows[i]`` (the rest is padding)."""
+        routes = self.runner.last_routed_experts.numpy()  # [rows, positions, moe_layers, topk]
+        for sequence, row, length in zip(sequences, rows, lengths, strict=True):
+            sequence.routes.append(routes[row, :length])
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

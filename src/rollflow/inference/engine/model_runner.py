@@ -1,6 +1,6 @@
 """Batched forward passes of Llama-style decoders over a slot-based KV cache.
 
-``ModelRunner`` reads the weights of a Hugging Face causal LM (Llama, Qwen2, Qwen3) from its submodules and
+``ModelRunner`` reads the weights of a Hugging Face causal LM (Llama, Qwen2, Qwen3, Qwen3-MoE) from its submodules and
 runs its own forward: one prefill of newly admitted prompts (right-padded into one batch) and decode steps
 over the slots ``0..num_rows-1``. The arithmetic is the HF forward's; where it departs, it is only to cut the
 number of torch calls per step (at small sizes a step costs Python and dispatch overhead, not FLOPs):
@@ -17,6 +17,11 @@ number of torch calls per step (at small sizes a step costs Python and dispatch 
 The KV cache holds keys and values of one layer in one tensor ``[max_batch_size, 2 * kv_heads, max_model_len,
 head_dim]`` (keys in the first ``kv_heads`` heads), so one ``index_copy_`` per layer writes a decode step.
 ``extend`` is a prefill that starts after a prefix already in the slot (the engine's prefix cache).
+
+Mixture-of-experts layers (Qwen3-MoE's sparse block) run HF's eager arithmetic: router linear, float32 softmax,
+top-k, renormalized when ``norm_topk_prob``, then each selected expert's SwiGLU on its tokens, weighted and
+summed. With ``record_routed_experts`` every forward also leaves the top-k expert ids of every token it ran,
+per MoE layer, in ``last_routed_experts`` (what vLLM returns as ``routed_experts``, for routing replay).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 
 from rollflow.errors import EngineError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # RoPE variants whose cos/sin depend on the sequence length; a fixed table cannot reproduce them.
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -56,10 +61,20 @@ class _LayerWeights:
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     post_norm_eps: float
-    gate_up_weight: torch.Tensor
+    # Dense MLP; None in a MoE layer.
+    gate_up_weight: torch.Tensor | None
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
+    down_weight: torch.Tensor | None
     down_bias: torch.Tensor | None
+    # MoE layer: router [experts, hidden], per-expert gate/up [experts, 2 * inter, hidden] and down
+    # [experts, hidden, inter]; None in a dense layer.
+    router_weight: torch.Tensor | None = None
+    experts_gate_up: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None
+
+
+def _is_moe(mlp: torch.nn.Module) -> bool:
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
 
 
 class ModelRunner:
@@ -67,12 +82,23 @@ class ModelRunner:
 
     Not thread-safe: one thread (the engine's worker) calls it, inside ``torch.inference_mode``.
 
+    With ``record_routed_experts`` (a MoE model only), each ``prefill``/``extend``/``decode`` sets
+    ``last_routed_experts``: the top-k expert ids ``[rows, tokens, moe_layers, topk]`` of every token it ran, in
+    ``routed_experts_dtype`` (padding positions included; the caller keeps the real ones).
+
     Raises:
         EngineError: the model's architecture (``config.model_type``) or one of its features is not supported.
         ValueError: ``max_batch_size`` or ``max_model_len`` is out of range.
     """
 
-    def __init__(self, model: torch.nn.Module, *, max_batch_size: int, max_model_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_batch_size: int,
+        max_model_len: int,
+        record_routed_experts: bool = False,
+    ):
         config = model.config
         model_type = getattr(config, "model_type", type(model).__name__)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -119,7 +145,22 @@ class ModelRunner:
         self.num_layers = len(model.model.layers)
         hidden_act = getattr(config, "hidden_act", "silu")
         # F.silu skips the module call; other activations use the model's own module.
-        self._act = F.silu if hidden_act == "silu" else model.model.layers[0].mlp.act_fn
+        mlp = model.model.layers[0].mlp
+        self._act = F.silu if hidden_act == "silu" else getattr(mlp, "act_fn", None) or mlp.experts.act_fn
+        moe_blocks = [layer.mlp for layer in model.model.layers if _is_moe(layer.mlp)]
+        self.num_moe_layers = len(moe_blocks)
+        self.num_experts = moe_blocks[0].gate.num_experts if moe_blocks else 0
+        self.moe_top_k: int = moe_blocks[0].gate.top_k if moe_blocks else 0
+        self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
+        if record_routed_experts and not moe_blocks:
+            raise EngineError(
+                f"record_routed_experts needs a mixture-of-experts model; model_type {model_type!r} has no "
+                "MoE layers (turn routed experts off for dense models)"
+            )
+        self.record_routed_experts = record_routed_experts
+        # The smallest integer type that holds every expert id: routes are kept per token of every sequence.
+        self.routed_experts_dtype = torch.uint8 if self.num_experts <= 256 else torch.int32
+        self.last_routed_experts: torch.Tensor | None = None
 
         embed = model.model.embed_tokens.weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -181,9 +222,16 @@ class ModelRunner:
                     ]
                 )
                 qk_norm_eps = _norm_eps(attn.q_norm, 1e-6)
-            gate_up_bias = None
-            if _bias(mlp.gate_proj) is not None:
-                gate_up_bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+            gate_up_weight = gate_up_bias = down_weight = down_bias = None
+            router_weight = experts_gate_up = experts_down = None
+            if _is_moe(mlp):
+                router_weight = mlp.gate.weight
+                experts_gate_up, experts_down = mlp.experts.gate_up_proj, mlp.experts.down_proj
+            else:
+                gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                if _bias(mlp.gate_proj) is not None:
+                    gate_up_bias = torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+                down_weight, down_bias = mlp.down_proj.weight, _bias(mlp.down_proj)
             layers.append(
                 _LayerWeights(
                     input_norm=layer.input_layernorm.weight,
@@ -196,10 +244,13 @@ class ModelRunner:
                     o_bias=_bias(attn.o_proj),
                     post_norm=layer.post_attention_layernorm.weight,
                     post_norm_eps=_norm_eps(layer.post_attention_layernorm, 1e-6),
-                    gate_up_weight=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    gate_up_weight=gate_up_weight,
                     gate_up_bias=gate_up_bias,
-                    down_weight=mlp.down_proj.weight,
-                    down_bias=_bias(mlp.down_proj),
+                    down_weight=down_weight,
+                    down_bias=down_bias,
+                    router_weight=router_weight,
+                    experts_gate_up=experts_gate_up,
+                    experts_down=experts_down,
                 )
             )
         self._layers = layers
@@ -329,6 +380,7 @@ class ModelRunner:
         qk_heads = q_heads + kv_heads
         hidden_shape = (self.hidden_size,)
         act = self._act
+        routes: list[torch.Tensor] | None = [] if self.record_routed_experts else None
         for index, w in enumerate(self._layers):
             h = F.rms_norm(x, hidden_shape, w.input_norm, w.input_norm_eps)
             qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(n, seq_len, qk_heads + kv_heads, head_dim)
@@ -339,9 +391,33 @@ class ModelRunner:
             attn = attend(index, qk[:, :, :q_heads], qk[:, :, q_heads:], qkv[:, :, qk_heads:])
             x = x + F.linear(attn, w.o_weight, w.o_bias)
             h = F.rms_norm(x, hidden_shape, w.post_norm, w.post_norm_eps)
+            if w.router_weight is not None:
+                x = x + self._moe(h.view(n * seq_len, -1), w, routes).view_as(x)
+                continue
             gate, up = F.linear(h, w.gate_up_weight, w.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(act(gate) * up, w.down_weight, w.down_bias)
+        if routes is not None:
+            self.last_routed_experts = torch.stack(routes, dim=1).view(n, seq_len, len(routes), -1)
         return x
+
+    def _moe(self, h: torch.Tensor, w: _LayerWeights, routes: list[torch.Tensor] | None) -> torch.Tensor:
+        """Qwen3-MoE's sparse block on tokens ``h`` [tokens, hidden], in the HF forward's arithmetic."""
+        probs = F.softmax(F.linear(h, w.router_weight), dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probs, self.moe_top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights /= top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights.to(h.dtype)
+        if routes is not None:
+            routes.append(top_experts.to(self.routed_experts_dtype))
+        out = torch.zeros_like(h)
+        # One pass per expert that some token chose, over just those tokens (a decode step hits few experts).
+        # A token chooses an expert at most once, so each (token, choice) pair is added exactly once.
+        for expert in top_experts.unique().tolist():
+            token_index, choice = torch.where(top_experts == expert)
+            gate, up = F.linear(h[token_index], w.experts_gate_up[expert]).chunk(2, dim=-1)
+            expert_out = F.linear(self._act(gate) * up, w.experts_down[expert])
+            out.index_add_(0, token_index, expert_out * top_weights[token_index, choice, None])
+        return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = F.rms_norm(hidden, (self.hidden_size,), self._final_norm, self._final_norm_eps)
