@@ -107,6 +107,11 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token every endpoint but /health and /metrics requires (default: $ROLLFLOW_API_KEY, "
         "else none)",
     )
+    serve.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
+    )
 
     router = commands.add_parser(
         "router", help="session-aware HTTP router in front of inference servers (prints a JSON ready line)"

@@ -26,6 +26,7 @@ import structlog
 
 from rollflow.errors import RollflowError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
+from rollflow.inference.routed_experts import unpack_routed_experts
 from rollflow.inference.streaming import iter_sse
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest
 
@@ -53,6 +54,30 @@ class RemoteInferenceError(RollflowError):
         self.url = url
         self.status = status
         self.body = body
+
+
+def _routed_experts(choice: Mapping[str, Any], url: str, total_tokens: int | None) -> Any:
+    """A choice's ``routed_experts`` (packed or nested lists) as an array; None when absent.
+
+    Raises:
+        RemoteInferenceError: malformed routes, or (with ``total_tokens``, prompt plus output) a row count that
+            is neither ``total_tokens - 1`` (the last sampled token never ran) nor ``total_tokens``.
+    """
+    try:
+        experts = unpack_routed_experts(choice.get("routed_experts"))
+    except ValueError as error:
+        raise RemoteInferenceError(f"generate response from {url}: {error}", url=url) from None
+    if (
+        experts is not None
+        and total_tokens is not None
+        and experts.shape[0] not in (total_tokens - 1, total_tokens)
+    ):
+        raise RemoteInferenceError(
+            f"generate response from {url} has routed_experts for {experts.shape[0]} tokens; the prompt and "
+            f"output have {total_tokens} (expected {total_tokens - 1} or {total_tokens} rows)",
+            url=url,
+        )
+    return experts
 
 
 class ControlPlaneError(RemoteInferenceError):
@@ -497,6 +522,9 @@ class RemoteInferenceClient:
             policy_versions=policy_versions,
             finish_reason=finish_reason,
             prompt_len=prompt_len,
+            # The whole stream's routes, on its last chunk only; rows are checked against the assembled
+            # output by whoever assembles it.
+            routed_experts=_routed_experts(choice, url, None) if finish_reason is not None else None,
         )
 
     def _parse_generate(self, body: Any, request: GenerateRequest) -> GenerateOutput:
@@ -524,13 +552,15 @@ class RemoteInferenceClient:
             policy_versions = []
         if len(policy_versions) != len(token_ids):
             policy_versions = [self.policy_version] * len(token_ids)
+        prompt_len = len(request.prompt_token_ids)
         return GenerateOutput(
             request_id=str(body.get("request_id") or request.request_id),
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=finish_reason,
             policy_versions=policy_versions,
-            prompt_len=len(request.prompt_token_ids),
+            prompt_len=prompt_len,
+            routed_experts=_routed_experts(choice, url, prompt_len + len(token_ids)),
         )
 
     async def chat_completion(self, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -172,15 +172,17 @@ class EngineServer:
         max_model_len: int | None = None,
         served_model_name: str | None = None,
         api_key: str | None = None,
+        return_routed_experts: bool = False,
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
 
         ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 2048.
+        ``return_routed_experts`` (MoE models): generate responses carry each choice's ``routed_experts``.
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
-            EngineError: the architecture is not supported.
+            EngineError: the architecture is not supported, or ``return_routed_experts`` for a dense model.
             ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
         """
         from rollflow.config import ModelConfig
@@ -196,7 +198,12 @@ class EngineServer:
         causal_lm = load_causal_lm(model_dir)
         if max_model_len is None:
             max_model_len = min(getattr(causal_lm.config, "max_position_embeddings", 2048) or 2048, 2048)
-        engine = TorchEngine(causal_lm, max_batch_size=max_batch_size, max_model_len=max_model_len)
+        engine = TorchEngine(
+            causal_lm,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            return_routed_experts=return_routed_experts,
+        )
         try:
             renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))
         except ConfigError as error:
@@ -668,6 +675,7 @@ async def serve(
     max_model_len: int | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    return_routed_experts: bool = False,
     ready: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
@@ -685,6 +693,7 @@ async def serve(
         max_model_len=max_model_len,
         served_model_name=served_model_name,
         api_key=api_key,
+        return_routed_experts=return_routed_experts,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -728,6 +737,7 @@ def main(args: Any) -> int:
             max_model_len=args.max_model_len,
             served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
+            return_routed_experts=args.enable_return_routed_experts,
             ready=ready,
         )
     )

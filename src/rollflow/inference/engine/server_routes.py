@@ -30,6 +30,7 @@ from rollflow.inference.engine.server_protocol import (
     decode_body,
 )
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
+from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,11 @@ def _json(payload: Any) -> web.Response:
 
 def _logprob(value: float) -> float:
     return value if math.isfinite(value) else CLAMPED_LOGPROB
+
+
+def _routed_experts(output: GenerateOutput) -> dict[str, Any] | None:
+    """The output's routes in the packed wire form, or None when the engine does not record them."""
+    return None if output.routed_experts is None else pack_routed_experts(output.routed_experts)
 
 
 def _unsupported(**fields: tuple[Any, Any]) -> None:
@@ -241,7 +247,7 @@ class DataPlane:
                     "stop_reason": self._stop_reason(output, spec.stop_token_ids),
                     "token_ids": output.token_ids,
                     "logprobs": logprobs,
-                    "routed_experts": None,
+                    "routed_experts": _routed_experts(output),
                     "policy_versions": output.policy_versions,
                 }
             )
@@ -344,6 +350,8 @@ class DataPlane:
             if body.return_token_ids:
                 choice["token_ids"] = output.token_ids
                 choice["prompt_token_ids"] = prompt
+            if output.routed_experts is not None:
+                choice["routed_experts"] = _routed_experts(output)
             choices.append(choice)
         prompt_tokens = sum(len(p) for p in prompts)
         return _json(
@@ -462,6 +470,8 @@ class DataPlane:
                 choice["logprobs"] = {"content": self._chat_logprobs(output)}
             if body.return_token_ids:
                 choice["token_ids"] = output.token_ids
+            if output.routed_experts is not None:
+                choice["routed_experts"] = _routed_experts(output)
             choices.append(choice)
         response: dict[str, Any] = {
             "id": request_id,

@@ -28,6 +28,7 @@ from aiohttp import web
 
 from rollflow.errors import EngineDeadError, EngineError
 from rollflow.inference.engine.server_protocol import ApiError, StreamOptions, bad_request, error_body
+from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.inference.streaming import SSE_DONE, IncrementalDecoder, TextDeltas, sse_event
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
@@ -221,6 +222,8 @@ async def stream_completions(
             out["token_ids"] = chunk.token_ids
             if not state.started:
                 out["prompt_token_ids"] = state.prompt
+        if chunk.routed_experts is not None:  # the last chunk: the whole request's routes
+            out["routed_experts"] = pack_routed_experts(chunk.routed_experts)
         state.started = True
         return [envelope([out], bool(options.continuous_usage_stats))]
 
