@@ -146,6 +146,8 @@ class Trace:
         # reply is matched by one digest instead of a walk over the tree.
         self._cursor: tuple[int, _RequestPrefix] | None = None
         self._latest_sampled = 0  # the newest sampled node (a bridge anchors at the newest match)
+        # Sampled nodes whose last routed-experts row is a stand-in: the engine never ran their last token.
+        self._padded_routes: set[int] = set()
         self._mailbox: collections.deque[tuple[Callable[..., Any], tuple, asyncio.Future]] = (
             collections.deque()
         )
@@ -453,6 +455,8 @@ class Trace:
         prompt = prepared.prompt_ids
         total = len(prompt) + len(sampled.token_ids)
         experts = _check_routed_experts(sampled.routed_experts, total)
+        if experts is not None and self._padded_routes:
+            self._repair_routes(prepared._base, experts)
         node = prepared._base
         for new_message, end in zip(prepared._new_messages, prepared._segment_ends, strict=True):
             start = store.end(node)
@@ -467,6 +471,8 @@ class Trace:
             sampled=sampled,
             tools_key=prepared._tools_key,
         )
+        if experts is not None and len(sampled.routed_experts) == total - 1:
+            self._padded_routes.add(node)
         self._latest_sampled = max(self._latest_sampled, node)
         self._cursor = (node, prepared._request)
         turn = self.turns.append(
@@ -481,6 +487,17 @@ class Trace:
         if request_key is not None:
             self._replays[request_key] = turn.index
         return turn
+
+    def _repair_routes(self, node: int, experts: Any) -> None:
+        """Replace the stand-in last rows of padded nodes on the path to ``node`` with the routes this turn's
+        forward computed for those tokens (they are in its prompt), so mid-sequence rows are all real."""
+        store = self._store
+        while node > 0:
+            if node in self._padded_routes:
+                self._padded_routes.discard(node)
+                if (rows := store.routed_experts.get(node)) is not None:
+                    rows[-1] = experts[store.end(node) - 1]
+            node = store.parent[node]
 
     def _child(
         self,
@@ -543,7 +560,8 @@ def _segment_ends(indices: list[int], start: int, num_messages: int, first_index
 
 def _check_routed_experts(experts: Any, total: int) -> Any:
     """Validate ``[tokens, layers, topk]`` integer indices; engines omit the last position, which is padded
-    with a copy of the one before (any valid expert ids do: no loss is computed at that position)."""
+    with a copy of the one before (any valid expert ids do at the end of a sequence; a later turn that
+    extends it replaces the copy with the routes it computed, see ``_repair_routes``)."""
     if experts is None:
         return None
     import numpy as np
