@@ -96,6 +96,11 @@ class InferenceConfig(Section):
     """Sequences decoded together by one engine (its KV-cache slots)."""
     max_model_len: Positive = 1024
     """Longest prompt + completion an engine accepts, in tokens."""
+    return_routed_experts: bool = False
+    """MoE models: engines return the experts each token was routed to, and agent (TITO) samples carry them
+    (``routed_experts``, for routing replay in training). Sets ``return_routed_experts`` on in-process engines
+    and ``--enable-return-routed-experts`` on the servers rollflow starts (``rollflow serve`` or ``vllm serve``).
+    A dense model with this on fails at start-up."""
 
 
 class TrainerConfig(Section):

@@ -49,6 +49,7 @@ def build_torch_server_command(
     max_model_len: int | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    return_routed_experts: bool = False,
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Command line of one rollflow torch engine server (``python -m rollflow serve``).
@@ -75,6 +76,8 @@ def build_torch_server_command(
         command += ["--max-model-len", str(max_model_len)]
     if served_model_name is not None:
         command += ["--served-model-name", served_model_name]
+    if return_routed_experts:
+        command.append("--enable-return-routed-experts")
     env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
     return [*command, *extra_args], env
 
@@ -93,6 +96,7 @@ def build_vllm_server_command(
     max_num_seqs: int | None = None,
     gpu_memory_utilization: float | None = None,
     api_key: str | None = None,
+    return_routed_experts: bool = False,
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.
@@ -102,6 +106,7 @@ def build_vllm_server_command(
     - ``--weight-transfer-config``: ``ipc`` when colocated (CUDA IPC handles, which also needs
       ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), else ``nccl``, unless ``weight_transfer_backend`` says otherwise.
     - ``--enable-sleep-mode`` when colocated, so the trainer can take the GPU memory back between rollouts.
+    - ``--enable-return-routed-experts`` with ``return_routed_experts`` (MoE routing replay).
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment.
@@ -133,6 +138,8 @@ def build_vllm_server_command(
         command += ["--max-num-seqs", str(max_num_seqs)]
     if gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if return_routed_experts:
+        command.append("--enable-return-routed-experts")
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key  # not ``--api-key``: the command line is visible to every user

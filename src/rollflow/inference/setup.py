@@ -48,6 +48,7 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
             load_causal_lm(model_dir),
             max_batch_size=config.inference.max_batch_size,
             max_model_len=config.inference.max_model_len,
+            return_routed_experts=config.inference.return_routed_experts,
         )
         for _ in range(config.inference.num_engines)
     ]
@@ -97,6 +98,8 @@ async def get_inference_client(
                 options["max_batch_size"] = inference.max_batch_size
             else:
                 options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
+            if inference.return_routed_experts:
+                options["return_routed_experts"] = True
             group = ServerGroup(
                 config.model.path,
                 inference.num_servers,

@@ -154,8 +154,9 @@ class ModelRunner:
         self.norm_topk_prob = bool(getattr(config, "norm_topk_prob", False))
         if record_routed_experts and not moe_blocks:
             raise EngineError(
-                f"record_routed_experts needs a mixture-of-experts model; model_type {model_type!r} has no "
-                "MoE layers (turn routed experts off for dense models)"
+                f"returning routed experts needs a mixture-of-experts model, but model_type {model_type!r} has "
+                "no MoE layers; turn it off (inference.return_routed_experts = false, or no "
+                "--enable-return-routed-experts)"
             )
         self.record_routed_experts = record_routed_experts
         # The smallest integer type that holds every expert id: routes are kept per token of every sequence.
