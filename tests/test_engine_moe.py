@@ -164,5 +164,8 @@ async def test_routes_are_off_by_default_and_need_a_moe_model(moe_model, tiny_mo
     finally:
         await engine.shutdown()
     dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    with pytest.raises(EngineError, match="routed experts needs a mixture-of-experts model.*'qwen3'.*inference.return_routed_experts"):
+    with pytest.raises(
+        EngineError,
+        match="routed experts needs a mixture-of-experts model.*'qwen3'.*inference.return_routed_experts",
+    ):
         TorchEngine(dense, max_batch_size=1, max_model_len=64, return_routed_experts=True)
