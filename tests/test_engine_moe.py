@@ -169,3 +169,11 @@ async def test_routes_are_off_by_default_and_need_a_moe_model(moe_model, tiny_mo
         match="routed experts needs a mixture-of-experts model.*'qwen3'.*inference.return_routed_experts",
     ):
         TorchEngine(dense, max_batch_size=1, max_model_len=64, return_routed_experts=True)
+
+
+def test_an_unfused_experts_layout_is_a_clear_error(moe_model):
+    """Older transformers kept experts as a list of MLP modules; the runner reads the fused 3-D weights."""
+    model = copy.deepcopy(moe_model)
+    model.model.layers[1].mlp.experts = torch.nn.ModuleList()
+    with pytest.raises(EngineError, match="fused-experts layout.*upgrade transformers"):
+        TorchEngine(model, max_batch_size=1, max_model_len=64)

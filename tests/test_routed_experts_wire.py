@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 
 import aiohttp
 import numpy as np
@@ -109,8 +110,9 @@ def test_unpack_rejects_malformed_routes_clearly(value, match):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def server(tiny_moe_model_dir):
+    # By name (its renderer is known), built in the same cache as ``tiny_moe_model_dir``.
     server = EngineServer.from_model(
-        str(tiny_moe_model_dir), max_batch_size=4, max_model_len=256, return_routed_experts=True
+        "rollflow:tiny-moe", max_batch_size=4, max_model_len=256, return_routed_experts=True
     )
     await server.start()
     yield server
@@ -152,6 +154,26 @@ async def test_generate_and_completions_return_packed_routes(server, reference):
     np.testing.assert_array_equal(
         unpack_routed_experts(body["choices"][0]["routed_experts"]), expected.routed_experts
     )
+
+
+@module_loop
+async def test_chat_returns_routes_plain_and_streamed(server):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0}
+    plain = await post(server, "/v1/chat/completions", body | {"return_token_ids": True})
+    choice = plain["choices"][0]
+    routes = unpack_routed_experts(choice["routed_experts"])
+    assert routes.shape == (len(plain["prompt_token_ids"]) + len(choice["token_ids"]) - 1, 2, 2)
+    streamed = body | {"stream": True}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(server.url + "/v1/chat/completions", json=streamed) as response,
+    ):
+        text = await response.text()
+    events = [json.loads(line[len("data: ") :]) for line in text.splitlines() if line.startswith("data: {")]
+    # Only the last chunk carries them: routes are per token run, prompt included, so they do not split.
+    carrying = [c for event in events for c in event["choices"] if c.get("routed_experts") is not None]
+    assert len(carrying) == 1 and carrying[0]["finish_reason"] is not None
+    np.testing.assert_array_equal(unpack_routed_experts(carrying[0]["routed_experts"]), routes)
 
 
 @module_loop

@@ -148,6 +148,11 @@ class ModelRunner:
         mlp = model.model.layers[0].mlp
         self._act = F.silu if hidden_act == "silu" else getattr(mlp, "act_fn", None) or mlp.experts.act_fn
         moe_blocks = [layer.mlp for layer in model.model.layers if _is_moe(layer.mlp)]
+        if any(not hasattr(b.experts, "gate_up_proj") or not hasattr(b.gate, "top_k") for b in moe_blocks):
+            raise EngineError(
+                f"TorchEngine runs {model_type!r} MoE layers in transformers' fused-experts layout "
+                "(experts.gate_up_proj, gate.top_k), which this model does not have; upgrade transformers"
+            )
         self.num_moe_layers = len(moe_blocks)
         self.num_experts = moe_blocks[0].gate.num_experts if moe_blocks else 0
         self.moe_top_k: int = moe_blocks[0].gate.top_k if moe_blocks else 0

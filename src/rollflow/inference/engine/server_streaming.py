@@ -307,6 +307,8 @@ async def stream_chat(
                 finish = "tool_calls"
             out["finish_reason"] = finish
             out["stop_reason"] = plane._stop_reason(output, user_stop_ids)
+            if chunk.routed_experts is not None:
+                out["routed_experts"] = pack_routed_experts(chunk.routed_experts)
         if body.logprobs:
             out["logprobs"] = {"content": plane._chat_logprobs(chunk)}
         if body.return_token_ids:
