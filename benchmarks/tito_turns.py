@@ -2,7 +2,10 @@
 
 One agent conversation of ``--turns`` turns (assistant reply, then a tool result) runs through a TITO
 ``Session`` whose client returns scripted tokens, so only proxy work is timed:
-- ``rollflow_render_commit_ms``: the trace's prepare (bridge or render) plus commit of the turn;
+- ``rollflow_render_commit_ms``: the trace's prepare (bridge or render), the prompt as the ``list[int]`` an
+  engine request takes, parsing the reply and the commit of the turn;
+- ``prompt_list_ms``: the part of it spent turning the trace's int32 prompt into that list (a copy of the
+  whole prompt, so it grows with the history);
 - ``rollflow_request_ms``: the same plus normalizing the request's messages (what a real request adds);
 - ``baseline_full_render_ms``: ``tokenizer.apply_chat_template`` of the whole history (what a proxy that
   re-renders each turn pays), measured on the same histories in the same process, in a pass after the
@@ -10,9 +13,9 @@ One agent conversation of ``--turns`` turns (assistant reply, then a tool result
 Each figure is the median over the turns within ±``--window`` of the reported turn and over ``--repeats``
 conversations. Target: turn 200 costs at most 1.5x turn 1 for rollflow, while the baseline grows.
 
-What still grows with the history in rollflow's figure, by design: checking that the request repeats the
-previous one (one msgspec encode and one SHA-256 of the request, in C) and building the prompt as the
-``list[int]`` the engine takes (``array.tolist`` of the recorded tokens).
+What still grows with the history in ``rollflow_render_commit_ms``, by design: checking that the request
+repeats the previous one (one msgspec encode and one SHA-256 of the request, in C), one memcpy of the
+recorded tokens into the new prompt, and the prompt list.
 
 Prints one JSON line per reported turn:
 {"benchmark": "tito_turns", "turn": 200, "rollflow_render_commit_ms": ..., "rollflow_request_ms": ...,
@@ -67,14 +70,18 @@ async def conversation(chat, turns: int) -> dict[int, tuple[float, ...]]:
         tools = normalize_tools(request.tools)
         normalized = time.perf_counter()
         prepared = await trace.prepare(messages, tools)
-        parsed = renderer.parse(completion, tools, prepared.prompt_ids)
+        prepared_at = time.perf_counter()
+        prompt_ids = prepared.prompt_ids  # what the engine request takes
+        listed = time.perf_counter()
+        parsed = renderer.parse(completion, tools, prepared.parse_prompt_ids)
         message, finish = _assistant_message(parsed, "stop")
         committed = await trace.commit(
             prepared, sampled, message, finish_reason=finish, response_id=str(turn)
         )
         end = time.perf_counter()
+        assert len(prompt_ids) == len(prepared.prompt)
         assert turn == 1 or committed.render.method == "bridge", committed.render
-        timings[turn] = ((end - normalized) * 1e3, (end - start) * 1e3)
+        timings[turn] = ((end - normalized) * 1e3, (end - start) * 1e3, (listed - prepared_at) * 1e3)
         call_id = message["tool_calls"][0]["id"]
         history += [
             as_history_message(committed),
@@ -123,18 +130,19 @@ def main() -> None:
         return statistics.median(run[t][column] for run in runs for t in turns)
 
     reported = [int(t) for t in args.report.split(",")]
-    first = [figure(reported[0], c) for c in range(3)]
+    first = [figure(reported[0], c) for c in range(4)]
     for turn in reported:
-        render_commit, request, baseline = (figure(turn, c) for c in range(3))
+        render_commit, request, prompt_list, baseline = (figure(turn, c) for c in range(4))
         line = {
             "benchmark": "tito_turns",
             "turn": turn,
             "rollflow_render_commit_ms": round(render_commit, 4),
+            "prompt_list_ms": round(prompt_list, 4),
             "rollflow_request_ms": round(request, 4),
             "baseline_full_render_ms": round(baseline, 4),
             "rollflow_vs_turn1": round(render_commit / first[0], 3),
             "rollflow_request_vs_turn1": round(request / first[1], 3),
-            "baseline_vs_turn1": round(baseline / first[2], 3),
+            "baseline_vs_turn1": round(baseline / first[3], 3),
         }
         print(json.dumps(line), flush=True)
 

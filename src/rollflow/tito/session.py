@@ -194,7 +194,7 @@ class Session:
             raise RequestError(
                 f"inference is unavailable: {error}", status=503, type="service_unavailable"
             ) from None
-        parsed = self._renderer.parse(sampled.token_ids, tools, prepared.prompt_ids)
+        parsed = self._renderer.parse(sampled.token_ids, tools, prepared.parse_prompt_ids)
         message, finish_reason = _assistant_message(parsed, sampled.finish_reason)
         return await self.trace.commit(
             prepared,

@@ -80,9 +80,14 @@ class _RequestPrefix:
 
 @dataclass(slots=True)
 class PreparedTurn:
-    """A rendered request, ready to sample from and then to commit."""
+    """A rendered request, ready to sample from and then to commit.
 
-    prompt_ids: list[int]
+    ``prompt`` is the trace's own int32 copy of the prompt (one memcpy per turn); ``prompt_ids`` is the list
+    an engine request takes, made on first use. ``parse_prompt_ids`` is the prompt from the previous sampled
+    turn on: all a renderer's ``parse_response`` reads (the current turn's header and generation prompt).
+    """
+
+    prompt: array
     tools: list[dict[str, Any]] | None
     render: RenderRecord
     _base: int
@@ -90,6 +95,18 @@ class PreparedTurn:
     _segment_ends: list[int]
     _tools_key: bytes
     _request: _RequestPrefix
+    _parse_from: int = 0
+    _prompt_ids: list[int] | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        if self._prompt_ids is None:
+            self._prompt_ids = self.prompt.tolist()
+        return self._prompt_ids
+
+    @property
+    def parse_prompt_ids(self) -> list[int]:
+        return self.prompt[self._parse_from :].tolist()
 
 
 @dataclass(slots=True)
@@ -387,9 +404,8 @@ class Trace:
         ends = [context + end for end in ends]
         record = RenderRecord("bridge", "extended", _BRIDGE_REASON)
         # The prompt: the recorded tokens, then what the new messages added.
-        prompt_ids = recorded.tolist()
-        prompt_ids += rendered.token_ids[kept:]
-        return PreparedTurn(prompt_ids, tools, record, anchor, new_messages, ends, key, request)
+        recorded.extend(rendered.token_ids[kept:])
+        return PreparedTurn(recorded, tools, record, anchor, new_messages, ends, key, request, context)
 
     def _full_render(
         self,
@@ -433,7 +449,7 @@ class Trace:
         else:
             record = RenderRecord("full", "new", reason)
         ends = _segment_ends(rendered.message_indices, start, len(messages) - depth, depth)
-        return PreparedTurn(rendered.token_ids, tools, record, node, messages[depth:], ends, key, request)
+        return PreparedTurn(prompt, tools, record, node, messages[depth:], ends, key, request)
 
     def _commit(
         self,
@@ -452,7 +468,7 @@ class Trace:
                 f"{len(sampled.policy_versions)} policy versions"
             )
         store = self._store
-        prompt = prepared.prompt_ids
+        prompt = prepared.prompt
         total = len(prompt) + len(sampled.token_ids)
         experts = _check_routed_experts(sampled.routed_experts, total)
         if experts is not None and self._padded_routes:
@@ -465,7 +481,7 @@ class Trace:
         node = self._child(
             node,
             message,
-            prompt[start:] + sampled.token_ids,
+            prompt[start:] + array("i", sampled.token_ids),
             len(prompt) - start,
             _rows(experts, start, total),
             sampled=sampled,
@@ -503,7 +519,7 @@ class Trace:
         self,
         parent: int,
         message: dict[str, Any],
-        token_ids: list[int],
+        token_ids: array,
         num_prompt: int,
         experts: Any,
         *,
@@ -519,7 +535,7 @@ class Trace:
                 and store.num_prompt[child] == num_prompt
                 and store.sampled(child) == (sampled is not None)
                 and store.same_message(child, message, encoded)
-                and store.token_ids(child).tolist() == token_ids
+                and store.token_ids(child) == token_ids
             ):
                 return child
         return store.add(
