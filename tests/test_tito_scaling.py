@@ -121,6 +121,20 @@ async def test_bridge_from_the_previous_turn_equals_bridge_from_the_whole_prompt
         completion = client.outputs[i - 1].token_ids
         whole = session.trace.renderer.bridge(prompt, completion, _new_messages(turns[i], anchor), _tools())
         assert whole is not None and client.requests[i].prompt_token_ids == whole.token_ids
+    # Replies are parsed from the prompt's tail too (from the previous sampled turn on): the recorded
+    # messages equal a parse against the whole prompt.
+    for i, turn in enumerate(turns):
+        full = session.trace.renderer.parse(
+            client.outputs[i].token_ids, _tools(), client.requests[i].prompt_token_ids
+        )
+        recorded = turn.node.message
+        assert (recorded["content"], recorded.get("reasoning_content")) == (
+            full.content,
+            full.reasoning_content,
+        )
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in recorded.get("tool_calls", [])]
+        assert calls == full.tool_calls
+        assert bool(full.reasoning_content) == thinking
 
 
 def _new_messages(turn, anchor):
