@@ -1,10 +1,12 @@
 """What streaming costs and what it buys: throughput of streamed vs whole generation, and time to first token.
 
-Two layers, each measured with its non-streamed baseline in the same process, alternating ``--repeats`` times
-(the machine is shared and noisy): the in-process ``TorchEngine`` (``generate_stream`` vs ``generate``) and
+Three layers, each measured with its non-streamed baseline in the same process, alternating ``--repeats``
+times (the machine is shared and noisy): the in-process ``TorchEngine`` (``generate_stream`` vs ``generate``),
 ``RemoteInferenceClient`` over HTTP to an engine server in this process (SSE from ``/v1/completions`` vs JSON
-from ``/inference/v1/generate``). Each run is ``--concurrency`` requests of ``--tokens`` tokens (no stop token:
-the budget is the length). Prints one JSON line per measurement and one summary line per layer.
+from ``/inference/v1/generate``), each with ``--concurrency`` requests of ``--tokens`` tokens (no stop token:
+the budget is the length); and one agent turn through the TITO proxy with the ``openai`` client (a seeded
+847-token reply of the tiny model; the client runs in this process too). Prints one JSON line per
+measurement and one summary line per layer.
 
     python benchmarks/streaming.py [--tokens 256] [--concurrency 8] [--repeats 3]
 """
@@ -74,13 +76,57 @@ async def compare(layer: str, client, args: argparse.Namespace) -> None:
     print(json.dumps(summary))
 
 
+async def compare_tito(server: EngineServer, args: argparse.Namespace) -> None:
+    import openai
+
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.tito import TITOProxy
+
+    client = LocalInferenceClient([server.engine])
+    request = {"model": "tiny", "messages": [{"role": "user", "content": "write a long story"}], "seed": 3}
+    request["max_tokens"] = 900
+    results: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    async with TITOProxy(client, server.renderer, server.tokenizer, model_name="tiny") as proxy:
+        for repeat in range(args.repeats):
+            for streamed in (False, True):
+                session = await proxy.open_session()
+                agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+                started, first_s = time.perf_counter(), None
+                if streamed:
+                    async for chunk in await agent.chat.completions.create(**request, stream=True):
+                        if first_s is None and chunk.choices and chunk.choices[0].delta.content:
+                            first_s = time.perf_counter() - started
+                else:
+                    await agent.chat.completions.create(**request)
+                elapsed = time.perf_counter() - started
+                await agent.close()
+                await proxy.close_session(session)
+                result = {"turn_s": elapsed, "first_content_s": first_s or elapsed}
+                results[streamed].append(result)
+                print(json.dumps({"layer": "tito", "streamed": streamed, "repeat": repeat, **result}))
+    whole = statistics.median(r["turn_s"] for r in results[False])
+    streamed = statistics.median(r["turn_s"] for r in results[True])
+    summary = {
+        "layer": "tito",
+        "whole_turn_s": round(whole, 4),
+        "streamed_turn_s": round(streamed, 4),
+        "streamed_over_whole_time": round(streamed / whole, 3),
+        "streamed_first_content_s": round(statistics.median(r["first_content_s"] for r in results[True]), 4),
+    }
+    print(json.dumps(summary))
+
+
 async def main(args: argparse.Namespace) -> None:
     server = EngineServer.from_model("rollflow:tiny", max_batch_size=args.concurrency, max_model_len=1024)
+    server.engine.enable_prefix_caching = (
+        False  # the same prompt each run: a cache hit would change its reply
+    )
     try:
         await compare("engine", server.engine, args)
         url = await server.start()
         async with RemoteInferenceClient(url) as client:
             await compare("http", client, args)
+        await compare_tito(server, args)
     finally:
         await server.close()
 

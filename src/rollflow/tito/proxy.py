@@ -66,6 +66,8 @@ _ENCODER = msgspec.json.Encoder()
 # Closed sessions' tokens are remembered (to answer 409 rather than 404) up to this many.
 _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+# A streamed reply is parsed again at most after this many times the last parse's duration.
+PARSE_BACKOFF = 4.0
 
 
 class CloseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -392,7 +394,13 @@ class TITOProxy:
             while not turn_task.done():
                 if woke.is_set():
                     woke.clear()
+                    started = time.perf_counter()
                     await stream.progress(response, latest[0], tools)
+                    # Each parse reads the whole reply so far: waiting PARSE_BACKOFF times as long as it took
+                    # keeps parsing to a small share of the time, however long the reply grows (the tokens
+                    # sampled meanwhile go out together in the next chunk).
+                    backoff_s = PARSE_BACKOFF * (time.perf_counter() - started)
+                    await asyncio.wait((turn_task,), timeout=backoff_s)
                 await _until(turn_task, woke)
             try:
                 turn = turn_task.result()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -103,40 +104,32 @@ class _Reply:
 class _StreamReply:
     """Where the worker sends a streamed request's tokens and its outcome: a queue on the caller's loop.
 
-    Items, in order: ``(token, logprob, policy_version)`` per sampled token, then one final
-    ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run in the order they were
-    scheduled, so the caller sees tokens in sampling order and the outcome last.
+    The queue receives batches (lists) of items, in order: ``(token, logprob, policy_version)`` per sampled
+    token, then one final ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run
+    in the order they were scheduled, so the caller sees tokens in sampling order and the outcome last.
     """
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    # Worker-owned: tokens sampled but not sent yet, and when tokens were last sent (time.monotonic()).
+    pending: list[tuple[int, float, int]] = field(default_factory=list)
+    last_sent: float = 0.0
 
     @classmethod
     def create(cls) -> _StreamReply:
         return cls(asyncio.get_running_loop(), asyncio.Queue())
 
     def send(self, result: Any = None, error: BaseException | None = None) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (result, error))
-
-
-def _put_all(items: list[tuple[asyncio.Queue, tuple[int, float, int]]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
-
-
-def _send_tokens(sequences: list[_Sequence]) -> None:
-    """Send the token each streamed sequence just sampled: one callback per caller loop and step, not per token
-    (each ``call_soon_threadsafe`` wakes its loop)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, tuple[int, float, int]]]] = {}
-    for sequence in sequences:
-        reply = sequence.reply
-        if type(reply) is _StreamReply:
-            item = (sequence.token_ids[-1], sequence.logprobs[-1], sequence.policy_versions[-1])
-            by_loop.setdefault(reply.loop, []).append((reply.queue, item))
-    for loop, items in by_loop.items():
+        batch: list[Any] = self.pending
+        self.pending = []
+        batch.append((result, error))  # after the tokens still pending
         with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
-            loop.call_soon_threadsafe(_put_all, items)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, batch)
+
+
+def _put_batches(batches: list[tuple[asyncio.Queue, list[Any]]]) -> None:
+    for queue, batch in batches:
+        queue.put_nowait(batch)
 
 
 @dataclass(eq=False, slots=True)
@@ -225,6 +218,11 @@ class TorchEngine:
     # engine holds no thread, and no OpenMP thread team that slows the trainer's torch calls (two teams on a
     # 2-core machine halve each other's speed).
     idle_exit_s: float = 0.05
+    # A streamed request's tokens go to its caller at most this often (its first token at once): each send
+    # wakes the caller's loop, whose Python then competes with this thread for the GIL, so sending every
+    # token of a fast model would slow generation (by 30-40% for the tiny model). Decode steps longer than
+    # this (real models) send every token as it is sampled.
+    stream_interval_s: float = 0.005
 
     def __init__(
         self,
@@ -280,6 +278,7 @@ class TorchEngine:
         self._paused = False
         self._frozen = False
         self._drain_waiters: list[_Reply] = []
+        self._unsent_streams: set[_StreamReply] = set()  # streams with tokens not sent yet
         self._stopping = False  # set by the worker when it handles "shutdown"
         self._shared_generator = torch.Generator(device=self.runner.device)
         self._shared_generator.seed()
@@ -372,9 +371,9 @@ class TorchEngine:
         finished = False
         try:
             while not finished:
-                items = [await reply.queue.get()]
+                items = await reply.queue.get()
                 while not reply.queue.empty():  # merge what arrived meanwhile into one chunk
-                    items.append(reply.queue.get_nowait())
+                    items += reply.queue.get_nowait()
                 chunk = GenerateChunk(request.request_id, [], [], [], prompt_len=sequence.prompt_len)
                 for item in items:
                     if len(item) == 3:
@@ -542,6 +541,8 @@ class TorchEngine:
                     if self._stopping:
                         return
                     self._step()
+                    # Frozen (pause "keep"): no step will come to send what is pending.
+                    self._send_stream_tokens(force=self._frozen)
                     self._reply_drained()
         except BaseException as exc:
             log.exception("engine loop died")
@@ -793,9 +794,29 @@ class TorchEngine:
                 finished.append((sequence.slot, FinishReason.STOP))
             elif len(sequence.token_ids) >= sequence.max_output_len:
                 finished.append((sequence.slot, FinishReason.LENGTH))
-        _send_tokens(sequences)  # before the outcomes: a stream's last token precedes its end
+            if type(sequence.reply) is _StreamReply:
+                sequence.reply.pending.append((token, logprob, version))
+                self._unsent_streams.add(sequence.reply)
         for slot, reason in finished:
-            self._finish(slot, reason)
+            self._finish(slot, reason)  # a stream's outcome goes out with its pending tokens
+
+    def _send_stream_tokens(self, *, force: bool) -> None:
+        """Send streams' pending tokens, those last sent ``stream_interval_s`` ago (all with ``force``): one
+        ``call_soon_threadsafe`` per caller loop."""
+        if not self._unsent_streams:
+            return
+        now = time.monotonic()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[Any]]]] = {}
+        for reply in list(self._unsent_streams):
+            if not reply.pending:  # sent with its outcome meanwhile
+                self._unsent_streams.discard(reply)
+            elif force or now - reply.last_sent >= self.stream_interval_s:
+                by_loop.setdefault(reply.loop, []).append((reply.queue, reply.pending))
+                reply.pending, reply.last_sent = [], now
+                self._unsent_streams.discard(reply)
+        for loop, batches in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
+                loop.call_soon_threadsafe(_put_batches, batches)
 
     def _finish(self, slot: int, reason: FinishReason) -> None:
         sequence = self._slots[slot]

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 Job = tuple[list[int], SamplingParams]
+# A streamed chat reply is parsed again at most after this many times the last parse's duration.
+PARSE_BACKOFF = 4.0
 
 
 def check_stream_options(stream: bool | None, options: StreamOptions | None) -> None:
@@ -62,6 +64,8 @@ class _Choice:
     logprob_offset: int = 0
     # Policy versions of tokens whose chunk was held back (no stable text yet), sent with the next one.
     pending_versions: list[int] = field(default_factory=list)
+    # Chat: when the reply may be parsed again (perf_counter seconds).
+    next_parse_at: float = 0.0
 
     def output(self, finish_reason: FinishReason) -> GenerateOutput:
         return GenerateOutput("", self.token_ids, [], finish_reason, [])
@@ -281,17 +285,22 @@ async def stream_chat(
         state.token_ids += chunk.token_ids
         delta: dict[str, Any] = {}
         out: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
-        if chunk.finish_reason is None:
+        if chunk.finish_reason is None and time.perf_counter() >= state.next_parse_at:
+            started = time.perf_counter()
             try:
                 parsed = renderer.parse_response(state.token_ids, tools=body.tools, prompt_ids=prompt)
             except Exception:  # a reply cut mid-structure may not parse yet: wait for more tokens
                 parsed = None
+            # Each parse reads the whole reply so far: the next waits PARSE_BACKOFF times as long as this one
+            # took, which keeps parsing to a small share of the time however long the reply grows.
+            finished = time.perf_counter()
+            state.next_parse_at = finished + PARSE_BACKOFF * (finished - started)
             if parsed is not None:
                 if reasoning := state.reasoning.update(parsed.reasoning_content or ""):
                     delta["reasoning_content"] = reasoning
                 if content := state.content.update(parsed.content or ""):
                     delta["content"] = content
-        else:
+        elif chunk.finish_reason is not None:
             output = state.output(chunk.finish_reason)
             message = plane._message(prompt, output, body.tools)
             if reasoning := state.reasoning.update(message.get("reasoning_content") or "", final=True):
