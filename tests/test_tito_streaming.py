@@ -273,3 +273,55 @@ async def test_incremental_decoder_sends_stable_text_from_a_short_window(tiny_ch
     assert max(decoded_lengths) < 10  # windows, not the whole text (len(ids) tokens) each time
     sent.append(decoder.finish(ids))
     assert "".join(sent) == text and not decoder.diverged
+
+
+async def test_a_pause_for_weights_mid_stream_continues_the_reply_exactly(engine, tiny_chat):
+    # An engine abort (pause for a weight update) ends the engine request with its partial tokens; the
+    # session resubmits from them once resumed, and the agent's stream just goes on.
+    client = RecordingClient([engine])
+    async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        stream = await agent.chat.completions.create(
+            model=MODEL,
+            messages=[_user(LONG_PROMPT)],
+            max_tokens=900,
+            seed=LONG_SEED,
+            stream=True,
+            logprobs=True,
+        )
+        content, logprobs, paused = "", [], False
+        async for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                logprobs += [entry.logprob for entry in (choice.logprobs.content if choice.logprobs else [])]
+                if not paused and choice.delta.content:
+                    paused = True
+                    await engine.pause("abort")
+                    await asyncio.sleep(0.05)
+                    await engine.resume()
+        (turn,) = session.trace.turns
+    finishes = [chunk.finish_reason for chunk in client.chunks if chunk.finish_reason is not None]
+    assert finishes[0].value == "abort" and len(finishes) == 2  # one resubmission
+    assert content == turn.message["content"] and logprobs == turn.logprobs
+    assert turn.completion_ids == [token for chunk in client.chunks for token in chunk.token_ids]
+
+
+async def test_a_streamed_retry_joins_the_attempt_in_flight_and_catches_up(tiny_chat):
+    scripted = TokenByTokenClient(
+        tiny_chat.tokenizer, lambda call, request: "a fairly long reply, " * 8, step_s=0.005
+    )
+    async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+
+        async def attempt(delay_s: float) -> str:
+            await asyncio.sleep(delay_s)
+            stream = await agent.chat.completions.create(
+                model=MODEL, messages=[_user("hi")], stream=True, extra_headers={"Idempotency-Key": "same"}
+            )
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        first, joined = await asyncio.gather(attempt(0), attempt(0.1))
+        (turn,) = session.trace.turns
+    assert first == joined == turn.message["content"] and len(scripted.requests) == 1
