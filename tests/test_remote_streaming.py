@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 
 import aiohttp
@@ -113,3 +114,18 @@ async def test_bad_request_raises_naming_the_url(client):
     with pytest.raises(RemoteInferenceError, match="HTTP 400") as info:
         await anext(client.generate_stream(bad))
     assert info.value.status == 400 and "/v1/completions" in str(info.value)
+
+
+async def test_sse_parsing_takes_chunks_of_any_size_and_lines_of_any_length():
+    from rollflow.inference.streaming import iter_sse
+
+    big = {"choices": [{"token_ids": list(range(100_000))}]}  # a line far over aiohttp's readline limit
+    raw = b": comment\r\n\r\n" + b"data: " + json.dumps(big).encode() + b'\r\n\r\ndata: {"a": 1}\n\n'
+    raw += b'event: x\ndata: [DONE]\n\ndata: {"after": true}\n\n'
+
+    async def chunks(size: int):
+        for start in range(0, len(raw), size):
+            yield raw[start : start + size]
+
+    for size in (1, 7, 4096, len(raw)):
+        assert [event async for event in iter_sse(chunks(size))] == [big, {"a": 1}]

@@ -420,7 +420,7 @@ class RemoteInferenceClient:
         prompt_len = len(request.prompt_token_ids)
         finished = False
         try:
-            async for event in iter_sse(response.content):
+            async for event in iter_sse(response.content.iter_any()):
                 chunk = self._parse_stream_event(event, url, request, prompt_len)
                 finished = chunk.finish_reason is not None
                 yield chunk

@@ -88,21 +88,30 @@ class IncrementalDecoder:
         return self.text.update(self.decode(token_ids), final=True)
 
 
-async def iter_sse(lines: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    """The JSON payloads of an SSE byte stream, given line by line (``aiohttp``'s ``response.content``),
-    up to ``[DONE]``. Comments and fields other than ``data`` are skipped.
+async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+    """The JSON payloads of an SSE byte stream, given in chunks of any size (``aiohttp``'s
+    ``response.content.iter_any()``), up to ``[DONE]``. Comments and fields other than ``data`` are skipped.
+
+    Lines are split here rather than by ``aiohttp``'s ``readline``, which refuses lines over 128 KiB: a last
+    chunk with routed experts or many logprobs can be longer.
 
     Raises:
         ValueError: a ``data`` field that is not JSON.
     """
-    async for raw in lines:
-        line = raw.rstrip(b"\r\n")
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            return
-        try:
-            yield msgspec.json.decode(data)
-        except msgspec.DecodeError as error:
-            raise ValueError(f"malformed SSE data: {data[:200]!r}: {error}") from None
+    buffer = bytearray()
+    async for data in chunks:
+        searched = len(buffer)
+        buffer += data
+        while (end := buffer.find(b"\n", searched)) >= 0:
+            line = bytes(buffer[:end]).rstrip(b"\r")
+            del buffer[: end + 1]
+            searched = 0
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                return
+            try:
+                yield msgspec.json.decode(payload)
+            except msgspec.DecodeError as error:
+                raise ValueError(f"malformed SSE data: {payload[:200]!r}: {error}") from None

@@ -114,7 +114,10 @@ class TITOProxy:
         admin_token: enables the admin endpoints behind this bearer token.
         max_body_bytes: larger request bodies get 413.
         drain_timeout_s: how long ``close_session`` waits for requests in flight before cancelling them.
-        default_max_tokens, default_temperature: sampling when a request does not say.
+        default_max_tokens, default_temperature, default_top_p: sampling when a request does not say.
+        enforce_sampling: sample at ``default_temperature`` and ``default_top_p`` whatever a request asks
+            (training: the trainer's PPO ratio assumes them); overridden requests are counted in the trace's
+            ``stats.sampling_overridden``.
     """
 
     def __init__(
@@ -131,12 +134,20 @@ class TITOProxy:
         drain_timeout_s: float = 30.0,
         default_max_tokens: int = 1024,
         default_temperature: float = 1.0,
+        default_top_p: float = 1.0,
+        enforce_sampling: bool = False,
     ):
         # Swappable components.
         self.client = client
         self.renderer = renderer if isinstance(renderer, TITORenderer) else TITORenderer(renderer, tokenizer)
         # Fixed settings.
-        self.settings = TurnSettings(model_name, default_max_tokens, default_temperature)
+        self.settings = TurnSettings(
+            model_name,
+            default_max_tokens,
+            default_temperature,
+            default_top_p=default_top_p,
+            enforce_sampling=enforce_sampling,
+        )
         self.host = host
         self.port = port
         self.admin_token = admin_token
@@ -366,11 +377,13 @@ class TITOProxy:
         arrive, then the finish chunk (+ usage), [DONE].
 
         Text is sent once stable: each time, the tokens so far are parsed by the renderer and only what
-        extends the text already sent is sent (``TextDeltas``: a half-sampled UTF-8 character or trailing
-        whitespace waits). Tool calls come whole in the finish chunk: the renderer parses them from the whole
-        reply. The finish chunk also completes the text from the committed turn, so the concatenated deltas
-        equal the non-streamed message. A request refused before its first token is a JSON error; a client
-        that disconnects cancels the turn, which aborts the engine request.
+        extends the text already sent is sent (``TextDeltas``: a half-sampled UTF-8 character, and whitespace
+        at either end, which the parser strips from a finished reply, wait). Tool calls come whole in the
+        finish chunk: the renderer parses them from the whole reply, and partial tool-call JSON is of no use
+        to an agent. The finish chunk also completes the text from the committed turn, so the concatenated
+        deltas equal the non-streamed message (were a parser to re-read text already sent, as a late
+        reasoning end could, the difference is logged). A request refused before its first token is a JSON
+        error; a client that disconnects cancels the turn, which aborts the engine request.
         """
         tools = normalize_tools(chat.tools)
         woke = asyncio.Event()
@@ -614,6 +627,9 @@ async def serve_standalone(
             port=port,
             admin_token=admin_token or secrets.token_urlsafe(24),
             default_temperature=config.sampling.temperature,
+            default_top_p=config.sampling.top_p,
+            # Samples composed here train a policy at the run's settings unless [agent] says otherwise.
+            enforce_sampling=config.agent.enforce_sampling if config.agent is not None else True,
         )
         async with proxy:
             if ready is not None:
