@@ -50,6 +50,8 @@ def test_example_config_parses_and_its_task_and_agent_resolve(monkeypatch):
         ([*AGENT, "agent.max_seq_len=0"], ["agent.max_seq_len"]),
         ([*AGENT, "agent.max_concurrent=0"], ["agent.max_concurrent"]),
         ([*AGENT, "agent.timeout=3"], ["agent.timeout"]),
+        ([*AGENT, "agent.enforce_sampling='yes'"], ["agent.enforce_sampling"]),
+        ([*AGENT, "agent.enforce_sampling=1"], ["agent.enforce_sampling"]),
     ],
 )
 def test_agent_rules_name_the_fields(overrides, fields):
@@ -62,6 +64,8 @@ def test_agent_rules_name_the_fields(overrides, fields):
 def test_valid_agent_configs_and_json_round_trip(tmp_path):
     config = load_config([], AGENT)
     assert config.agent.mode == "per_branch" and config.agent.timeout_s > 0
+    assert config.agent.enforce_sampling is True
+    assert load_config([], [*AGENT, "agent.enforce_sampling=false"]).agent.enforce_sampling is False
     command = load_config([], ["agent.command='python agent.py'", "agent.max_seq_len=8", "agent.env={A='1'}"])
     assert command.agent.command == "python agent.py" and command.agent.env == {"A": "1"}
     saved = tmp_path / "config.json"

@@ -271,3 +271,32 @@ async def test_close_session_drains_then_cancels_stragglers(tiny_chat):
         assert trace.turns == [] and scripted.cancelled == 1
         with pytest.raises(openai.ConflictError, match="closed during the request"):
             await call
+
+
+@pytest.mark.parametrize("enforce", [True, False])
+async def test_the_runs_sampling_settings_win_when_enforced(tiny_chat, enforce):
+    """Training needs every token sampled at the run's temperature and top_p (the PPO ratio assumes them):
+    an agent's own are overridden and counted; with enforcement off they are honoured."""
+    scripted = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(
+        scripted,
+        tiny_chat.renderer,
+        tiny_chat.tokenizer,
+        model_name=MODEL,
+        default_temperature=0.9,
+        default_top_p=0.95,
+        enforce_sampling=enforce,
+    ) as proxy:
+        session = await proxy.open_session()
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key="unused") as client:
+            messages = [_user("hi")]
+            await client.chat.completions.create(model=MODEL, messages=messages)
+            await client.chat.completions.create(model=MODEL, messages=messages, temperature=0.9)
+            await client.chat.completions.create(model=MODEL, messages=messages, temperature=0.3, top_p=0.5)
+    asked = [(r.sampling.temperature, r.sampling.top_p) for r in scripted.requests]
+    if enforce:
+        assert asked == [(0.9, 0.95)] * 3
+        assert session.trace.stats.sampling_overridden == 1  # only the request that asked for others
+    else:
+        assert asked == [(0.9, 0.95), (0.9, 0.95), (0.3, 0.5)]
+        assert session.trace.stats.sampling_overridden == 0

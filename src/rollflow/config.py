@@ -233,6 +233,10 @@ class AgentConfig(Section):
     """Longest one trajectory may run; a timed-out trajectory is masked and counted as a timeout."""
     max_concurrent: Positive | None = None
     """Most trajectories running at once over all prompts (unset: no limit of its own)."""
+    enforce_sampling: bool = True
+    """Sample every agent request at ``sampling.temperature`` and ``sampling.top_p`` whatever it asks (the
+    trainer's PPO ratio assumes them); requests that asked otherwise are counted as
+    ``agent_sampling_overridden``. False honours the agent's own settings (e.g. generate-only evaluation)."""
 
 
 class RunConfig(Section):

@@ -16,8 +16,10 @@ its samples are masked as ``"timeout"``; an exception, a non-zero exit or a rewa
 masks them as ``"error"``. Either way the group goes on. Every trajectory contributes at least one sample (an
 empty masked one when the model was never called), so it is visible in the group and in the counts.
 
-The agent must not set ``temperature`` (the proxy applies ``sampling.temperature``, which the trainer's PPO
-ratio assumes). Pass ``task.seed`` (plus the turn number) as ``seed`` for reproducible sampling.
+Requests sample at ``sampling.temperature`` and ``sampling.top_p``, which the trainer's PPO ratio assumes:
+with ``agent.enforce_sampling`` (the default) an agent's own ``temperature`` or ``top_p`` is overridden and
+counted (``agent_sampling_overridden``). Pass ``task.seed`` (plus the turn number) as ``seed`` for
+reproducible sampling.
 """
 
 from __future__ import annotations
@@ -331,8 +333,9 @@ def _empty_sample(prompt_index: int, reason: str) -> TITOSample:
 def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
     """A group's counts, summed over its trajectories' ``trace_metrics``: ``agent_trajectories``,
     ``agent_turns``, ``agent_branches``, ``agent_bridged_turns``, ``agent_full_render_turns``,
-    ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``, ``agent_errors``,
-    ``agent_timeouts``, ``agent_masked_samples``, ``agent_overlong_samples``. All are counts, so a step's value
+    ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``,
+    ``agent_sampling_overridden``, ``agent_errors``, ``agent_timeouts``, ``agent_masked_samples``,
+    ``agent_overlong_samples``. All are counts, so a step's value
     is the sum over its groups."""
     totals: dict[str, float] = {"agent_trajectories": float(len(per_trajectory))}
     for metrics in per_trajectory:
@@ -370,6 +373,8 @@ async def build_agent_generator(
         model_name=config.model.path,
         default_max_tokens=config.sampling.max_tokens,
         default_temperature=config.sampling.temperature,
+        default_top_p=config.sampling.top_p,
+        enforce_sampling=settings.enforce_sampling,
     )
     async with proxy:
         yield AgentGenerator(

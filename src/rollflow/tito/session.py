@@ -39,6 +39,10 @@ class TurnSettings:
     default_temperature: float = 1.0
     # Engine aborts (a pause for a weight update) are continued from the partial tokens this many times.
     max_abort_resubmits: int = 8
+    default_top_p: float = 1.0
+    # Training: sample every request at the defaults whatever it asks, since the trainer's PPO ratio assumes
+    # the run's temperature and top_p; a request that asked otherwise is counted (sampling_overridden).
+    enforce_sampling: bool = False
 
 
 @dataclass(slots=True)
@@ -205,12 +209,29 @@ class Session:
             request_key=request_key,
         )
 
+    def _sampling(self, request: ChatCompletionRequest) -> tuple[float, float]:
+        """The temperature and top_p a request samples at: its own, or the defaults when it gives none or
+        when ``enforce_sampling`` is on (then a request that asked for others is counted)."""
+        settings = self._settings
+        defaults = (settings.default_temperature, settings.default_top_p)
+        asked = (request.temperature, request.top_p)
+        if settings.enforce_sampling:
+            if any(
+                value is not None and value != default for value, default in zip(asked, defaults, strict=True)
+            ):
+                self.trace.stats.sampling_overridden += 1
+            return defaults
+        return (
+            defaults[0] if asked[0] is None else asked[0],
+            defaults[1] if asked[1] is None else asked[1],
+        )
+
     async def _sample(
         self, prompt_ids: list[int], request: ChatCompletionRequest, entry: _InFlight
     ) -> Sampled:
         settings = self._settings
         max_tokens = request.max_completion_tokens or request.max_tokens or settings.default_max_tokens
-        temperature = settings.default_temperature if request.temperature is None else request.temperature
+        temperature, top_p = self._sampling(request)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -219,7 +240,7 @@ class Session:
             sampling = SamplingParams(
                 max_tokens=max_tokens - len(tokens),
                 temperature=temperature,
-                top_p=1.0 if request.top_p is None else request.top_p,
+                top_p=top_p,
                 seed=request.seed,
                 stop_token_ids=self._renderer.stop_token_ids,
             )

@@ -131,6 +131,8 @@ class TraceStats:
     context_exceeded: int = 0
     # Requests whose history was matched by following the previous turn (no walk of the tree).
     followed: int = 0
+    # Requests that asked for another temperature or top_p than the run's, sampled at the run's instead.
+    sampling_overridden: int = 0
 
 
 _BRIDGE_REASON = "the history extends a recorded sampled turn"
