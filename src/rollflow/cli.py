@@ -22,6 +22,17 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
+class _CurrentStderr:
+    """Writes to ``sys.stderr`` as it is at each line, not as it was when logging was configured: a notebook
+    or a test harness may swap (and close) the stream in between."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str) -> None:
     """Console rendering on a terminal, one JSON object per line otherwise; both on stderr."""
     renderer = (
@@ -38,7 +49,7 @@ def configure_logging(level: str) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=True,
     )
 
