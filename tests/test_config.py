@@ -162,7 +162,8 @@ def test_cli_bad_arguments_exit_2(tmp_path):
     assert rollflow_cli("fly", cwd=tmp_path).returncode == 2
 
 
-def test_weight_sync_strategy_must_fit_the_inference_mode():
+def test_weight_sync_strategy_must_fit_the_inference_mode(monkeypatch):
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)  # the first case is about the default mode
     with pytest.raises(ConfigError, match=r"weight_sync\.strategy = 'broadcast'.*inference\.mode = 'local'"):
         load_config([], ["weight_sync.strategy='broadcast'"])
     with pytest.raises(ConfigError, match=r"weight_sync\.strategy = 'local'.*inference\.mode = 'http'"):
