@@ -25,10 +25,9 @@ import statistics
 import tempfile
 import time
 
-import anyio
 import msgspec
 
-from rollflow import Orchestrator, load_config
+from rollflow import Orchestrator, eventloop, load_config
 from rollflow.inference.setup import get_inference_client
 
 
@@ -144,4 +143,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    # The loop `rollflow run` uses (uvloop when installed): the router and client share the trainer's process.
+    eventloop.run(main())
