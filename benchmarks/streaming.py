@@ -60,10 +60,21 @@ async def compare(layer: str, client, args: argparse.Namespace) -> None:
         for streamed in (False, True):
             result = await run_once(client, streamed, args.tokens, args.concurrency)
             results[streamed].append(result)
-            print(json.dumps({"layer": layer, "streamed": streamed, "repeat": repeat, **result}))
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "streaming",
+                        "layer": layer,
+                        "streamed": streamed,
+                        "repeat": repeat,
+                        **result,
+                    }
+                )
+            )
     whole = statistics.median(r["tokens_per_s"] for r in results[False])
     streamed = statistics.median(r["tokens_per_s"] for r in results[True])
     summary = {
+        "benchmark": "streaming",
         "layer": layer,
         "tokens": args.tokens,
         "concurrency": args.concurrency,
@@ -103,10 +114,21 @@ async def compare_tito(server: EngineServer, args: argparse.Namespace) -> None:
                 await proxy.close_session(session)
                 result = {"turn_s": elapsed, "first_content_s": first_s or elapsed}
                 results[streamed].append(result)
-                print(json.dumps({"layer": "tito", "streamed": streamed, "repeat": repeat, **result}))
+                print(
+                    json.dumps(
+                        {
+                            "benchmark": "streaming",
+                            "layer": "tito",
+                            "streamed": streamed,
+                            "repeat": repeat,
+                            **result,
+                        }
+                    )
+                )
     whole = statistics.median(r["turn_s"] for r in results[False])
     streamed = statistics.median(r["turn_s"] for r in results[True])
     summary = {
+        "benchmark": "streaming",
         "layer": "tito",
         "whole_turn_s": round(whole, 4),
         "streamed_turn_s": round(streamed, 4),
