@@ -37,6 +37,51 @@ DEFAULT_CONNECTION_LIMIT = 10_000
 # The router and servers answer 503 while paused in abort/wait mode; generate polls with this back-off
 # (capped) until resume, so a caller sees the same "wait while paused" as with in-process engines.
 _PAUSED_RETRY_S = (0.02, 0.5)
+
+
+class _DataRetry:
+    """The data plane's retry policy for one call: bounded retries with backoff on connection errors, and
+    waiting (backing off) while the servers answer 503 (paused, or no healthy server behind the router yet),
+    all within ``timeout_s``."""
+
+    def __init__(self, method: str, url: str, timeout_s: float, connect_retries: int):
+        self.method, self.url, self.timeout_s = method, url, timeout_s
+        self.connect_retries = connect_retries
+        self.deadline = time.monotonic() + timeout_s
+        self.connect_failures = 0
+        self.paused_wait = _PAUSED_RETRY_S[0]
+
+    def remaining(self) -> float:
+        """Seconds left for the next attempt.
+
+        Raises:
+            RemoteInferenceError: none are left.
+        """
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise RemoteInferenceError(
+                f"{self.method} {self.url} did not complete within request_timeout_s = {self.timeout_s} s",
+                url=self.url,
+            )
+        return remaining
+
+    async def after_connection_error(self, error: BaseException) -> None:
+        """Back off before the next attempt, or raise once the retries are spent."""
+        self.connect_failures += 1
+        if self.connect_failures > self.connect_retries:
+            raise RemoteInferenceError(
+                f"{self.method} {self.url} failed after {self.connect_failures} connection attempts: {error!r}",
+                url=self.url,
+            ) from error
+        delay = min(0.1 * 2**self.connect_failures, 2.0)
+        await asyncio.sleep(min(delay, max(self.deadline - time.monotonic(), 0)))
+
+    async def while_paused(self) -> None:
+        """Wait (doubling up to a cap) before asking a paused server again."""
+        await asyncio.sleep(min(self.paused_wait, max(self.deadline - time.monotonic(), 0)))
+        self.paused_wait = min(self.paused_wait * 2, _PAUSED_RETRY_S[1])
+
+
 _FINISH_REASONS = {reason.value: reason for reason in FinishReason}
 
 
@@ -255,32 +300,17 @@ class RemoteInferenceClient:
         within ``request_timeout_s`` overall."""
         url = f"{self.data_url}{path}"
         headers = {"X-Session-ID": session_id} if session_id else None
-        deadline = time.monotonic() + self.request_timeout_s
-        connect_failures = 0
-        paused_wait = _PAUSED_RETRY_S[0]
+        retry = _DataRetry(method, url, self.request_timeout_s, self.connect_retries)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RemoteInferenceError(
-                    f"{method} {url} did not complete within request_timeout_s = {self.request_timeout_s} s",
-                    url=url,
-                )
+            remaining = retry.remaining()
             try:
                 return await self._request(method, url, json=json, headers=headers, timeout_s=remaining)
             except aiohttp.ClientConnectionError as error:
-                connect_failures += 1
-                if connect_failures > self.connect_retries:
-                    raise RemoteInferenceError(
-                        f"{method} {url} failed after {connect_failures} connection attempts: {error!r}",
-                        url=url,
-                    ) from error
-                await asyncio.sleep(min(0.1 * 2**connect_failures, 2.0, max(remaining, 0)))
+                await retry.after_connection_error(error)
             except RemoteInferenceError as error:
                 if error.status != 503:
                     raise
-                # Paused (vLLM's ServiceUnavailableError) or no healthy server behind the router yet.
-                await asyncio.sleep(min(paused_wait, max(remaining, 0)))
-                paused_wait = min(paused_wait * 2, _PAUSED_RETRY_S[1])
+                await retry.while_paused()
 
     async def _fan_out(
         self,
@@ -440,29 +470,17 @@ class RemoteInferenceClient:
         """POST ``payload`` and return the response once it is a 200 (retrying like ``_data_call``)."""
         session = self._get_session()
         headers = {"X-Session-ID": session_id} if session_id else None
-        deadline = time.monotonic() + self.request_timeout_s
-        connect_failures = 0
-        paused_wait = _PAUSED_RETRY_S[0]
+        retry = _DataRetry("POST", url, self.request_timeout_s, self.connect_retries)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise RemoteInferenceError(
-                    f"POST {url} did not complete within request_timeout_s = {self.request_timeout_s} s",
-                    url=url,
-                )
+            remaining = retry.remaining()
             try:
                 response = await session.post(
                     url, json=payload, headers=headers, timeout=aiohttp.ClientTimeout(total=remaining)
                 )
             except TimeoutError:
-                continue  # the deadline check above raises
+                continue  # remaining() raises once the deadline has passed
             except aiohttp.ClientConnectionError as error:
-                connect_failures += 1
-                if connect_failures > self.connect_retries:
-                    raise RemoteInferenceError(
-                        f"POST {url} failed after {connect_failures} connection attempts: {error!r}", url=url
-                    ) from error
-                await asyncio.sleep(min(0.1 * 2**connect_failures, 2.0, max(remaining, 0)))
+                await retry.after_connection_error(error)
                 continue
             except aiohttp.ClientError as error:
                 raise RemoteInferenceError(f"POST {url} failed: {error!r}", url=url) from error
@@ -482,8 +500,7 @@ class RemoteInferenceClient:
                     status=response.status,
                     body=body,
                 )
-            await asyncio.sleep(min(paused_wait, max(remaining, 0)))
-            paused_wait = min(paused_wait * 2, _PAUSED_RETRY_S[1])
+            await retry.while_paused()
 
     def _parse_stream_event(
         self, event: Any, url: str, request: GenerateRequest, prompt_len: int
