@@ -130,16 +130,16 @@ async def test_quickstart_learns_inside_pytest_asyncio(tmp_path):
     assert statistics.fmean(rewards[-10:]) >= 0.9
 
 
-def server_children() -> list[int]:
-    """Pids of this process's child processes that run an inference server."""
+def server_children(command: bytes = b"serve") -> list[int]:
+    """Pids of this process's children that run ``rollflow serve`` (or another rollflow ``command``)."""
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ")
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and b"serve" in cmdline:
+        if int(fields[1]) == os.getpid() and command in argv:
             pids.append(int(stat.parent.name))
     return pids
 
@@ -162,4 +162,4 @@ async def test_a_server_dying_mid_run_does_not_stop_the_run(tmp_path, monkeypatc
         metrics = await orchestrator.run()
     assert [m["step"] for m in metrics] == [3, 4, 5]
     assert orchestrator.state.policy_version == 5
-    assert server_children() == []  # nothing left behind
+    assert server_children() == [] and server_children(b"router") == []  # nothing left behind

@@ -213,19 +213,21 @@ async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
 
     from .test_server_group import wait_dead
 
-    before = server_children()
+    before = server_children(), server_children("router")
     config = http_config(tmp_path, num_servers=1, max_batch_size=4)
     async with get_inference_client(config) as client:
         assert len(client.server_urls) == 1
         assert len((await client.generate(request(max_tokens=2))).token_ids) == 2
-        started = server_children() - before
-        assert len(started) == 1
-    assert (tmp_path / "run" / "logs" / "inference" / "server-0.log").stat().st_size > 0
-    assert wait_dead(list(started), timeout_s=1) == []
+        started = server_children() - before[0]
+        router = server_children("router") - before[1]
+        assert len(started) == 1 and len(router) == 1  # the router runs in a process of its own
+    for log_name in ("server-0.log", "router-0.log"):
+        assert (tmp_path / "run" / "logs" / "inference" / log_name).stat().st_size > 0
+    assert wait_dead([*started, *router], timeout_s=1) == []
 
 
-def server_children() -> set[int]:
-    """Pids of this process's ``rollflow serve`` children."""
+def server_children(command_name: str = "serve") -> set[int]:
+    """Pids of this process's ``rollflow serve`` (or ``rollflow router``) children."""
     pids = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -237,7 +239,8 @@ def server_children() -> set[int]:
                 command = cmdline.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"serve" in command and b"rollflow" in command:
+        argv = command.split(b"\0")
+        if ppid == os.getpid() and command_name.encode() in argv and b"rollflow" in argv:
             pids.add(int(entry))
     return pids
 

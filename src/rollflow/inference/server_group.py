@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, Self
 
 import aiohttp
 import anyio
@@ -37,7 +37,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RollflowError):
-    """An inference server exited or did not become ready in time; the message quotes its log's tail."""
+    """An inference server (or the router) exited or did not become ready in time; the message quotes its
+    log's tail."""
 
 
 def build_torch_server_command(
@@ -177,63 +178,55 @@ class _Server:
         self.url: str | None = None
 
 
-class ServerGroup:
-    """Starts ``num_servers`` inference servers as subprocesses and stops them all.
+class ProcessGroup:
+    """Local subprocesses started together and never left behind: each in its own process group, its output
+    in ``{log_dir}/{kind}-{i}.log``, ready when it prints a JSON ready line (or, for a port chosen here, when
+    ``GET /health`` answers 200). Subclasses say what to run (``_command``).
 
-    Args:
-        model: model path or name (``rollflow:tiny`` for the built-in tiny model).
-        num_servers: servers to start.
-        log_dir: each server's stdout and stderr go to ``{log_dir}/server-{i}.log``.
-        engine: ``torch`` (``rollflow serve``) or ``vllm`` (``vllm serve``; needs ``rollflow[vllm]`` and GPUs).
-        host: interface the servers bind.
-        startup_timeout_s: longest the group may take to become ready.
-        stop_grace_s: time between SIGTERM and SIGKILL at teardown.
-        env: extra environment variables for every server.
-        server_options: keyword arguments of ``build_torch_server_command`` or ``build_vllm_server_command``
-            (e.g. ``max_model_len``, ``tensor_parallel_size``, ``colocate``), besides model, host and port.
-
-    Use ``async with ServerGroup(...) as group:`` (``group.urls`` lists the servers), or ``start``/``stop``.
+    Use ``async with`` (``.urls`` lists the processes' base URLs), or ``start``/``stop``.
     """
+
+    kind = "process"
 
     def __init__(
         self,
-        model: str,
-        num_servers: int,
+        count: int,
         log_dir: str | os.PathLike[str],
         *,
-        engine: EngineKind = "torch",
         host: str = "127.0.0.1",
         startup_timeout_s: float = 300.0,
         stop_grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
-        server_options: Mapping[str, Any] | None = None,
     ):
-        if num_servers < 1:
-            raise ValueError(f"num_servers must be >= 1, got {num_servers}")
-        if engine not in ("torch", "vllm"):
-            raise ValueError(f"engine must be 'torch' or 'vllm', got {engine!r}")
-        self.model = model
-        self.num_servers = num_servers
+        if count < 1:
+            raise ValueError(f"num_servers must be >= 1, got {count}")
+        self.count = count
         self.log_dir = Path(log_dir)
-        self.engine = engine
         self.host = host
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.env = dict(env or {})
-        self.server_options = dict(server_options or {})
         self._servers: list[_Server] = []
+
+    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
+        """``(argv, env, port)`` of one process: ``env`` is added to this process's environment; ``port`` is
+        None when the process prints its own ready line, else the port to poll ``/health`` on."""
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        return f"{self.count} {self.kind}(s)"
 
     @property
     def urls(self) -> list[str]:
-        """Base URLs of the running servers, in start order."""
+        """Base URLs of the running processes, in start order."""
         return [server.url for server in self._servers if server.url is not None]
 
     @property
     def pids(self) -> list[int]:
-        """Process ids of the servers (each leads its own process group)."""
+        """Process ids of the processes (each leads its own process group)."""
         return [server.process.pid for server in self._servers if server.process is not None]
 
-    async def __aenter__(self) -> ServerGroup:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -253,44 +246,26 @@ class ServerGroup:
         if self._servers:
             raise RuntimeError("ServerGroup.start called twice")
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._servers = [_Server(i, self.log_dir / f"server-{i}.log") for i in range(self.num_servers)]
+        self._servers = [_Server(i, self.log_dir / f"{self.kind}-{i}.log") for i in range(self.count)]
         try:
             async with asyncio.timeout(self.startup_timeout_s):
                 await asyncio.gather(*(self._start_one(server) for server in self._servers))
         except TimeoutError:
             await self._stop_shielded()
             raise ServerStartError(
-                f"{self.num_servers} {self.engine} server(s) not ready within startup_timeout_s = "
+                f"{self._describe()} not ready within startup_timeout_s = "
                 f"{self.startup_timeout_s} s; logs in {self.log_dir}"
                 + "".join(self._log_tail(server) for server in self._servers if server.url is None)
             ) from None
         except BaseException:
             await self._stop_shielded()
             raise
-        log.info("inference servers ready", engine=self.engine, urls=self.urls, log_dir=str(self.log_dir))
+        log.info(f"{self.kind}s ready", what=self._describe(), urls=self.urls, log_dir=str(self.log_dir))
         return self.urls
 
     async def _start_one(self, server: _Server) -> None:
-        env = {**os.environ, **self.env}
-        if self.engine == "torch":
-            port = 0
-            command, server_env = build_torch_server_command(
-                self.model, host=self.host, port=0, **self.server_options
-            )
-        else:
-            from shutil import which
-
-            from rollflow.errors import MissingExtraError
-
-            if which("vllm") is None:
-                raise MissingExtraError(
-                    "inference.engine = 'vllm' needs vLLM: pip install 'rollflow[vllm]' (on a GPU machine)"
-                )
-            port = free_port(self.host)
-            command, server_env = build_vllm_server_command(
-                self.model, host=self.host, port=port, **self.server_options
-            )
-        env.update(server_env)
+        command, process_env, port = self._command()
+        env = {**os.environ, **self.env, **process_env}
         server.log_file = open(server.log_path, "ab")  # noqa: SIM115 - closed in stop()
         server.log_file.write(f"$ {' '.join(command)}\n".encode())
         server.log_file.flush()
@@ -305,13 +280,13 @@ class ServerGroup:
         )
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         server.pump = asyncio.create_task(self._pump_stdout(server, ready))
-        if self.engine == "torch":
+        if port is None:
             wait_exit = asyncio.ensure_future(server.process.wait())
             done, _ = await asyncio.wait({ready, wait_exit}, return_when=asyncio.FIRST_COMPLETED)
             wait_exit.cancel()
             if ready not in done:
                 raise ServerStartError(
-                    f"server {server.index} exited with code {server.process.returncode} before it was ready"
+                    f"{self.kind} {server.index} exited with code {server.process.returncode} before it was ready"
                     + self._log_tail(server)
                 )
             server.url = ready.result()
@@ -338,8 +313,8 @@ class ServerGroup:
             while True:
                 if server.process.returncode is not None:
                     raise ServerStartError(
-                        f"server {server.index} exited with code {server.process.returncode} before it was "
-                        "ready" + self._log_tail(server)
+                        f"{self.kind} {server.index} exited with code {server.process.returncode} before it "
+                        "was ready" + self._log_tail(server)
                     )
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     async with session.get(
@@ -373,7 +348,7 @@ class ServerGroup:
             try:
                 await asyncio.wait_for(process.wait(), max(deadline - time.monotonic(), 0.01))
             except TimeoutError:
-                log.warning("server ignored SIGTERM; killing it", pid=process.pid, index=server.index)
+                log.warning(f"{self.kind} ignored SIGTERM; killing it", pid=process.pid, index=server.index)
             # SIGKILL the group even after a clean exit: children the server left behind die with it.
             _signal_group(process, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
@@ -386,6 +361,76 @@ class ServerGroup:
             if server.log_file is not None:
                 server.log_file.close()
         self._servers = []
+
+
+class ServerGroup(ProcessGroup):
+    """Starts ``num_servers`` inference servers as subprocesses and stops them all.
+
+    Args:
+        model: model path or name (``rollflow:tiny`` for the built-in tiny model).
+        num_servers: servers to start.
+        log_dir: each server's stdout and stderr go to ``{log_dir}/server-{i}.log``.
+        engine: ``torch`` (``rollflow serve``) or ``vllm`` (``vllm serve``; needs ``rollflow[vllm]`` and GPUs).
+        host: interface the servers bind.
+        startup_timeout_s: longest the group may take to become ready.
+        stop_grace_s: time between SIGTERM and SIGKILL at teardown.
+        env: extra environment variables for every server.
+        server_options: keyword arguments of ``build_torch_server_command`` or ``build_vllm_server_command``
+            (e.g. ``max_model_len``, ``tensor_parallel_size``, ``colocate``), besides model, host and port.
+
+    Use ``async with ServerGroup(...) as group:`` (``group.urls`` lists the servers), or ``start``/``stop``.
+    """
+
+    kind = "server"
+
+    def __init__(
+        self,
+        model: str,
+        num_servers: int,
+        log_dir: str | os.PathLike[str],
+        *,
+        engine: EngineKind = "torch",
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 300.0,
+        stop_grace_s: float = 10.0,
+        env: Mapping[str, str] | None = None,
+        server_options: Mapping[str, Any] | None = None,
+    ):
+        if engine not in ("torch", "vllm"):
+            raise ValueError(f"engine must be 'torch' or 'vllm', got {engine!r}")
+        super().__init__(
+            num_servers,
+            log_dir,
+            host=host,
+            startup_timeout_s=startup_timeout_s,
+            stop_grace_s=stop_grace_s,
+            env=env,
+        )
+        self.model = model
+        self.num_servers = num_servers
+        self.engine = engine
+        self.server_options = dict(server_options or {})
+
+    def _describe(self) -> str:
+        return f"{self.num_servers} {self.engine} server(s)"
+
+    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
+        if self.engine == "torch":
+            command, env = build_torch_server_command(
+                self.model, host=self.host, port=0, **self.server_options
+            )
+            return command, env, None
+        from shutil import which
+
+        from rollflow.errors import MissingExtraError
+
+        if which("vllm") is None:
+            raise MissingExtraError(
+                "inference.engine = 'vllm' needs vLLM: pip install 'rollflow[vllm]' (on a GPU machine)"
+            )
+        port = free_port(self.host)
+        command, env = build_vllm_server_command(self.model, host=self.host, port=port, **self.server_options)
+        return command, env, port
 
 
 def _signal_group(process: asyncio.subprocess.Process, sig: int) -> None:

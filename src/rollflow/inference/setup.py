@@ -14,9 +14,10 @@ set                        –                      nothing; the proxy is data p
 set                        set                    nothing (fully external)
 =========================  =====================  ======================================================
 
-The router listens on 127.0.0.1:``router_port`` in this process. With an API key (``inference.api_key`` or
-``$ROLLFLOW_API_KEY``) the servers and router rollflow starts require it, and the client sends it everywhere. Servers' logs go to
-``{run_dir}/logs/inference/server-{i}.log``.
+The router runs as ``rollflow router`` in its own process (``RouterProcess``: its HTTP work stays off the
+trainer's interpreter lock), listening on 127.0.0.1:``router_port``. With an API key (``inference.api_key``
+or ``$ROLLFLOW_API_KEY``) the servers and router rollflow starts require it, and the client sends it
+everywhere. Logs go to ``{run_dir}/logs/inference/server-{i}.log`` and ``router-0.log``.
 """
 
 from __future__ import annotations
@@ -68,12 +69,13 @@ async def get_inference_client(
 
     Raises:
         ServerStartError: a server did not become ready within ``inference.startup_timeout_s``.
-        OSError: the router port is taken (set ``inference.router_port = 0`` for a free one).
+        ServerStartError: also when the router could not listen (``inference.router_port`` taken: set it to
+            0 for a free one).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
     """
     from rollflow.config import resolve_api_key
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.router import InferenceRouter
+    from rollflow.inference.router_process import RouterProcess
     from rollflow.inference.server_group import ServerGroup
 
     inference = config.inference
@@ -111,12 +113,14 @@ async def get_inference_client(
             await stack.enter_async_context(group)
             server_urls = group.urls
         if proxy_url is None:
-            router = InferenceRouter(
+            router = RouterProcess(
                 server_urls,
+                run_dir / "logs" / "inference",
                 port=inference.router_port,
                 health_check_interval_s=inference.health_check_interval_s,
                 request_timeout_s=inference.request_timeout_s,
                 api_key=api_key,
+                startup_timeout_s=inference.startup_timeout_s,
             )
             await stack.enter_async_context(router)
             assert router.url is not None

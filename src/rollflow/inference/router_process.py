@@ -1,0 +1,83 @@
+"""``RouterProcess``: the router rollflow starts for its own servers, run as ``rollflow router`` in a subprocess.
+
+The router handles every generation request twice (in from the client, out to a server). In the trainer's
+process that work would hold the interpreter lock the training thread needs between its kernels, slowing
+the step that generation is supposed to overlap with; in its own process it only takes a share of a core.
+It is started, logged (``{log_dir}/router-0.log``) and torn down like the engine servers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from rollflow.inference.server_group import ProcessGroup
+
+
+class RouterProcess(ProcessGroup):
+    """``rollflow router`` over ``server_urls`` in its own process; ``url`` is where it listens.
+
+    Args:
+        server_urls: the inference servers to route to.
+        log_dir: the router's output goes to ``{log_dir}/router-0.log``.
+        host, port: where it listens; port 0 picks a free one.
+        health_check_interval_s, request_timeout_s: as for ``InferenceRouter``.
+        api_key: required on every path but ``/health`` and ``/metrics`` and sent to the servers; it reaches
+            the router through its environment, never its command line.
+    """
+
+    kind = "router"
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        log_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        health_check_interval_s: float = 2.0,
+        request_timeout_s: float = 600.0,
+        api_key: str | None = None,
+        startup_timeout_s: float = 60.0,
+        stop_grace_s: float = 10.0,
+    ):
+        if not server_urls:
+            raise ValueError("RouterProcess needs at least one server URL")
+        super().__init__(
+            1, log_dir, host=host, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s
+        )
+        self.server_urls = list(server_urls)
+        self.port = port
+        self.health_check_interval_s = health_check_interval_s
+        self.request_timeout_s = request_timeout_s
+        self.api_key = api_key
+
+    @property
+    def url(self) -> str | None:
+        """The router's base URL once it is ready."""
+        return self.urls[0] if self.urls else None
+
+    def _describe(self) -> str:
+        return f"the router on {self.host}:{self.port}"
+
+    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
+        command = [
+            sys.executable,
+            "-m",
+            "rollflow",
+            "router",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--health-check-interval-s",
+            str(self.health_check_interval_s),
+            "--request-timeout-s",
+            str(self.request_timeout_s),
+        ]
+        for url in self.server_urls:
+            command += ["--server", url]
+        # Always set, so a key in this process's environment does not reach a router started without one.
+        env = {"ROLLFLOW_API_KEY": self.api_key or ""}
+        return command, env, None
