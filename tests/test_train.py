@@ -321,6 +321,23 @@ def test_logprob_mismatch_counts_only_tokens_of_the_trained_version(model):
     assert stale_only["logprob_mismatch_tokens"] == 0 and math.isnan(stale_only["logprob_mismatch"])
 
 
+def test_logprob_mismatch_leaves_out_samples_that_span_versions(model):
+    """A sample that crossed a ``keep`` barrier has tokens of the trained version computed over an older
+    version's keys and values: no forward of the trained weights reproduces them, so the whole sample is
+    left out of the numerical check."""
+    batch = make_batch(model)
+    samples = batch.samples
+    spanning = samples[0]
+    half = len(spanning.completion_token_ids) // 2
+    spanning.policy_versions = [3] * half + [4] * (len(spanning.completion_token_ids) - half)
+    spanning.logprobs = [value - 0.5 for value in spanning.logprobs]  # off for the trained weights
+    for sample in samples[1:]:
+        sample.policy_versions = [4] * len(sample.completion_token_ids)
+    metrics = make_trainer(model).train_step(batch, policy_version=4).metrics
+    assert metrics["logprob_mismatch_tokens"] == sum(len(s.completion_token_ids) for s in samples[1:])
+    assert metrics["logprob_mismatch"] < 1e-4
+
+
 def test_micro_batching_gives_the_same_update(base_model):
     batch = make_batch(base_model, groups=3, group_size=4)
     results = []

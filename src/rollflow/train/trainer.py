@@ -242,7 +242,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
 
         metrics.update({name: float(value) for name, value in totals.items()})
-        # Engine-vs-trainer mismatch is a numerical check: only tokens sampled by these very weights count.
+        # Engine-vs-trainer mismatch is a numerical check: only samples wholly sampled by these weights count.
         onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
         mismatch_sum = metrics.pop("logprob_mismatch_sum")
         metrics["logprob_mismatch"] = mismatch_sum / onpolicy_tokens if onpolicy_tokens else math.nan
@@ -324,10 +324,13 @@ class Trainer:
         result.loss.backward()
 
         with torch.no_grad():
-            # Both measured on this forward pass, i.e. before the step's update.
-            on_policy = (
-                mask if policy_version is None else mask & (micro_batch.token_versions == policy_version)
-            )
+            # Both measured on this forward pass, i.e. before the step's update. The mismatch counts only
+            # samples these very weights sampled throughout: a token sampled after a ``keep`` barrier was
+            # computed over keys and values of the older weights, which no forward of these reproduces.
+            on_policy = mask
+            if policy_version is not None:
+                other_version = mask & (micro_batch.token_versions != policy_version)
+                on_policy = mask & ~other_version.any(dim=1, keepdim=True)
             mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[on_policy].abs()
             entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
             shares = {
