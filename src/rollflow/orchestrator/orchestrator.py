@@ -353,7 +353,12 @@ class Orchestrator:
         groups: list[ScoredGroup] = []
         dropped = 0
         while len(groups) < self.config.orchestrator.prompts_per_step:
-            group = await results.receive()
+            try:
+                # Groups already waiting are taken without yielding to the loop, where HTTP callbacks of
+                # generation in flight would run first and delay the trainer.
+                group = results.receive_nowait()
+            except anyio.WouldBlock:
+                group = await results.receive()
             # Only trained samples can be stale (masked ones, e.g. a failed agent, may hold no tokens).
             oldest = min((s.min_policy_version for s in group.samples if not s.masked), default=None)
             if oldest is None or self.schedule.is_within_bound(oldest):
