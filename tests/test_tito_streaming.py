@@ -325,3 +325,33 @@ async def test_a_streamed_retry_joins_the_attempt_in_flight_and_catches_up(tiny_
         first, joined = await asyncio.gather(attempt(0), attempt(0.1))
         (turn,) = session.trace.turns
     assert first == joined == turn.message["content"] and len(scripted.requests) == 1
+
+
+async def test_a_streamed_reply_that_differs_from_the_record_is_counted(tiny_chat):
+    """Were a parser to re-read text it already gave (say, a late end of reasoning), the agent's streamed
+    copy would differ from the recorded message: such turns are counted, not only logged."""
+    import dataclasses
+
+    scripted = TokenByTokenClient(tiny_chat.tokenizer, lambda call, request: f"answer number {call} here")
+    async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+
+        async def ask() -> str:
+            stream = await agent.chat.completions.create(model=MODEL, messages=[_user("hi")], stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        assert await ask() == session.trace.turns[-1].message["content"]
+        assert session.trace.stats.streams_diverged == 0
+
+        parse, stop = proxy.renderer.parse, scripted.stop_token_id
+
+        def rereading_parse(completion_ids, tools, prompt_ids):
+            parsed = parse(completion_ids, tools, prompt_ids)
+            if completion_ids and completion_ids[-1] != stop:  # mid-reply: text the end will not keep
+                parsed = dataclasses.replace(parsed, content="draft: " + parsed.content)
+            return parsed
+
+        proxy.renderer.parse = rereading_parse
+        assert (await ask()).startswith("draft: ")
+        assert session.trace.stats.streams_diverged == 1

@@ -334,9 +334,9 @@ def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
     """A group's counts, summed over its trajectories' ``trace_metrics``: ``agent_trajectories``,
     ``agent_turns``, ``agent_branches``, ``agent_bridged_turns``, ``agent_full_render_turns``,
     ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``,
-    ``agent_sampling_overridden``, ``agent_errors``, ``agent_timeouts``, ``agent_masked_samples``,
-    ``agent_overlong_samples``. All are counts, so a step's value
-    is the sum over its groups."""
+    ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_errors``, ``agent_timeouts``,
+    ``agent_masked_samples``, ``agent_overlong_samples``. All are counts, so a step's value is the sum over
+    its groups."""
     totals: dict[str, float] = {"agent_trajectories": float(len(per_trajectory))}
     for metrics in per_trajectory:
         for key, value in metrics.items():

@@ -382,7 +382,7 @@ class TITOProxy:
         finish chunk: the renderer parses them from the whole reply, and partial tool-call JSON is of no use
         to an agent. The finish chunk also completes the text from the committed turn, so the concatenated
         deltas equal the non-streamed message (were a parser to re-read text already sent, as a late
-        reasoning end could, the difference is logged). A request refused before its first token is a JSON
+        reasoning end could, the difference is logged and counted in ``stats.streams_diverged``). A request refused before its first token is a JSON
         error; a client that disconnects cancels the turn, which aborts the engine request.
         """
         tools = normalize_tools(chat.tools)
@@ -422,7 +422,8 @@ class TITOProxy:
             except TraceSealedError as error:
                 await response.write(sse_event(RequestError(str(error), code="session_closed").body()))
             else:
-                await stream.finish(response, turn)
+                if await stream.finish(response, turn):
+                    session.trace.stats.streams_diverged += 1
             await response.write(SSE_DONE)
             await response.write_eof()
             return response
@@ -560,13 +561,15 @@ class _TurnStream:
                 self._chunk(delta, logprobs=self._logprobs(progress.token_ids, progress.logprobs))
             )
 
-    async def finish(self, response: web.StreamResponse, turn: Turn) -> None:
-        """The rest of the committed turn's text, its tool calls and finish reason (+ usage)."""
+    async def finish(self, response: web.StreamResponse, turn: Turn) -> bool:
+        """The rest of the committed turn's text, its tool calls and finish reason (+ usage). Returns whether
+        the text streamed differs from the recorded message (a parser re-read text already sent)."""
         completion = self.proxy._completion(self.chat, turn)
         message = completion.choices[0].message
         reasoning = self.reasoning.update(message.reasoning_content or "", final=True)
         content = self.content.update(message.content or "", final=True)
-        if self.content.diverged or self.reasoning.diverged:
+        diverged = self.content.diverged or self.reasoning.diverged
+        if diverged:
             # A parser re-read text already sent (e.g. a late reasoning end): the agent's copy differs.
             log.warning("streamed text differs from the recorded message", response_id=self.response_id)
         calls = [
@@ -583,6 +586,7 @@ class _TurnStream:
             usage = ChatCompletionChunk(self.response_id, self.created, model, [], completion.usage)
             parts.append(sse_event(usage))
         await response.write(b"".join(parts))
+        return diverged
 
     async def send_whole(self, request: web.Request, turn: Turn) -> web.StreamResponse:
         """A turn already sampled (a replayed retry, a client without streaming): every chunk at once."""

@@ -133,6 +133,8 @@ class TraceStats:
     followed: int = 0
     # Requests that asked for another temperature or top_p than the run's, sampled at the run's instead.
     sampling_overridden: int = 0
+    # Streamed replies whose deltas differ from the recorded message (a parser re-read text already sent).
+    streams_diverged: int = 0
 
 
 _BRIDGE_REASON = "the history extends a recorded sampled turn"
