@@ -28,7 +28,7 @@ from rollflow.errors import RollflowError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
 from rollflow.inference.routed_experts import unpack_routed_experts
 from rollflow.inference.streaming import iter_sse
-from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest
+from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +37,24 @@ DEFAULT_CONNECTION_LIMIT = 10_000
 # The router and servers answer 503 while paused in abort/wait mode; generate polls with this back-off
 # (capped) until resume, so a caller sees the same "wait while paused" as with in-process engines.
 _PAUSED_RETRY_S = (0.02, 0.5)
+
+
+def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """vLLM sampling fields of ``params``, with logprobs of the sampled tokens; like in-process engines, the
+    request stops only on its ``stop_token_ids`` (callers add eos there)."""
+    fields: dict[str, Any] = {
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
+    if params.seed is not None:
+        fields["seed"] = params.seed
+    if params.stop_token_ids:
+        fields["stop_token_ids"] = list(params.stop_token_ids)
+    return fields
 
 
 class _DataRetry:
@@ -384,32 +402,23 @@ class RemoteInferenceClient:
             RemoteInferenceError: the server rejected the request (4xx, with its message), or it failed after
                 the bounded connection retries, or ``request_timeout_s`` passed.
         """
-        params = request.sampling
-        sampling: dict[str, Any] = {
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "logprobs": 0,
-            "detokenize": False,
-            # Like in-process engines, stop only on the request's stop_token_ids (callers add eos there).
-            "ignore_eos": True,
-        }
-        if params.seed is not None:
-            sampling["seed"] = params.seed
-        if params.stop_token_ids:
-            sampling["stop_token_ids"] = list(params.stop_token_ids)
-        payload: dict[str, Any] = {"token_ids": request.prompt_token_ids, "sampling_params": sampling}
-        if request.request_id:
-            payload["request_id"] = request.request_id
-        if self.model is not None:
-            payload["model"] = self.model
-        if request.session_id:
-            payload["session_id"] = request.session_id
+        sampling = {**_sampling_fields(request.sampling), "detokenize": False}
+        payload = {"token_ids": request.prompt_token_ids, "sampling_params": sampling, **self._ids(request)}
         body = await self._data_call(
             "POST", "/inference/v1/generate", json=payload, session_id=request.session_id
         )
         return self._parse_generate(body, request)
+
+    def _ids(self, request: GenerateRequest) -> dict[str, Any]:
+        """The request's id, session and the served model name, where set."""
+        ids: dict[str, Any] = {}
+        if request.request_id:
+            ids["request_id"] = request.request_id
+        if self.model is not None:
+            ids["model"] = self.model
+        if request.session_id:
+            ids["session_id"] = request.session_id
+        return ids
 
     async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Generate through ``/v1/completions`` with ``stream: true`` (token ids in, ``return_token_ids``
@@ -423,28 +432,13 @@ class RemoteInferenceClient:
         Raises:
             RemoteInferenceError: as ``generate``; also a stream that breaks off or reports an error.
         """
-        params = request.sampling
-        payload: dict[str, Any] = {
+        payload = {
             "prompt": request.prompt_token_ids,
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "top_k": params.top_k,
-            "logprobs": 0,
-            "ignore_eos": True,  # as in generate: stop only on the request's stop_token_ids
+            **_sampling_fields(request.sampling),
             "return_token_ids": True,
             "stream": True,
+            **self._ids(request),
         }
-        if params.seed is not None:
-            payload["seed"] = params.seed
-        if params.stop_token_ids:
-            payload["stop_token_ids"] = list(params.stop_token_ids)
-        if request.request_id:
-            payload["request_id"] = request.request_id
-        if self.model is not None:
-            payload["model"] = self.model
-        if request.session_id:
-            payload["session_id"] = request.session_id
         url = f"{self.data_url}/v1/completions"
         response = await self._open_stream(url, payload, request.session_id)
         prompt_len = len(request.prompt_token_ids)
