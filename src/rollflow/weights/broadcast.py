@@ -401,6 +401,42 @@ async def run_with_http(what: str, collective: Callable[[], None], http_call: An
         raise
 
 
+async def run_update_round(
+    sender: WeightSender,
+    client: Any,
+    how: str,
+    collective: Callable[[], None],
+    update_info: dict[str, Any],
+    policy_version: int,
+    timeout_s: float,
+) -> None:
+    """One update of a collective transfer: ``/start_weight_update``, then ``/update_weights`` together with
+    the trainer's side of the ``collective``, then ``/finish_weight_update`` labelling ``policy_version``; all
+    within ``timeout_s``. Any failure marks ``sender`` broken: the group may be mid-bucket.
+
+    Raises:
+        WeightTransferTimeoutError: the round took longer than ``timeout_s``.
+    """
+    try:
+        with anyio.fail_after(timeout_s):
+            await client.start_weight_update()
+            await run_with_http(
+                f"broadcasting weights ({how})",
+                collective,
+                client.update_named_weights(update_info),
+                timeout_s,
+            )
+            await client.finish_weight_update(weight_version=policy_version)
+    except TimeoutError as exc:
+        sender.broken = f"policy version {policy_version} timed out mid-transfer"
+        raise WeightTransferTimeoutError(
+            f"pushing policy version {policy_version} by {how} took longer than {timeout_s:g} s"
+        ) from exc
+    except BaseException as exc:
+        sender.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+        raise
+
+
 class BroadcastSender(WeightSender):
     """Trainer side of ``broadcast``: rank 0 of the group, and host of its store."""
 
@@ -448,24 +484,15 @@ class BroadcastSender(WeightSender):
         tensors = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
         specs = specs_of(tensors)
         update_info = {**specs_to_info(specs), "policy_version": policy_version}
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await client.start_weight_update()
-                await run_with_http(
-                    "broadcasting weights",
-                    lambda: group.run(lambda pg: self._broadcast(pg, tensors, specs)),
-                    client.update_named_weights(update_info),
-                    self.timeout_s,
-                )
-                await client.finish_weight_update(weight_version=policy_version)
-        except TimeoutError as exc:
-            self.broken = f"policy version {policy_version} timed out mid-transfer"
-            raise WeightTransferTimeoutError(
-                f"pushing policy version {policy_version} by broadcast took longer than {self.timeout_s:g} s"
-            ) from exc
-        except BaseException as exc:
-            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-            raise
+        await run_update_round(
+            self,
+            client,
+            "broadcast",
+            lambda: group.run(lambda pg: self._broadcast(pg, tensors, specs)),
+            update_info,
+            policy_version,
+            self.timeout_s,
+        )
 
     def _broadcast(
         self, group: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]

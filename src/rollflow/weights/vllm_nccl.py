@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import structlog
 import torch
 
@@ -26,10 +25,9 @@ from rollflow.errors import MissingExtraError
 from rollflow.weights.base import (
     WeightSender,
     WeightTransferError,
-    WeightTransferTimeoutError,
     server_init_infos,
 )
-from rollflow.weights.broadcast import TRAINER_RANK, check_world_size, run_with_http
+from rollflow.weights.broadcast import TRAINER_RANK, check_world_size, run_update_round, run_with_http
 from rollflow.weights.packing import dtype_name
 
 log = structlog.get_logger(__name__)
@@ -159,25 +157,16 @@ class VllmNcclSender(WeightSender):
         named = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
         buffer_size = int(self.init_info["packed_buffer_size_bytes"])
         num_buffers = int(self.init_info["packed_num_buffers"])
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await client.start_weight_update()
-                await run_with_http(
-                    "broadcasting weights to vLLM",
-                    lambda: api.send(named, group, buffer_size, num_buffers),
-                    client.update_named_weights(vllm_update_info(named)),
-                    self.timeout_s,
-                )
-                # vLLM labels the weights with weight_version; the update_info has no field for it.
-                await client.finish_weight_update(weight_version=policy_version)
-        except TimeoutError as exc:
-            self.broken = f"policy version {policy_version} timed out mid-transfer"
-            raise WeightTransferTimeoutError(
-                f"pushing policy version {policy_version} to vLLM took longer than {self.timeout_s:g} s"
-            ) from exc
-        except BaseException as exc:
-            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-            raise
+        # vLLM labels the weights with finish's weight_version; its update_info has no field for it.
+        await run_update_round(
+            self,
+            client,
+            "vLLM NCCL broadcast",
+            lambda: api.send(named, group, buffer_size, num_buffers),
+            vllm_update_info(named),
+            policy_version,
+            self.timeout_s,
+        )
 
     def close(self) -> None:
         # PyNccl has no explicit teardown; dropping the communicator releases it (as vLLM's own shutdown).
