@@ -1,11 +1,14 @@
 """Wall-clock speed-up of ``fully_async`` over ``sync`` on one workload with long-tailed response lengths.
 
-Engine servers run in their own processes (``inference.mode = "http"``, ``--servers`` behind the router, which
-runs in a process of its own); the trainer runs in a worker thread of this process, so generation and
-training can overlap on the two cores. The default is one server: each stage then has a core of its own in
-both modes, so the bound below is physically reachable. With two servers generation alone fills both cores in
-the sync run, and the trainer's core in the async run is taken from it: the bound, which assumes each stage
-keeps its sync speed, then overstates what two cores can do.
+Engine servers run in their own processes (``inference.mode = "http"``; with ``--servers`` above one, behind
+a router in a process of its own). The trainer runs in a process of its own (``trainer.placement``,
+``--placement thread`` for a worker thread of this process), so generation and training overlap on the two
+cores without sharing an interpreter lock. The servers run ``--niceness`` below the trainer's CPU priority
+(``inference.niceness``): generation is the stage with slack, and its frequent wake-ups would otherwise
+preempt training steps. The default is one server: each stage then has a core of its own in both modes, so
+the bound below is physically reachable. With two servers generation alone fills both cores in the sync
+run, and the trainer's core in the async run is taken from it: the bound, which assumes each stage keeps its
+sync speed, then overstates what two cores can do.
 Response lengths are long-tailed: each request's ``max_tokens`` is drawn from a Pareto distribution (the tiny
 random model rarely stops early, so the budget is the length).
 
@@ -16,7 +19,8 @@ the last ``--steps`` (steady state: the async pipeline is full when the clock st
 ``--repeats`` times, since the machine is shared and noisy; the summary line gives the medians and each
 repeat's fraction of the bound. Prints one JSON line per run and one summary line.
 
-    python benchmarks/async_speedup.py [--steps 12] [--warmup 2] [--repeats 3] [--servers 1] [--trainer-threads 1]
+    python benchmarks/async_speedup.py [--steps 12] [--warmup 2] [--repeats 3] [--servers 1]
+        [--placement process|thread] [--niceness 10] [--trainer-threads 1]
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ async def measure(
     output_dir: str,
     trainer_threads: int,
     servers: int,
+    placement: str,
+    niceness: int,
 ) -> dict[str, float]:
     config = load_config(
         [],
@@ -73,6 +79,7 @@ async def measure(
             f"name={mode}-{repeat}",
             "inference.mode='http'",
             f"inference.num_servers={servers}",
+            f"inference.niceness={niceness}",
             "inference.router_port=0",
             f"orchestrator.mode='{mode}'",
             "orchestrator.max_staleness=2",
@@ -81,7 +88,8 @@ async def measure(
             "sampling.samples_per_prompt=8",
             "sampling.max_tokens=96",
             "trainer.micro_batch_size=64",
-            # Two server processes and the trainer share 2 cores: one training thread overlaps best.
+            f"trainer.placement={placement!r}",
+            # The servers and the trainer share 2 cores: one training thread overlaps best.
             f"trainer.num_threads={trainer_threads}",
         ],
     )
@@ -109,6 +117,13 @@ async def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--trainer-threads", type=int, default=1)
     parser.add_argument("--servers", type=int, default=1)
+    parser.add_argument("--niceness", type=int, default=10, help="inference.niceness of both modes")
+    parser.add_argument(
+        "--placement",
+        choices=["thread", "process"],
+        default="process",
+        help="trainer.placement of both modes",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="sync/fully_async pairs; medians reported")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,6 +132,8 @@ async def main() -> None:
         "steps": args.steps,
         "servers": args.servers,
         "trainer_threads": args.trainer_threads,
+        "placement": args.placement,
+        "niceness": args.niceness,
     }
     speedups, bounds = [], []
     with tempfile.TemporaryDirectory() as output_dir:
@@ -124,7 +141,15 @@ async def main() -> None:
             # Alternating the modes spreads the shared machine's noise over both.
             runs = {
                 mode: await measure(
-                    mode, repeat, args.steps, args.warmup, output_dir, args.trainer_threads, args.servers
+                    mode,
+                    repeat,
+                    args.steps,
+                    args.warmup,
+                    output_dir,
+                    args.trainer_threads,
+                    args.servers,
+                    args.placement,
+                    args.niceness,
                 )
                 for mode in ("sync", "fully_async")
             }

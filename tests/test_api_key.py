@@ -84,7 +84,7 @@ async def test_key_guards_client_router_and_servers(tmp_path, monkeypatch):
     from rollflow.inference.setup import get_inference_client
 
     monkeypatch.delenv("ROLLFLOW_API_KEY", raising=False)
-    config = http_config(tmp_path, num_servers=1, max_batch_size=4, api_key=KEY)
+    config = http_config(tmp_path, num_servers=1, max_batch_size=4, api_key=KEY, router="always")
     request = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=2))
     async with get_inference_client(config) as client, aiohttp.ClientSession() as http:
         assert isinstance(client, RemoteInferenceClient) and client.api_key == KEY

@@ -80,6 +80,8 @@ def test_unknown_top_level_section(tmp_path):
         ("orchestrator.mode='turbo'", "orchestrator.mode"),
         ("trainer.betas=[0.9]", "trainer.betas"),
         ("checkpoint.every=-1", "checkpoint.every"),
+        ("trainer.placement='gpu'", "trainer.placement"),
+        ("trainer.placement=1", "trainer.placement"),
     ],
 )
 def test_bad_values_name_the_key(override, key):

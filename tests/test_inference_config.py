@@ -79,6 +79,11 @@ def test_valid_topologies(overrides):
         (["inference.request_timeout_s=0"], ["inference.request_timeout_s"]),
         (["inference.health_check_interval_s=-1"], ["inference.health_check_interval_s"]),
         (["inference.num_servers=0"], ["inference.num_servers"]),
+        (["inference.router='never'"], ["inference.router"]),
+        (["inference.router=true"], ["inference.router"]),
+        (["inference.niceness=20"], ["inference.niceness"]),
+        (["inference.niceness=-1"], ["inference.niceness"]),
+        (["inference.niceness='low'"], ["inference.niceness"]),
     ],
 )
 def test_invalid_inference_config_names_the_fields(overrides, fields):

@@ -214,16 +214,38 @@ async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
     from .test_server_group import wait_dead
 
     before = server_children(), server_children("router")
-    config = http_config(tmp_path, num_servers=1, max_batch_size=4)
+    config = http_config(tmp_path, num_servers=1, max_batch_size=4, router="always", niceness=3)
     async with get_inference_client(config) as client:
         assert len(client.server_urls) == 1
         assert len((await client.generate(request(max_tokens=2))).token_ids) == 2
         started = server_children() - before[0]
         router = server_children("router") - before[1]
         assert len(started) == 1 and len(router) == 1  # the router runs in a process of its own
+        # inference.niceness lowers the priority of every thread of both, relative to this process.
+        for pid in [*started, *router]:
+            assert {thread_niceness(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")} == {os.nice(0) + 3}
     for log_name in ("server-0.log", "router-0.log"):
         assert (tmp_path / "run" / "logs" / "inference" / log_name).stat().st_size > 0
     assert wait_dead([*started, *router], timeout_s=1) == []
+
+
+async def test_one_server_is_reached_without_a_router(tmp_path):
+    from rollflow.inference.setup import get_inference_client
+
+    before = server_children(), server_children("router")
+    config = http_config(tmp_path, num_servers=1, max_batch_size=4)  # inference.router = "auto"
+    async with get_inference_client(config) as client:
+        assert client.data_url == client.server_urls[0]  # data and control plane: the server itself
+        assert len((await client.generate(request(max_tokens=2))).token_ids) == 2
+        await client.pause("keep")
+        await client.resume()
+        assert len(server_children() - before[0]) == 1 and server_children("router") == before[1]
+    assert not (tmp_path / "run" / "logs" / "inference" / "router-0.log").exists()
+
+
+def thread_niceness(pid: int, tid: str) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[16])  # field 19 of proc_pid_stat(5)
 
 
 def server_children(command_name: str = "serve") -> set[int]:

@@ -80,6 +80,10 @@ class InferenceConfig(Section):
     router, proxy and servers, and starts its own servers and router with it (``--api-key``). Unset: the
     environment variable ``ROLLFLOW_API_KEY``, else no key. Prefer the variable: the resolved config, key
     included, is written to the run directory."""
+    router: Literal["auto", "always"] = "auto"
+    """Whether rollflow starts a router in front of the servers (its own, or ``external_server_urls``).
+    ``auto``: only for two or more; the client talks to a single server directly. ``always``: also for one
+    (a stable ``router_port`` URL, its health probes and ``/list_workers``)."""
     router_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
     """Port of the router rollflow starts (on 127.0.0.1); 0 picks a free port."""
     request_timeout_s: PositiveFloat = 600.0
@@ -91,6 +95,10 @@ class InferenceConfig(Section):
     health_check_interval_s: PositiveFloat = 2.0
     """Seconds between the router's health probes (each generates one token); a dead server is taken out
     within this interval."""
+    niceness: Annotated[int, msgspec.Meta(ge=0, le=19)] = 0
+    """How much lower than rollflow's own the CPU priority of the servers and router it starts is (as in
+    ``nice``). On a machine where they share CPU cores with the trainer, a positive value keeps their
+    frequent wake-ups from preempting training steps (the slower stage when the async modes overlap)."""
     num_engines: Positive = 1
     max_batch_size: Positive = 64
     """Sequences decoded together by one engine (its KV-cache slots)."""
@@ -120,6 +128,13 @@ class TrainerConfig(Section):
     num_threads: Positive | None = None
     """Torch threads of a training step; unset keeps torch's count. When generation shares the cores
     (async modes on one machine), fewer threads than cores lets the two overlap instead of contending."""
+    placement: Literal["thread", "process"] = "thread"
+    """Where training steps run. ``thread``: a worker thread of the orchestrator's process. ``process``: a
+    child process of its own (``rollflow.train.process``), so a step never waits for the interpreter lock
+    the event loop holds while it handles generation; worth it in the overlapped modes when the step's
+    Python overhead matters (small models, CPU). It adds the child's start-up (importing torch and loading
+    the model) to the run's; its weights are shared with the orchestrator through shared memory. The child
+    is spawned, so a script that starts a run must guard its entry point (``if __name__ == "__main__":``)."""
     off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
     """Correction for tokens sampled by an older policy (``rollflow.train.off_policy``). ``none``: PPO-clip
     directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the trainer's own weights

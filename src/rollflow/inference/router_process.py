@@ -41,11 +41,17 @@ class RouterProcess(ProcessGroup):
         api_key: str | None = None,
         startup_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
+        niceness: int = 0,
     ):
         if not server_urls:
             raise ValueError("RouterProcess needs at least one server URL")
         super().__init__(
-            1, log_dir, host=host, startup_timeout_s=startup_timeout_s, stop_grace_s=stop_grace_s
+            1,
+            log_dir,
+            host=host,
+            startup_timeout_s=startup_timeout_s,
+            stop_grace_s=stop_grace_s,
+            niceness=niceness,
         )
         self.server_urls = list(server_urls)
         self.port = port

@@ -157,8 +157,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in the child between fork and exec: ask the kernel for SIGTERM when the parent dies."""
+def _prepare_child(parent_pid: int, niceness: int) -> None:
+    """Runs in the child between fork and exec: lower its priority by ``niceness`` (every thread it starts
+    inherits it), and ask the kernel for SIGTERM when the parent dies."""
+    if niceness:
+        os.nice(niceness)
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -197,10 +200,14 @@ class ProcessGroup:
         startup_timeout_s: float = 300.0,
         stop_grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
+        niceness: int = 0,
     ):
         if count < 1:
             raise ValueError(f"num_servers must be >= 1, got {count}")
+        if not 0 <= niceness <= 19:
+            raise ValueError(f"niceness must be within 0..19, got {niceness}")
         self.count = count
+        self.niceness = niceness
         self.log_dir = Path(log_dir)
         self.host = host
         self.startup_timeout_s = startup_timeout_s
@@ -276,7 +283,7 @@ class ProcessGroup:
             stderr=server.log_file,
             env=env,
             start_new_session=True,  # its own process group: teardown signals the server and its children
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            preexec_fn=functools.partial(_prepare_child, os.getpid(), self.niceness),
         )
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         server.pump = asyncio.create_task(self._pump_stdout(server, ready))
@@ -395,6 +402,7 @@ class ServerGroup(ProcessGroup):
         stop_grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
         server_options: Mapping[str, Any] | None = None,
+        niceness: int = 0,
     ):
         if engine not in ("torch", "vllm"):
             raise ValueError(f"engine must be 'torch' or 'vllm', got {engine!r}")
@@ -405,6 +413,7 @@ class ServerGroup(ProcessGroup):
             startup_timeout_s=startup_timeout_s,
             stop_grace_s=stop_grace_s,
             env=env,
+            niceness=niceness,
         )
         self.model = model
         self.num_servers = num_servers

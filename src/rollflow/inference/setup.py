@@ -14,10 +14,11 @@ set                        –                      nothing; the proxy is data p
 set                        set                    nothing (fully external)
 =========================  =====================  ======================================================
 
-The router runs as ``rollflow router`` in its own process (``RouterProcess``: its HTTP work stays off the
-trainer's interpreter lock), listening on 127.0.0.1:``router_port``. With an API key (``inference.api_key``
-or ``$ROLLFLOW_API_KEY``) the servers and router rollflow starts require it, and the client sends it
-everywhere. Logs go to ``{run_dir}/logs/inference/server-{i}.log`` and ``router-0.log``.
+A router is started only over two or more servers unless ``inference.router = "always"``: with one, the
+client talks to the server directly. The router runs as ``rollflow router`` in its own process
+(``RouterProcess``: its HTTP work stays off the trainer's interpreter lock), listening on
+127.0.0.1:``router_port``. With an API key (``inference.api_key`` or ``$ROLLFLOW_API_KEY``) the servers and
+router rollflow starts require it, and the client sends it everywhere. Logs go to ``{run_dir}/logs/inference/server-{i}.log`` and ``router-0.log``.
 """
 
 from __future__ import annotations
@@ -109,9 +110,13 @@ async def get_inference_client(
                 engine=inference.engine,
                 startup_timeout_s=inference.startup_timeout_s,
                 server_options=options,
+                niceness=inference.niceness,
             )
             await stack.enter_async_context(group)
             server_urls = group.urls
+        if proxy_url is None and inference.router == "auto" and len(server_urls) == 1:
+            # One server: a router would only add a hop, a process and their CPU. The server is both planes.
+            proxy_url = server_urls[0]
         if proxy_url is None:
             router = RouterProcess(
                 server_urls,
@@ -121,6 +126,7 @@ async def get_inference_client(
                 request_timeout_s=inference.request_timeout_s,
                 api_key=api_key,
                 startup_timeout_s=inference.startup_timeout_s,
+                niceness=inference.niceness,
             )
             await stack.enter_async_context(router)
             assert router.url is not None

@@ -145,9 +145,11 @@ class Orchestrator:
         config = self.config
         self.task = load_task(config.data.task, config.data.seed)
         rewarder = Rewarder.from_config(config.data.reward, self.task)
-        renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
         self._exit_stack = contextlib.AsyncExitStack()
         try:
+            renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
+            if config.trainer.placement == "process":
+                self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
@@ -219,28 +221,32 @@ class Orchestrator:
         return checkpoint
 
     def _build_trainer_side(self) -> tuple[Any, Any, Any]:
-        """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model."""
+        """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model (in this process,
+        or in the trainer process that ``trainer.placement = "process"`` starts)."""
         from rollflow.models.loading import (
             create_chat_renderer,
             load_causal_lm,
             load_tokenizer,
             resolve_model_path,
         )
+        from rollflow.train.process import TrainerProcess, TrainerSpec
         from rollflow.train.trainer import Trainer
 
         config = self.config
         model_dir = resolve_model_path(config.model.path)
         tokenizer = load_tokenizer(model_dir)
         renderer = create_chat_renderer(tokenizer, config.model)
-        trainer = Trainer(
-            load_causal_lm(model_dir),
-            config.trainer,
+        spec = TrainerSpec(
+            model_dir=model_dir,
+            config=config.trainer,
             temperature=config.sampling.temperature,
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
         )
-        return renderer, tokenizer, trainer
+        if config.trainer.placement == "process":
+            return renderer, tokenizer, TrainerProcess(spec)
+        return renderer, tokenizer, Trainer(load_causal_lm(model_dir), **spec.trainer_kwargs())
 
     async def _restore(self, checkpoint: Path) -> None:
         self.state = load_state(checkpoint)

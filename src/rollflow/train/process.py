@@ -1,0 +1,199 @@
+"""The trainer in a process of its own (``trainer.placement = "process"``).
+
+A training step run in a thread of the orchestrator's process shares the interpreter lock with the event
+loop, which parses replies, renders prompts and scores samples while the step runs. In the overlapped
+modes that costs the step a fifth of its speed on a small model (each lock hand-over waits for the loop's
+Python to yield). In a child process the step has an interpreter of its own.
+
+The child builds the same ``Trainer`` the thread placement would (same model files, config and seed, so the
+same updates) and moves its weights to shared memory once. The parent maps those tensors: ``named_weights``
+reads the child's live weights without a copy, between steps, as the weight barrier needs them. Batches and
+step results travel pickled over a pipe; an exception raised in the child is raised again in the parent,
+with the child's traceback attached as a note.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import threading
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from rollflow.config import TrainerConfig
+from rollflow.errors import RollflowError
+from rollflow.messages import StepResult, TrainBatch
+
+log = structlog.get_logger(__name__)
+
+STARTUP_TIMEOUT_S = 300.0
+"""Importing torch and transformers and loading the model; a child slower than this is taken as hung."""
+CLOSE_TIMEOUT_S = 10.0
+
+
+class TrainerProcessError(RollflowError):
+    """The trainer process did not start, or exited while a call was waiting for it."""
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What the child needs to build its ``Trainer`` (picklable; see ``Trainer`` for the fields)."""
+
+    model_dir: Path
+    config: TrainerConfig
+    temperature: float
+    pad_token_id: int
+    seed: int
+    off_policy: str
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """``Trainer``'s arguments after the model."""
+        return {
+            "config": self.config,
+            "temperature": self.temperature,
+            "pad_token_id": self.pad_token_id,
+            "seed": self.seed,
+            "off_policy": self.off_policy,
+        }
+
+
+class TrainerProcess:
+    """A ``Trainer`` served by a child process, with the methods the orchestrator calls.
+
+    Calls are blocking and serialized (run them from a worker thread, like ``Trainer``'s); ``close`` stops
+    the child. The child also exits on its own when the parent's end of the pipe closes.
+
+    Raises (from the constructor):
+        TrainerProcessError: the child exited or did not report ready within ``STARTUP_TIMEOUT_S``.
+        Exception: what building the trainer raised in the child (e.g. a model that does not load).
+    """
+
+    def __init__(self, spec: TrainerSpec):
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_serve, args=(child_conn, spec), name="rollflow-trainer", daemon=True
+        )
+        self._process.start()
+        child_conn.close()
+        self._lock = threading.Lock()
+        try:
+            self._weights: dict[str, Any] = self._receive("start", timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        log.debug("trainer process ready", pid=self._process.pid, tensors=len(self._weights))
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def train_step(self, batch: TrainBatch, policy_version: int | None = None) -> StepResult:
+        """``Trainer.train_step`` in the child."""
+        return self._call("train_step", batch, policy_version)
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """The child's live weights (shared memory, no copy): ``Trainer.named_weights``'s names and order."""
+        yield from self._weights.items()
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """``Trainer.save_checkpoint`` in the child."""
+        self._call("save_checkpoint", str(directory))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """``Trainer.load_checkpoint`` in the child (in place: ``named_weights`` then shows the loaded ones)."""
+        self._call("load_checkpoint", str(directory))
+
+    def close(self) -> None:
+        """Ask the child to exit; kill it if it does not within ``CLOSE_TIMEOUT_S``. Idempotent."""
+        if self._process.exitcode is None and self._process.pid is not None:
+            with contextlib.suppress(OSError, ValueError):  # the child is already gone
+                self._conn.send(("close",))
+            self._process.join(CLOSE_TIMEOUT_S)
+            if self._process.exitcode is None:
+                log.warning("trainer process did not exit; killing it", pid=self._process.pid)
+                self._process.kill()
+                self._process.join()
+        self._conn.close()
+
+    def _call(self, method: str, *args: Any) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((method, *args))
+            except (OSError, ValueError) as error:
+                raise self._exited(method) from error
+            return self._receive(method)
+
+    def _receive(self, method: str, timeout: float | None = None) -> Any:
+        if timeout is not None and not self._conn.poll(timeout):
+            raise TrainerProcessError(f"the trainer process did not answer {method} within {timeout:.0f} s")
+        try:
+            status, value, child_traceback = self._conn.recv()
+        except (EOFError, OSError) as error:
+            raise self._exited(method) from error
+        if status == "error":
+            value.add_note(f"raised in the trainer process:\n{child_traceback}")
+            raise value
+        return value
+
+    def _exited(self, method: str) -> TrainerProcessError:
+        self._process.join(1.0)
+        hint = (
+            ' (a script that starts it must guard its entry point with `if __name__ == "__main__":`, '
+            "since the child re-imports the script)"
+            if method == "start"
+            else ""
+        )
+        return TrainerProcessError(
+            f"the trainer process exited (exit code {self._process.exitcode}) during {method}; "
+            f"its error, if it printed one, is above in this log{hint}"
+        )
+
+
+def _serve(conn: Connection, spec: TrainerSpec) -> None:
+    """The child: build the trainer, share its weights, then run calls until ``close`` or the pipe closes."""
+    try:
+        trainer = _build(spec)
+        trainer.model.share_memory()
+        reply: tuple[str, Any, str] = ("ok", dict(trainer.named_weights()), "")
+    except Exception as error:
+        conn.send(_error_reply(error))
+        return
+    conn.send(reply)
+    while True:
+        try:
+            method, *args = conn.recv()
+        except (EOFError, OSError, KeyboardInterrupt):
+            return  # the parent is gone
+        if method == "close":
+            return
+        try:
+            reply = ("ok", getattr(trainer, method)(*args), "")
+        except Exception as error:
+            reply = _error_reply(error)
+        conn.send(reply)
+
+
+def _build(spec: TrainerSpec) -> Any:
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.train.trainer import Trainer
+
+    return Trainer(load_causal_lm(spec.model_dir), **spec.trainer_kwargs())
+
+
+def _error_reply(error: Exception) -> tuple[str, Exception, str]:
+    """The exception itself when it pickles (so the parent raises the same type), else a stand-in."""
+    import pickle
+
+    details = traceback.format_exc()
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        error = TrainerProcessError(f"{type(error).__name__}: {error}")
+    return ("error", error, details)
