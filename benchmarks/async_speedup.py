@@ -20,7 +20,7 @@ the last ``--steps`` (steady state: the async pipeline is full when the clock st
 repeat's fraction of the bound. Prints one JSON line per run and one summary line.
 
     python benchmarks/async_speedup.py [--steps 12] [--warmup 2] [--repeats 3] [--servers 1]
-        [--placement process|thread] [--niceness 10] [--trainer-threads 1]
+        [--placement process|thread] [--niceness 10] [--router auto|always] [--trainer-threads 1]
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ async def measure(
     servers: int,
     placement: str,
     niceness: int,
+    router: str,
 ) -> dict[str, float]:
     config = load_config(
         [],
@@ -80,6 +81,7 @@ async def measure(
             "inference.mode='http'",
             f"inference.num_servers={servers}",
             f"inference.niceness={niceness}",
+            f"inference.router={router!r}",
             "inference.router_port=0",
             f"orchestrator.mode='{mode}'",
             "orchestrator.max_staleness=2",
@@ -119,6 +121,12 @@ async def main() -> None:
     parser.add_argument("--servers", type=int, default=1)
     parser.add_argument("--niceness", type=int, default=10, help="inference.niceness of both modes")
     parser.add_argument(
+        "--router",
+        choices=["auto", "always"],
+        default="auto",
+        help="inference.router (auto: none for one server)",
+    )
+    parser.add_argument(
         "--placement",
         choices=["thread", "process"],
         default="process",
@@ -134,6 +142,7 @@ async def main() -> None:
         "trainer_threads": args.trainer_threads,
         "placement": args.placement,
         "niceness": args.niceness,
+        "router": args.router,
     }
     speedups, bounds = [], []
     with tempfile.TemporaryDirectory() as output_dir:
@@ -150,6 +159,7 @@ async def main() -> None:
                     args.servers,
                     args.placement,
                     args.niceness,
+                    args.router,
                 )
                 for mode in ("sync", "fully_async")
             }
