@@ -74,7 +74,7 @@ class Orchestrator:
     barrier: WeightBarrier
     # Fixed components.
     client: Any  # InferenceClient: in-process engines, or servers behind a router
-    trainer: Any  # rollflow.train.trainer.Trainer
+    trainer: Any  # rollflow.train.trainer.Trainer, or a TrainerProcess serving one (trainer.placement)
 
     def __init__(
         self,
