@@ -92,7 +92,7 @@ async def test_staleness_bound_and_exactly_once(
 
         orchestrator.trainer.train_step = recording_train_step
         metrics = await orchestrator.run(steps=5)
-        metrics += await orchestrator.run()  # a second call regenerates what the first left in flight
+        metrics += await orchestrator.run()  # a second call trains on what generation went on producing
         assert weights_version == 0
 
     assert [m["step"] for m in metrics] == list(range(1, 9))
@@ -113,3 +113,133 @@ async def test_staleness_bound_and_exactly_once(
         assert versions == sorted(versions), "per-token versions never decrease within a trajectory"
     rollouts = [json.loads(line) for line in (config.run_dir / "rollouts.jsonl").read_text().splitlines()]
     assert sorted(r["prompt_index"] for r in rollouts) == prompts
+
+
+class SlowClient:
+    """The real in-process engine, with a fixed delay before each generate; counts the calls it finished."""
+
+    def __init__(self, inner: LocalInferenceClient, delay_s: float, fail_at: int | None = None):
+        self.inner = inner
+        self.delay_s = delay_s
+        self.fail_at = fail_at
+        self.calls = 0
+
+    async def generate(self, request):
+        await anyio.sleep(self.delay_s)
+        if self.fail_at is not None and self.calls + 1 >= self.fail_at:
+            raise RuntimeError("the engine exploded")
+        output = await self.inner.generate(request)
+        self.calls += 1
+        return output
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def loop_config(tmp_path, *overrides: str):
+    return load_config(
+        [],
+        [
+            f"output_dir='{tmp_path}'",
+            "name=loop",
+            "data.task='digit'",
+            "orchestrator.mode='fully_async'",
+            "orchestrator.max_staleness=1",
+            "orchestrator.prompts_per_step=2",
+            "orchestrator.max_inflight=4",
+            "orchestrator.steps=4",
+            "sampling.samples_per_prompt=2",
+            "sampling.max_tokens=4",
+            *overrides,
+        ],
+    )
+
+
+async def settle(client: SlowClient, timeout_s: float = 10.0) -> int:
+    """Wait until the client's call count stops changing; returns it."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            before = client.calls
+            await anyio.sleep(0.6)
+            if client.calls == before:
+                return before
+
+
+async def test_generation_goes_on_between_run_calls(tmp_path, monkeypatch, engine):
+    """run(steps=1) in a loop (a notebook): the groups for the next steps generate between the calls, so a
+    call finds its batch waiting; generation ends with the configured steps, and nothing is trained twice."""
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    config = loop_config(tmp_path)
+    client = SlowClient(LocalInferenceClient([engine]), delay_s=0.3)
+    async with Orchestrator(config, inference_client=client) as orchestrator:
+        metrics = await orchestrator.run(steps=1)
+        calls = await settle(client)  # generation ran on after the call, up to the staleness bound
+        assert calls > 2 * 2, "more groups than step 1 trained were generated"
+        for _ in range(3):
+            await settle(client)
+            step = await orchestrator.run(steps=1)
+            # Its batch was waiting: collecting it took far less than one generate call (0.3 s).
+            assert step[0]["generation_time_s"] < 0.1
+            metrics += step
+        assert orchestrator.state.step == 4
+        done = client.calls
+        await anyio.sleep(0.8)
+        assert client.calls == done, "generation stopped with the configured steps"
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    rollouts = [json.loads(line) for line in (config.run_dir / "rollouts.jsonl").read_text().splitlines()]
+    trained = [r["prompt_index"] for r in rollouts]
+    assert len(trained) == len(set(trained)) == 4 * 2
+
+
+async def test_stop_ends_generation_left_running_between_calls(tmp_path, monkeypatch, engine):
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    client = SlowClient(LocalInferenceClient([engine]), delay_s=0.2)
+    config = loop_config(tmp_path, "orchestrator.steps=10")
+    orchestrator = await Orchestrator.start(config, inference_client=client)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(orchestrator.run, 1)
+            await anyio.sleep(0.05)  # the first call waits for its batch (each generate takes 0.2 s)
+            with pytest.raises(RuntimeError, match="already running"):
+                await orchestrator.run(steps=1)
+        assert orchestrator.state.step == 1
+    finally:
+        await orchestrator.stop()
+    stopped_at = client.calls
+    await anyio.sleep(0.6)
+    assert client.calls == stopped_at, "nothing generates after stop()"
+
+
+async def test_a_generation_error_ends_run_with_that_error(tmp_path, monkeypatch, engine):
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    client = SlowClient(LocalInferenceClient([engine]), delay_s=0.0, fail_at=7)
+    async with Orchestrator(loop_config(tmp_path), inference_client=client) as orchestrator:
+        with anyio.fail_after(30), pytest.raises(ExceptionGroup) as raised:
+            await orchestrator.run()
+        assert raised.group_contains(RuntimeError, match="the engine exploded")
+        assert orchestrator.state.step < 4
+
+
+async def test_a_fresh_run_starts_the_engines_on_its_weights_as_version_0(
+    tmp_path, monkeypatch, tiny_model_dir
+):
+    """An engine that served an earlier run holds that run's weights and version: a new run first pushes its
+    own weights as version 0, so samples never claim a version (or weights) the trainer did not publish."""
+    import torch
+
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    engine = TorchEngine.from_pretrained(str(tiny_model_dir), max_batch_size=16, max_model_len=128)
+    fresh = {name: tensor.clone() for name, tensor in engine.model.state_dict().items()}
+    await engine.load_weights([(n, t + 0.5) for n, t in fresh.items()], policy_version=5)
+    client = LocalInferenceClient([engine])
+    try:
+        async with Orchestrator(
+            loop_config(tmp_path, "orchestrator.steps=1"), inference_client=client
+        ) as orch:
+            for name, tensor in engine.model.state_dict().items():
+                assert torch.equal(tensor, fresh[name]), name
+            assert engine.policy_version == 0
+            metrics = await orch.run()
+    finally:
+        await client.close()
+    assert metrics[0]["staleness_mean"] == 0.0 and metrics[0]["logprob_mismatch"] < 1e-4

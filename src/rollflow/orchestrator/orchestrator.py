@@ -3,17 +3,21 @@
 Each component has one job and never references the orchestrator:
 - Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
-- ``Trainer``: one optimizer step per ``TrainBatch`` (runs in a worker thread).
+- ``Trainer``: one optimizer step per ``TrainBatch`` (in a worker thread, or in a process of its own:
+  ``TrainerProcess``, per ``trainer.placement``).
 - ``WeightBarrier``: pause engines ▸ push weights ▸ policy version += 1 ▸ resume.
-- ``Schedule``: when prompts may start and how the barrier pauses (``sync`` now; async schedules plug in).
+- ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
+  pauses.
 
-The orchestrator builds them in ``setup()`` and drives them in ``run()``: a data-source task and generation
-workers in one anyio task group, connected by bounded typed channels, with the training loop reading
-scored groups, training, updating weights and writing metrics and checkpoints.
+The orchestrator builds them in ``setup()``, where it also starts the engines on the trainer's weights as
+policy version 0. ``run()`` drives them: a data-source task and generation workers in one anyio task group
+(in a task of its own, which outlives a ``run()`` call), connected by bounded typed channels, and the
+training loop reading scored groups, training, updating weights and writing metrics and checkpoints.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import math
@@ -29,7 +33,7 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from rollflow.channels import channel
+from rollflow.channels import Channel, channel
 from rollflow.config import RunConfig, to_json
 from rollflow.errors import CheckpointError, ConfigError
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
@@ -104,6 +108,10 @@ class Orchestrator:
         self._started_at = 0.0
         self._is_set_up = False
         self._exit_stack = contextlib.AsyncExitStack()
+        # Generation (see run): the task feeding and generating groups, and the stream of its results.
+        self._generation: asyncio.Task[None] | None = None
+        self._results: MemoryObjectReceiveStream[ScoredGroup] | None = None
+        self._running = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -172,6 +180,11 @@ class Orchestrator:
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             if checkpoint is not None:
                 await self._restore(checkpoint)
+            else:
+                # The engines may hold other weights than the trainer's (servers that served an earlier run
+                # keep its last ones): start them on the trainer's, as policy version 0, so that every
+                # sample's version says which weights sampled it.
+                await self.barrier.update(self.trainer.named_weights, 0, self.schedule.pause_mode)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._exit_stack.aclose()
@@ -194,6 +207,7 @@ class Orchestrator:
             return
         self._is_set_up = False
         with anyio.CancelScope(shield=True):
+            await self._stop_generation()
             await self._exit_stack.aclose()
         for sink in self._sinks:
             sink.close()
@@ -267,16 +281,47 @@ class Orchestrator:
         """Train for ``steps`` more steps (default: until ``orchestrator.steps`` in total).
 
         Returns the metrics of the steps run by this call. A checkpoint is written every
-        ``checkpoint.every`` steps and after the last step. In the async modes, groups still generating when
-        the call returns are cancelled and their prompts generated again by the next call: nothing is
-        trained twice or lost.
+        ``checkpoint.every`` steps and after the last step. Generation outlives the call: groups started for
+        later steps go on generating after it returns, and the next call trains them (each sample checked
+        against the staleness bound when its batch is collected), so ``run(steps=1)`` in a loop overlaps
+        like one long call. It stops once ``orchestrator.steps`` are done, when a call fails, and in
+        ``stop``; groups it leaves unfinished are generated again later: nothing is trained twice or lost.
+
+        Raises:
+            RuntimeError: before ``setup``, or while another ``run`` call of this orchestrator is running.
+            Exception: what generation or a training step raised (generation is stopped first).
         """
         if not self._is_set_up:
             raise RuntimeError("Orchestrator.run() before setup(): use `await Orchestrator.start(config)`")
+        if self._running:
+            raise RuntimeError("Orchestrator.run() is already running: await the first call before the next")
         target = self.config.orchestrator.steps if steps is None else self.state.step + steps
         if target <= self.state.step:
             return []
+        self._running = True
         self._started_at = time.perf_counter()
+        run_metrics = []
+        try:
+            with structlog.contextvars.bound_contextvars(run=self.config.name):
+                results = self._start_generation() if self._results is None else self._results
+                while self.state.step < target:
+                    metrics = await self._train_step(results)
+                    run_metrics.append(metrics)
+                    if on_step is not None:
+                        on_step(metrics)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._stop_generation()
+            raise
+        finally:
+            self._running = False
+        if self.state.step >= self.config.orchestrator.steps:
+            await self._stop_generation()  # the configured run is done: nothing left to generate for
+        return run_metrics
+
+    def _start_generation(self) -> MemoryObjectReceiveStream[ScoredGroup]:
+        """Start the prompt feeder and ``max_inflight`` generation workers in a task of their own (it outlives
+        ``run`` calls; ``_stop_generation`` ends it); returns the stream of their scored groups."""
         self.schedule = StalenessSchedule.from_config(
             self.config.orchestrator,
             policy_version=self.state.policy_version,
@@ -286,23 +331,42 @@ class Orchestrator:
         capacity = self.config.orchestrator.max_inflight
         requests = channel(RolloutRequest, capacity)
         results = channel(ScoredGroup, capacity)
-        run_metrics = []
-        with structlog.contextvars.bound_contextvars(run=self.config.name):
-            async with anyio.create_task_group() as tg:
-                await tg.start(self._feed_prompts, requests.send)
-                async with requests.receive, results.send:
-                    for _ in range(capacity):
-                        tg.start_soon(self._generation_worker, requests.receive.clone(), results.send.clone())
-                async with results.receive:
-                    while self.state.step < target:
-                        metrics = await self._train_step(results.receive)
-                        run_metrics.append(metrics)
-                        if on_step is not None:
-                            on_step(metrics)
-                    # Stop the feeder and the workers (before the results channel closes under them);
-                    # groups still generating are regenerated by the next run.
-                    tg.cancel_scope.cancel()
-        return run_metrics
+        self._results = results.receive
+        # A plain asyncio task, not a task group of run()'s: a task group must be left by the task that
+        # entered it, and in a notebook each run() call (and stop()) may come from another task.
+        self._generation = asyncio.get_running_loop().create_task(self._generate(requests, results))
+        return results.receive
+
+    async def _generate(self, requests: Channel[RolloutRequest], results: Channel[ScoredGroup]) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._feed_prompts, requests.send)
+            # The workers hold the only senders: when they all end (an error, or cancellation), the
+            # trainer's receive ends too instead of waiting for ever.
+            async with requests.receive, results.send:
+                for _ in range(self.config.orchestrator.max_inflight):
+                    tg.start_soon(self._generation_worker, requests.receive.clone(), results.send.clone())
+
+    async def _stop_generation(self) -> None:
+        """Cancel generation and wait for it to end; its unfinished groups are regenerated by the next run."""
+        task, self._generation = self._generation, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: an error that ended it was raised by run() already, or is moot
+        if self._results is not None:
+            self._results.close()
+            self._results = None
+
+    async def _generation_failure(self) -> BaseException:
+        """The error that ended generation (its results stream ended while the trainer waited for it)."""
+        task = self._generation
+        if task is None:
+            return RuntimeError("generation was stopped while a step waited for its groups")
+        await asyncio.wait({task})
+        if task.cancelled():
+            return RuntimeError("generation was cancelled while a step waited for its groups")
+        return task.exception() or RuntimeError("generation ended while a step waited for its groups")
 
     def _next_prompt_index(self, fresh: Iterator[int]) -> int:
         """A dropped prompt first (it must still be trained), else the next prompt not trained yet."""
@@ -360,11 +424,14 @@ class Orchestrator:
         dropped = 0
         while len(groups) < self.config.orchestrator.prompts_per_step:
             try:
-                # Groups already waiting are taken without yielding to the loop, where HTTP callbacks of
-                # generation in flight would run first and delay the trainer.
-                group = results.receive_nowait()
-            except anyio.WouldBlock:
-                group = await results.receive()
+                try:
+                    # Groups already waiting are taken without yielding to the loop, where HTTP callbacks of
+                    # generation in flight would run first and delay the trainer.
+                    group = results.receive_nowait()
+                except anyio.WouldBlock:
+                    group = await results.receive()
+            except anyio.EndOfStream:
+                raise await self._generation_failure() from None
             # Only trained samples can be stale (masked ones, e.g. a failed agent, may hold no tokens).
             oldest = min((s.min_policy_version for s in group.samples if not s.masked), default=None)
             if oldest is None or self.schedule.is_within_bound(oldest):
