@@ -116,18 +116,29 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     assert sorted(prompts) == list(range(10 * 4)), "each prompt consumed exactly once"
 
 
-def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path):
+@pytest.mark.parametrize("placement", ["thread", "process"])
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path, placement):
     run_dir = tmp_path / "runs" / "quickstart"
     process = subprocess.Popen(
-        rollflow("run", str(QUICKSTART), "--no-progress", "--set", "checkpoint.every=2"),
+        rollflow(
+            "run",
+            str(QUICKSTART),
+            "--no-progress",
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            f"trainer.placement='{placement}'",
+        ),
         cwd=tmp_path,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
     )
     try:
         wait_for_step(run_dir / "metrics.jsonl", 3, process)
-        process.send_signal(signal.SIGINT)
+        # As a terminal does: to the whole process group (the trainer process too, when there is one).
+        os.killpg(process.pid, signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()

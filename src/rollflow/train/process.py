@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import signal
 import threading
 import traceback
 from collections.abc import Iterator
@@ -158,6 +159,8 @@ class TrainerProcess:
 
 def _serve(conn: Connection, spec: TrainerSpec) -> None:
     """The child: build the trainer, share its weights, then run calls until ``close`` or the pipe closes."""
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when the trainer ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         trainer = _build(spec)
         trainer.model.share_memory()
@@ -169,7 +172,7 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
     while True:
         try:
             method, *args = conn.recv()
-        except (EOFError, OSError, KeyboardInterrupt):
+        except (EOFError, OSError):
             return  # the parent is gone
         if method == "close":
             return
