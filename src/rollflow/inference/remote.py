@@ -515,17 +515,7 @@ class RemoteInferenceClient:
             raise RemoteInferenceError(
                 f"unexpected stream chunk from {url}: {error!r} in {str(event)[:300]}", url=url
             ) from None
-        if len(logprobs) != len(token_ids):
-            raise RemoteInferenceError(
-                f"stream chunk from {url} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
-            )
-        versions = choice.get("policy_versions") or choice.get("weight_versions")
-        try:
-            policy_versions = [int(version) for version in versions or ()]
-        except (TypeError, ValueError):
-            policy_versions = []
-        if len(policy_versions) != len(token_ids):
-            policy_versions = [self.policy_version] * len(token_ids)
+        policy_versions = self._token_versions(choice, token_ids, logprobs, f"stream chunk from {url}", url)
         return GenerateChunk(
             request_id=request.request_id or str(event.get("id") or ""),
             token_ids=token_ids,
@@ -537,6 +527,27 @@ class RemoteInferenceClient:
             # output by whoever assembles it.
             routed_experts=_routed_experts(choice, url, None) if finish_reason is not None else None,
         )
+
+    def _token_versions(
+        self, choice: Mapping[str, Any], token_ids: list[int], logprobs: list[float], source: str, url: str
+    ) -> list[int]:
+        """The policy version of each token of ``choice``, after checking there is one logprob per token.
+
+        rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them;
+        without a usable list every token gets this client's ``policy_version``.
+        """
+        if len(logprobs) != len(token_ids):
+            raise RemoteInferenceError(
+                f"{source} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
+            )
+        versions = choice.get("policy_versions") or choice.get("weight_versions")
+        try:
+            policy_versions = [int(version) for version in versions or ()]
+        except (TypeError, ValueError):
+            policy_versions = []
+        if len(policy_versions) != len(token_ids):
+            policy_versions = [self.policy_version] * len(token_ids)
+        return policy_versions
 
     def _parse_generate(self, body: Any, request: GenerateRequest) -> GenerateOutput:
         url = f"{self.data_url}/inference/v1/generate"
@@ -550,19 +561,9 @@ class RemoteInferenceClient:
             raise RemoteInferenceError(
                 f"unexpected generate response from {url}: {error!r} in {str(body)[:300]}", url=url
             ) from None
-        if len(logprobs) != len(token_ids):
-            raise RemoteInferenceError(
-                f"generate response from {url} has {len(token_ids)} tokens but {len(logprobs)} logprobs",
-                url=url,
-            )
-        # rollflow's server reports ``policy_versions`` per token; vLLM's ``weight_versions`` when it has them.
-        versions = choice.get("policy_versions") or choice.get("weight_versions")
-        try:
-            policy_versions = [int(version) for version in versions or ()]
-        except (TypeError, ValueError):
-            policy_versions = []
-        if len(policy_versions) != len(token_ids):
-            policy_versions = [self.policy_version] * len(token_ids)
+        policy_versions = self._token_versions(
+            choice, token_ids, logprobs, f"generate response from {url}", url
+        )
         prompt_len = len(request.prompt_token_ids)
         return GenerateOutput(
             request_id=str(body.get("request_id") or request.request_id),
