@@ -42,3 +42,22 @@ def inference_servers(tmp_path_factory):
     servers = BackgroundServerGroup(2, tmp_path_factory.mktemp("inference-servers"))
     yield servers
     servers.close()
+
+
+@pytest.fixture(scope="module")
+def uncached_engine(tiny_model_dir):
+    """A tiny-model torch engine without a prefix cache, for one test module.
+
+    A prompt seen before would be extended rather than prefilled, which changes logprobs in the last bits and
+    would make "streamed == non-streamed" comparisons depend on the order of calls.
+    """
+    import asyncio
+
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.loading import load_causal_lm
+
+    engine = TorchEngine(
+        load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=1024, enable_prefix_caching=False
+    )
+    yield engine
+    asyncio.run(engine.shutdown())

@@ -10,23 +10,14 @@ import pytest
 
 from rollflow.errors import EngineError
 from rollflow.inference.client import LocalInferenceClient, collect_stream
-from rollflow.inference.engine.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from rollflow.models.loading import load_causal_lm
-
-    # No prefix cache: a prompt seen before would be extended rather than prefilled, which changes
-    # logprobs in the last bits and would make "streamed == non-streamed" depend on the order of calls.
-    engine = TorchEngine(
-        load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=1024, enable_prefix_caching=False
-    )
-    yield engine
-    asyncio.run(engine.shutdown())
+def engine(uncached_engine):
+    return uncached_engine
 
 
 def request(max_tokens: int = 32, seed: int | None = 7, request_id: str = "r", **sampling) -> GenerateRequest:

@@ -65,15 +65,8 @@ class TokenByTokenClient(ScriptedClient):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
-
-    engine = TorchEngine(
-        load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=1024, enable_prefix_caching=False
-    )
-    yield engine
-    asyncio.run(engine.shutdown())
+def engine(uncached_engine):
+    return uncached_engine
 
 
 def _user(text: str) -> dict:
