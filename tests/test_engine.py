@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.errors import EngineDeadError, EngineError, EngineGenerateError
 from rollflow.inference.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from rollflow.models.tiny import ensure_tiny_model
@@ -431,16 +431,53 @@ async def test_engine_thread_count_stays_inside_its_worker(engine):
     assert fresh_counts == [process_count]
 
 
+async def test_a_failing_forward_fails_its_requests_only_and_the_engine_keeps_serving(varied_model):
+    engine = TorchEngine(
+        copy.deepcopy(varied_model), max_batch_size=4, max_model_len=128, enable_prefix_caching=False
+    )
+    expected = await engine.generate(request([5, 6, 7]))
+    real_decode = engine.runner.decode
+
+    def decode_failing_on_slot_0(token_ids, positions):
+        # Fails every batch that holds slot 0, as a kernel failing on one row's data would.
+        if positions[0] >= 0:
+            raise RuntimeError("simulated kernel failure")
+        return real_decode(token_ids, positions)
+
+    engine.runner.decode = decode_failing_on_slot_0
+    try:
+        # Paused, the four queue; on resume they are admitted together, the first into slot 0.
+        await engine.pause("abort")
+        poisoned = asyncio.ensure_future(engine.generate(request([9, 10, 11], request_id="poisoned")))
+        healthy = [asyncio.ensure_future(engine.generate(request([5, 6, 7]))) for _ in range(3)]
+        await wait_until(lambda: engine.num_waiting == 4)
+        await engine.resume()
+        outputs = await asyncio.wait_for(asyncio.gather(*healthy), 10.0)
+        with pytest.raises(EngineGenerateError, match="simulated kernel failure"):
+            await asyncio.wait_for(poisoned, 10.0)
+        # Batched with the failing row, the others were retried alone and match a solo run exactly.
+        assert [o.token_ids for o in outputs] == [expected.token_ids] * 3
+        assert not engine.is_dead and engine.num_failed_requests == 1
+        engine.runner.decode = real_decode
+        again = await engine.generate(request([5, 6, 7]))
+        assert again.token_ids == expected.token_ids
+    finally:
+        await engine.shutdown()
+
+
 async def test_loop_failure_reaches_callers(varied_model):
+    """A failure outside the per-request isolation (the loop's own bookkeeping) still kills the engine, and
+    every pending and later call raises ``EngineDeadError`` instead of hanging."""
     engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=4, max_model_len=128)
 
-    def broken_decode(*args, **kwargs):
-        raise RuntimeError("simulated kernel failure")
+    def broken_take_slot(*args, **kwargs):
+        raise RuntimeError("simulated bookkeeping failure")
 
-    engine.runner.decode = broken_decode
+    engine._take_slot = broken_take_slot
     try:
-        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+        with pytest.raises(EngineDeadError, match="simulated bookkeeping failure"):
             await asyncio.wait_for(engine.generate(request([5, 6, 7])), 5.0)
+        assert engine.is_dead
         with pytest.raises(EngineDeadError):
             await engine.generate(request([5, 6, 7]))
         with pytest.raises(EngineDeadError):

@@ -23,6 +23,10 @@ class EngineError(RollflowError):
     """A recoverable failure of one generate request (the engine keeps serving)."""
 
 
+class EngineGenerateError(EngineError):
+    """One generate request failed inside the engine (not because of its input); the engine keeps serving."""
+
+
 class EngineDeadError(RollflowError):
     """The engine's loop has died; no further requests can be served."""
 

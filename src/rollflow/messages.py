@@ -7,6 +7,7 @@ plain Python data (lists of ints and floats), never tensors, so they can cross p
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any
 
 import msgspec
@@ -20,8 +21,65 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # the request was aborted (e.g. by a pause in abort mode); partial tokens are kept
 
 
+# Bounds every sampler input is checked against (engine, server, config), so that float32 sampling stays
+# finite. A temperature is 0 (greedy) or within [MIN_TEMPERATURE, MAX_TEMPERATURE]: below 1e-5 (vLLM's
+# _SAMPLING_EPS, under which vLLM switches to greedy) any two logits 1e-4 apart already differ by 10 nats, so
+# the draw is argmax in all but name, and much smaller values round to 0 or a denormal in float32 (0 / 0 is
+# NaN). rollflow refuses rather than switching to greedy, because the reported logprob would then not be the
+# one the trainer recomputes at that temperature. Above 1e4 logits spanning 100 differ by at most 0.01 nats:
+# uniform sampling in all but name, and a likely typo.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e4
+# top_p keeps the smallest prefix of tokens whose mass reaches it; the most likely token alone always has mass
+# >= 1 / vocab_size > 1e-8, so every top_p below 1e-8 selects the same single token (use top_k = 1 for that),
+# and values below float32's smallest normal (~1.2e-38) round to a denormal or to 0, which keeps nothing.
+MIN_TOP_P = 1e-8
+# Integers crossing into torch (seeds, top_k) must fit in int64.
+_INT64 = 2**63
+
+
+def sampling_error(
+    *, max_tokens: Any, temperature: Any, top_p: Any, top_k: Any, seed: Any = None
+) -> tuple[str, str] | None:
+    """The first sampling value an engine cannot honour, as ``(field, message)``; None when all are fine.
+
+    ``message`` names the field, the value and the allowed range. Shared by the engine, its HTTP server and
+    the run config, so the three agree on what a sampler accepts. No torch here.
+    """
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        return "max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens!r}"
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, int | float)
+        or not math.isfinite(temperature)
+        or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)
+    ):
+        return (
+            "temperature",
+            f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got "
+            f"{temperature!r}; smaller positive values cannot be represented by the float32 sampler "
+            "(use 0 for greedy)",
+        )
+    if (
+        isinstance(top_p, bool)
+        or not isinstance(top_p, int | float)
+        or not math.isfinite(top_p)
+        or not MIN_TOP_P <= top_p <= 1
+    ):
+        return (
+            "top_p",
+            f"top_p must be in [{MIN_TOP_P:g}, 1] (1 disables it), got {top_p!r}; every top_p below "
+            f"{MIN_TOP_P:g} keeps only the most likely token: use top_k = 1 for that",
+        )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k < _INT64:
+        return "top_k", f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k!r}"
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _INT64):
+        return "seed", f"seed must be an integer in [0, 2**63), got {seed!r}"
+    return None
+
+
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Sampling settings of one request (vLLM's names and meanings)."""
+    """Sampling settings of one request (vLLM's names and meanings); ``sampling_error`` says what is valid."""
 
     max_tokens: int = 16
     temperature: float = 1.0

@@ -21,8 +21,13 @@ the model ran for it, per MoE layer: its prompt tokens, then each sampled token 
 sampled token is never fed back, so an output holds ``prompt_len + len(token_ids) - 1`` rows. A cached prefix
 keeps its tokens' routes with its keys and values, so a prefix hit returns the same routes as a full prefill.
 
-A failure inside the loop kills the engine: every pending and later call raises ``EngineDeadError`` instead of
-hanging. Invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop.
+Failures: invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop, using
+the sampler's bounds (``rollflow.messages.sampling_error``). Inside the loop a failure fails only what it belongs
+to: a request whose logits are not finite fails with ``EngineError``; a batched forward or sampling call that
+raises is retried one request at a time, and the requests that fail alone get ``EngineGenerateError``; a control
+call (a weight load …) that raises answers its caller with the error. Weights holding inf or NaN are refused
+before anything is copied. Only a failure outside all of these (a bug in the loop's own bookkeeping) kills the
+engine: every pending and later call then raises ``EngineDeadError`` instead of hanging, and ``is_dead`` is True.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +46,7 @@ import numpy as np
 import structlog
 import torch
 
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.errors import EngineDeadError, EngineError, EngineGenerateError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
 from rollflow.inference.engine.model_runner import ModelRunner
 from rollflow.inference.engine.sampler import sample
@@ -51,6 +56,7 @@ from rollflow.messages import (
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
+    sampling_error,
 )
 
 log = structlog.get_logger(__name__)
@@ -148,6 +154,8 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
     slot: int = -1
+    # Prompt tokens whose keys and values the slot already held at admission (prefix cache); 0 for a prefill.
+    cached_len: int = 0
     # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
     # engine does not record them.
     routes: list[np.ndarray] | None = None
@@ -173,6 +181,10 @@ class _Sequence:
             routed_experts=self.routed_experts(),
         )
 
+
+# One forward of a group of sequences: their last-position logits [n, vocab], and per sequence the routes of
+# the tokens it ran (None unless recorded). It changes nothing in the engine's bookkeeping.
+_Forward = Callable[[list[_Sequence]], tuple[torch.Tensor, list[np.ndarray] | None]]
 
 # Inbox messages: (kind, payload, reply). Kinds: "add", "cancel", "abort", "pause", "resume", "load",
 # "reset_prefix_cache", "shutdown".
@@ -289,6 +301,8 @@ class TorchEngine:
         self.num_steps = 0
         self.num_finished_requests = 0
         self.num_cancelled_requests = 0
+        # Requests that failed inside the engine (non-finite logits, a failing forward); the engine kept serving.
+        self.num_failed_requests = 0
         # Prefix cache, per admitted request: lookups, lookups that hit, and prompt tokens looked up / reused.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -325,6 +339,11 @@ class TorchEngine:
         return self._dead is not None
 
     @property
+    def dead_reason(self) -> EngineDeadError:
+        """Why the engine cannot serve: the error its calls raise (its loop died, or it was shut down)."""
+        return self._dead_error()
+
+    @property
     def num_running(self) -> int:
         """Requests holding a KV-cache slot (including frozen ones)."""
         return self._num_running
@@ -342,7 +361,10 @@ class TorchEngine:
 
         Raises:
             EngineError: the request is invalid (empty or too long prompt, token id outside the vocabulary,
-                max_tokens < 1, temperature < 0, top_p outside (0, 1]); the engine keeps serving.
+                a sampling value outside ``rollflow.messages.sampling_error``'s bounds); the engine keeps
+                serving. Also (after admission) when the model produced non-finite logits for it.
+            EngineGenerateError: the request failed inside the engine (its forward raised); the engine keeps
+                serving the others.
             EngineDeadError: the engine was shut down or its loop died.
         """
         sequence = self._sequence(request, _Reply.create())
@@ -438,10 +460,11 @@ class TorchEngine:
         """Copy tensors (HF state-dict names) into the model in place, between decode steps; tokens sampled
         afterwards carry ``policy_version``. ``lm_head.weight`` may be absent when tied to the embeddings.
 
-        Loading is all-or-nothing: names and shapes are checked before anything is copied.
+        Loading is all-or-nothing: names, shapes and values (finite, real) are checked before anything is copied.
 
         Raises:
-            EngineError: an unknown name or a shape mismatch (the message names them); the weights are unchanged.
+            EngineError: an unknown name, a shape mismatch, or a tensor holding inf or NaN (the message names
+                them); the weights and policy version are unchanged.
             EngineDeadError: the engine was shut down or its loop died.
             TypeError: a value is not convertible to a tensor.
         """
@@ -489,17 +512,27 @@ class TorchEngine:
                 f"{where}prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}, which leaves "
                 f"room for at most {self.max_model_len - 1} prompt tokens; shorten the prompt or raise max_model_len"
             )
+        if not all(type(t) is int for t in prompt):
+            bad = next(t for t in prompt if type(t) is not int)
+            raise EngineError(f"{where}prompt_token_ids must be integers, got {bad!r}")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise EngineError(
                 f"{where}prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.max_tokens < 1:
-            raise EngineError(f"{where}sampling.max_tokens must be >= 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise EngineError(f"{where}sampling.temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise EngineError(f"{where}sampling.top_p must be in (0, 1], got {params.top_p}")
+        problem = sampling_error(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+        )
+        if problem is not None:
+            raise EngineError(f"{where}sampling.{problem[1]}")
+        if not all(type(t) is int for t in params.stop_token_ids):
+            raise EngineError(
+                f"{where}sampling.stop_token_ids must be integers, got {params.stop_token_ids!r}"
+            )
 
     def _post(self, message: _Message, *, quiet: bool = False) -> None:
         with self._lock:
@@ -537,7 +570,7 @@ class TorchEngine:
             with torch.inference_mode():
                 while (messages := self._take_inbox()) is not None:
                     for kind, payload, reply in messages:
-                        self._handle(kind, payload, reply)
+                        self._handle_safely(kind, payload, reply)
                     if self._stopping:
                         return
                     self._step()
@@ -577,6 +610,17 @@ class TorchEngine:
             messages = list(self._inbox)
             self._inbox.clear()
         return messages
+
+    def _handle_safely(self, kind: str, payload: Any, reply: _Reply | None) -> None:
+        """``_handle``, with a failure answered to that message's caller instead of ending the loop."""
+        try:
+            self._handle(kind, payload, reply)
+        except Exception as exc:
+            log.exception("engine call failed", kind=kind)
+            if reply is not None:
+                reply.send(
+                    error=EngineGenerateError(f"engine call {kind!r} failed: {type(exc).__name__}: {exc}")
+                )
 
     def _handle(self, kind: str, payload: Any, reply: _Reply | None) -> None:
         if kind == "add":
@@ -680,6 +724,26 @@ class TorchEngine:
             raise EngineError(f"load_weights got tensors of the wrong shape: {'; '.join(mismatched[:10])}")
         if not named_tensors:
             return  # only the policy version changes
+        # Before anything is copied: one NaN or inf weight makes every later generation fail, and the old
+        # weights keep serving when the update is refused.
+        not_numbers = [
+            name for name, tensor in named_tensors if tensor.is_complex() or tensor.dtype == torch.bool
+        ]
+        if not_numbers:
+            raise EngineError(
+                f"load_weights got non-real tensors (complex or bool): {', '.join(not_numbers[:10])}"
+            )
+        non_finite = [
+            name
+            for name, tensor in named_tensors
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+        ]
+        if non_finite:
+            raise EngineError(
+                f"load_weights got {len(non_finite)} tensor(s) with inf or NaN values: "
+                f"{', '.join(non_finite[:10])}{' …' if len(non_finite) > 10 else ''}; the weights were not "
+                "changed (the trainer's weights have diverged: lower trainer.lr or check the loss)"
+            )
         with torch.inference_mode(False), torch.no_grad():
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
@@ -691,40 +755,114 @@ class TorchEngine:
 
     def _step(self) -> None:
         fresh: list[_Sequence] = []
-        resumed: list[tuple[_Sequence, int]] = []  # (sequence, cached prefix length)
+        resumed: list[_Sequence] = []
         if not self._paused:
             while self._waiting and self._free_slots:
-                sequence = self._waiting.popleft()
+                sequence = self._waiting[0]  # popped once it holds its slot: a failure here still reaches it
                 sequence.slot, cached_len, cached_routes = self._take_slot(sequence.request.prompt_token_ids)
+                self._waiting.popleft()
                 self._slots[sequence.slot] = sequence
                 if cached_len and sequence.routes is not None:
                     sequence.routes.append(cached_routes[:cached_len])
-                if cached_len:
-                    resumed.append((sequence, cached_len))
-                else:
-                    fresh.append(sequence)
+                sequence.cached_len = cached_len
+                (resumed if cached_len else fresh).append(sequence)
             self._num_running += len(fresh) + len(resumed)
         if fresh:
-            logits = self.runner.prefill([s.slot for s in fresh], [s.request.prompt_token_ids for s in fresh])
-            if self.return_routed_experts:
-                self._keep_routes(fresh, range(len(fresh)), [s.prompt_len for s in fresh])
-            self.total_prompt_tokens += sum(s.prompt_len for s in fresh)
-            self._append_samples(fresh, logits)
+            self._advance(fresh, self._forward_prefill)
         if resumed:
-            sequences = [s for s, _ in resumed]
-            logits = self.runner.extend(
-                [s.slot for s in sequences],
-                [s.request.prompt_token_ids for s in sequences],
-                [cached_len for _, cached_len in resumed],
-            )
-            if self.return_routed_experts:
-                new_lens = [s.prompt_len - cached_len for s, cached_len in resumed]
-                self._keep_routes(sequences, range(len(sequences)), new_lens)
-            self.total_prompt_tokens += sum(s.prompt_len for s in sequences)
-            self._append_samples(sequences, logits)
+            self._advance(resumed, self._forward_extend)
         if self._num_running and not self._frozen:
-            self._decode()
+            self._advance([s for s in self._slots if s is not None], self._forward_decode)
         self.num_steps += 1
+
+    def _forward_prefill(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        logits = self.runner.prefill(
+            [s.slot for s in sequences], [s.request.prompt_token_ids for s in sequences]
+        )
+        return logits, self._routes(range(len(sequences)), [s.prompt_len for s in sequences])
+
+    def _forward_extend(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        logits = self.runner.extend(
+            [s.slot for s in sequences],
+            [s.request.prompt_token_ids for s in sequences],
+            [s.cached_len for s in sequences],
+        )
+        return logits, self._routes(range(len(sequences)), [s.prompt_len - s.cached_len for s in sequences])
+
+    def _forward_decode(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        # Sequences are in slot order; the runner decodes slots 0..num_rows-1, empty or other slots at -1.
+        num_rows = sequences[-1].slot + 1
+        token_ids = [0] * num_rows
+        positions = [-1] * num_rows  # -1: a slot whose cache the runner leaves alone
+        for sequence in sequences:
+            token_ids[sequence.slot] = sequence.token_ids[-1]
+            positions[sequence.slot] = sequence.prompt_len + len(sequence.token_ids) - 1
+        logits = self.runner.decode(token_ids, positions)
+        routes = self._routes([s.slot for s in sequences], [1] * len(sequences))
+        if len(sequences) < num_rows:  # the other rows computed garbage
+            logits = logits[torch.tensor([s.slot for s in sequences], device=logits.device)]
+        return logits, routes
+
+    def _routes(self, rows: Iterable[int], lengths: list[int]) -> list[np.ndarray] | None:
+        """The routes of the tokens each row ran in the last forward: the first ``lengths[i]`` positions of
+        runner row ``rows[i]`` (the rest is padding); None when routes are not recorded."""
+        if not self.return_routed_experts:
+            return None
+        routes = self.runner.last_routed_experts.numpy()  # [rows, positions, moe_layers, topk]
+        return [routes[row, :length] for row, length in zip(rows, lengths, strict=True)]
+
+    def _advance(self, sequences: list[_Sequence], forward: _Forward) -> None:
+        """Run ``forward`` on ``sequences`` and sample one token each, so that a failure fails only the requests
+        it belongs to: rows whose logits are not finite fail alone, and when the batched forward or sampling
+        raises, each sequence is retried on its own (a forward only rewrites its rows' own cache positions, so
+        running a row again is safe) and those that still fail are failed; the engine keeps serving the rest."""
+        try:
+            logits, routes = forward(sequences)
+            finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
+            good = [i for i, ok in enumerate(finite) if ok]
+            if len(good) < len(sequences):
+                index = torch.tensor(good, dtype=torch.long, device=logits.device)
+                logits = logits[index]
+            kept = [sequences[i] for i in good]
+            tokens, logprobs = (
+                sample(logits, [s.params for s in kept], [s.generator for s in kept], self._shared_generator)
+                if kept
+                else ([], [])
+            )
+        except Exception as exc:
+            if len(sequences) == 1:
+                log.exception(
+                    "engine step failed for one request", request_id=sequences[0].request.request_id
+                )
+                self._fail(
+                    sequences[0],
+                    EngineGenerateError(
+                        f"the request failed inside the engine: {type(exc).__name__}: {exc}; "
+                        "the engine keeps serving other requests"
+                    ),
+                )
+                return
+            log.warning("batched engine step failed; retrying its requests one at a time", error=repr(exc))
+            for sequence in sequences:
+                if self._slots[sequence.slot] is sequence:
+                    self._advance([sequence], forward)
+            return
+        for i, ok in enumerate(finite):
+            if not ok:
+                self._fail(
+                    sequences[i],
+                    EngineError(
+                        f"the model produced non-finite logits (inf or NaN) for request "
+                        f"{sequences[i].request.request_id!r} at output position {len(sequences[i].token_ids)}: "
+                        "its weights may have diverged; load finite weights that do not overflow"
+                    ),
+                )
+        for i, sequence in zip(good, kept, strict=True):
+            if routes is not None:
+                sequence.routes.append(routes[i])
+            if not sequence.token_ids:  # its first token: the prompt was run
+                self.total_prompt_tokens += sequence.prompt_len
+        self._append_samples(kept, tokens, logprobs)
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
         """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,
@@ -761,28 +899,7 @@ class TorchEngine:
         self._slot_last_used[slot] = self._clock
         return slot, best_len, cached_routes
 
-    def _decode(self) -> None:
-        num_rows = max(slot for slot, s in enumerate(self._slots) if s is not None) + 1
-        token_ids = [0] * num_rows
-        positions = [-1] * num_rows  # -1: an empty slot, whose cache the runner leaves alone
-        running: list[_Sequence] = []
-        for slot in range(num_rows):
-            sequence = self._slots[slot]
-            if sequence is not None:
-                running.append(sequence)
-                token_ids[slot] = sequence.token_ids[-1]
-                positions[slot] = sequence.prompt_len + len(sequence.token_ids) - 1
-        logits = self.runner.decode(token_ids, positions)
-        if self.return_routed_experts:
-            self._keep_routes(running, [s.slot for s in running], [1] * len(running))
-        if len(running) < num_rows:  # empty slots in between computed garbage rows
-            logits = logits[torch.tensor([s.slot for s in running], device=logits.device)]
-        self._append_samples(running, logits)
-
-    def _append_samples(self, sequences: list[_Sequence], logits: torch.Tensor) -> None:
-        tokens, logprobs = sample(
-            logits, [s.params for s in sequences], [s.generator for s in sequences], self._shared_generator
-        )
+    def _append_samples(self, sequences: list[_Sequence], tokens: list[int], logprobs: list[float]) -> None:
         version = self.policy_version
         self.total_generated_tokens += len(tokens)
         finished: list[tuple[int, FinishReason]] = []
@@ -799,6 +916,19 @@ class TorchEngine:
                 self._unsent_streams.add(sequence.reply)
         for slot, reason in finished:
             self._finish(slot, reason)  # a stream's outcome goes out with its pending tokens
+
+    def _fail(self, sequence: _Sequence, error: BaseException) -> None:
+        """End one running request with ``error``; its slot is freed without a prefix-cache label (its keys
+        and values may be partly written)."""
+        slot = sequence.slot
+        if slot >= 0 and self._slots[slot] is sequence:
+            self._slots[slot] = None
+            self._free_slots.add(slot)
+            self._num_running -= 1
+            self._cached_prefixes.pop(slot, None)
+            self._cached_routes.pop(slot, None)
+        self.num_failed_requests += 1
+        sequence.reply.send(error=error)
 
     def _send_stream_tokens(self, *, force: bool) -> None:
         """Send streams' pending tokens, those last sent ``stream_interval_s`` ago (all with ``force``): one
@@ -837,13 +967,6 @@ class TorchEngine:
                 self._cached_routes[slot] = sequence.routed_experts()
             self._clock += 1
             self._slot_last_used[slot] = self._clock
-
-    def _keep_routes(self, sequences: list[_Sequence], rows: Iterable[int], lengths: list[int]) -> None:
-        """Append to each sequence the routes of its tokens in the last forward: the first ``lengths[i]``
-        positions of runner row ``rows[i]`` (the rest is padding)."""
-        routes = self.runner.last_routed_experts.numpy()  # [rows, positions, moe_layers, topk]
-        for sequence, row, length in zip(sequences, rows, lengths, strict=True):
-            sequence.routes.append(routes[row, :length])
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

@@ -8,6 +8,13 @@ logprob is therefore not the log-probability of the filtered distribution the to
 Seeded requests draw from their own ``torch.Generator``, one row at a time, so their tokens depend only on their
 seed, prompt and weights, never on which other requests share the batch. Unseeded rows are drawn together
 from one shared generator.
+
+Numerics: everything is computed in float32 on logits whose row maximum was subtracted first, so dividing by
+a small temperature cannot overflow (the largest scaled logit is exactly 0, the others at most -inf), and every
+row keeps its most likely token through top-k and top-p, so no row is ever left with zero mass. With
+parameters inside ``rollflow.messages.sampling_error``'s bounds and rows that have a finite maximum and no NaN
+(the engine fails other rows before sampling), no inf or NaN reaches ``torch.multinomial``; a row that
+nevertheless ends up with no finite positive mass falls back to its argmax rather than raising.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ def sample(
     ``generators[i]`` is row i's own generator (seeded requests) or None (draw from ``shared_generator``).
     Temperature 0 is greedy (argmax of the raw logits); top_k <= 0 and top_p = 1 disable those filters.
     """
+    logits = logits.float()  # a no-op for float32 models; half-precision logits are sampled in float32
     temperatures = [p.temperature for p in params]
     if not any(temperatures):
         # All greedy: the common evaluation case, three calls.
@@ -40,10 +48,11 @@ def sample(
     if all(t == 1.0 for t in temperatures):
         scaled = logits
     else:
+        # Max first: (logits - max) / t <= 0, so a small t sends the tail to -inf instead of the top to +inf.
         divisors = torch.tensor(
             [t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device
         )
-        scaled = logits / divisors[:, None]
+        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors[:, None]
     logprobs_all = torch.log_softmax(scaled, dim=-1)
 
     sampled_rows = [i for i, t in enumerate(temperatures) if t > 0]
@@ -65,6 +74,7 @@ def sample(
         probs, order = _filtered_probs(sampled_scaled, sampled_params)
     else:
         probs, order = sampled_logprobs.exp(), None
+    probs = _argmax_where_massless(probs)
     picks = _draw(probs, [generators[i] for i in sampled_rows], shared_generator)
     if order is not None:
         picks = order.gather(1, picks[:, None])[:, 0]
@@ -75,6 +85,22 @@ def sample(
 
     logprobs = logprobs_all.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
+
+
+def _argmax_where_massless(probs: torch.Tensor) -> torch.Tensor:
+    """``probs`` with every row that has no finite positive mass (or a NaN) replaced by a one-hot at its
+    largest entry, so ``torch.multinomial`` always gets a valid distribution."""
+    mass = probs.sum(dim=-1)
+    broken = ~(torch.isfinite(mass) & (mass > 0))
+    if not bool(broken.any()):
+        return probs
+    rows = broken.nonzero()[:, 0]
+    best = torch.nan_to_num(probs[rows], nan=-1.0, posinf=1.0).argmax(dim=-1)
+    one_hot = torch.zeros_like(probs[rows])
+    one_hot[torch.arange(len(rows), device=probs.device), best] = 1.0
+    probs = probs.clone()
+    probs[rows] = one_hot
+    return probs
 
 
 def _filtered_probs(
@@ -95,7 +121,9 @@ def _filtered_probs(
         # Rows without top-p get a threshold above 1 so rounding in the cumulative sum cannot drop their tail.
         top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], device=scaled.device)
         mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False  # the most likely token always stays, whatever rounding does
+        probs = probs.masked_fill(drop, 0.0)
     return probs, order
 
 

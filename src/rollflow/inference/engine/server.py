@@ -53,6 +53,7 @@ from rollflow.inference.engine.server_protocol import (
     UpdateWeightsBody,
     bad_request,
     decode_body,
+    engine_dead,
     error_response,
 )
 from rollflow.inference.http import JSONErrorAppRunner
@@ -297,7 +298,10 @@ class EngineServer:
     # ------------------------------------------------------------------ shared by the data plane
 
     def check_accepting(self) -> None:
-        """Raise 503 ``ServiceUnavailableError`` while paused (or asleep) in abort or wait mode."""
+        """Raise 503 ``ServiceUnavailableError`` while paused (or asleep) in abort or wait mode, and 503
+        ``EngineDeadError`` once the engine died (checked first: a dead engine never resumes)."""
+        if self.engine.is_dead:
+            raise engine_dead(self.engine.dead_reason)
         for state, mode in (("paused", self.pause_mode), ("sleeping", self.sleep_mode)):
             if mode in ("abort", "wait"):
                 raise ApiError(
@@ -351,8 +355,10 @@ class EngineServer:
     # ------------------------------------------------------------------ health and metrics
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 with an empty body while the engine runs (paused or asleep included), as vLLM; 503 with the error
+        JSON, ``type`` ``EngineDeadError``, once its loop died (vLLM's 503 for a dead engine)."""
         if self.engine.is_dead:
-            raise ApiError(503, "the engine loop died; restart the server")
+            raise engine_dead(self.engine.dead_reason)
         return web.Response(status=200)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -399,6 +405,16 @@ class EngineServer:
         metric(
             "rollflow:policy_version", "gauge", "Policy version of the loaded weights.", engine.policy_version
         )
+        metric(
+            "rollflow:request_failures", "counter", "Requests failed inside the engine, which kept serving.",
+            engine.num_failed_requests,
+        )  # fmt: skip
+        metric(
+            "rollflow:engine_dead",
+            "gauge",
+            "1 once the engine loop died (restart the server).",
+            int(engine.is_dead),
+        )
         lines.append("# HELP vllm:engine_sleep_state Engine sleep state (1 for the current one).")
         lines.append("# TYPE vllm:engine_sleep_state gauge")
         current = {None: "awake", 0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.sleep_level]
@@ -418,7 +434,7 @@ class EngineServer:
         try:
             return await call
         except EngineDeadError as error:
-            raise ApiError(503, f"the engine is not running: {error}") from None
+            raise engine_dead(error) from None
 
     async def _stop_engine(self, mode: str) -> None:
         await self._engine_call(self.engine.pause(mode))

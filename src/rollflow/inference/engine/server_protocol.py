@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from rollflow.errors import EngineGenerateError
+
 # ------------------------------------------------------------------ errors
 
 _ERROR_TYPES = {
@@ -38,34 +40,62 @@ def error_type(status: int) -> str:
     return _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
 
 
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
+# ``error.type`` of the 503 a server whose engine died answers (data plane, control plane and ``/health``):
+# unlike a pause's 503 (``ServiceUnavailableError``, retry later), it never recovers without a restart, so
+# clients and routers stop waiting and route around it. ``rollflow.inference.router`` and ``remote`` match it.
+ENGINE_DEAD_TYPE = "EngineDeadError"
+
+
+def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> bytes:
     """The vLLM/OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
     return msgspec.json.encode(
-        {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
+        {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": status}}
     )
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, param: str | None = None, type_: str | None = None
+) -> web.Response:
     return web.Response(
-        status=status, body=error_body(status, message, param), content_type="application/json"
+        status=status, body=error_body(status, message, param, type_), content_type="application/json"
     )
 
 
 class ApiError(Exception):
-    """A request the server refuses; the handler's middleware turns it into the error JSON with ``status``."""
+    """A request the server refuses; the handler's middleware turns it into the error JSON with ``status``
+    (and ``type_``, else the status's vLLM type)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.type = type_
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.param)
+        return error_response(self.status, self.message, self.param, self.type)
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param)
+
+
+def engine_dead(error: BaseException) -> ApiError:
+    """503 with ``type`` ``ENGINE_DEAD_TYPE``: the engine's loop died (or was shut down); restart the server."""
+    return ApiError(
+        503,
+        f"the engine is dead: {error}; restart this server (its requests fail until then)",
+        type_=ENGINE_DEAD_TYPE,
+    )
+
+
+def engine_error(error: BaseException) -> ApiError:
+    """An ``EngineError`` of one request: 400 when the request (or what the weights made of it) cannot be
+    served; 500 for ``EngineGenerateError``, a failure inside the engine (a bug), which still fails only that
+    request."""
+    if isinstance(error, EngineGenerateError):
+        return ApiError(500, str(error))
+    return bad_request(str(error))
 
 
 T = TypeVar("T")

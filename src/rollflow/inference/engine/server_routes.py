@@ -20,7 +20,6 @@ from aiohttp import web
 
 from rollflow.errors import EngineDeadError, EngineError
 from rollflow.inference.engine.server_protocol import (
-    ApiError,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
@@ -28,10 +27,19 @@ from rollflow.inference.engine.server_protocol import (
     TokenizeBody,
     bad_request,
     decode_body,
+    engine_dead,
+    engine_error,
 )
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
 from rollflow.inference.routed_experts import pack_routed_experts
-from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.messages import (
+    FinishReason,
+    GenerateChunk,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+    sampling_error,
+)
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.server import EngineServer
@@ -121,12 +129,12 @@ class DataPlane:
                 "Please reduce the length of the prompt or completion.",
                 "max_tokens",
             )
-        if not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-            raise bad_request(f"{p}temperature must be >= 0, got {spec.temperature}", "temperature")
-        if not 0 < spec.top_p <= 1:
-            raise bad_request(f"{p}top_p must be in (0, 1], got {spec.top_p}", "top_p")
-        if not -1 <= spec.top_k < _INT64:
-            raise bad_request(f"{p}top_k must be -1, 0 (disabled) or positive, got {spec.top_k}", "top_k")
+        problem = sampling_error(
+            max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k
+        )
+        if problem is not None:
+            field, message = problem
+            raise bad_request(f"{p}{message}", field)
         if spec.seed is not None and not 0 <= spec.seed < _INT64 - MAX_N:
             raise bad_request(f"{p}seed must be in [0, 2**63 - {MAX_N}), got {spec.seed}", "seed")
         bad_stop = [t for t in spec.stop_token_ids if not 0 <= t < _INT64]
@@ -162,9 +170,9 @@ class DataPlane:
         try:
             return await asyncio.gather(*(self.engine.generate(r) for r in requests))
         except EngineError as error:
-            raise bad_request(str(error)) from None
+            raise engine_error(error) from None
         except EngineDeadError as error:
-            raise ApiError(503, f"the engine is not running: {error}") from None
+            raise engine_dead(error) from None
 
     def _stop_reason(self, output: GenerateOutput, user_stop_ids: list[int]) -> int | None:
         if (

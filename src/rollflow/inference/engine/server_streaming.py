@@ -27,7 +27,14 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import EngineDeadError, EngineError
-from rollflow.inference.engine.server_protocol import ApiError, StreamOptions, bad_request, error_body
+from rollflow.inference.engine.server_protocol import (
+    ApiError,
+    StreamOptions,
+    bad_request,
+    engine_dead,
+    engine_error,
+    error_body,
+)
 from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.inference.streaming import SSE_DONE, IncrementalDecoder, TextDeltas, sse_event
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
@@ -90,9 +97,9 @@ async def _engine_chunks(
                 async for chunk in stream:
                     yield 0, chunk
         except EngineError as error:
-            raise bad_request(str(error)) from None
+            raise engine_error(error) from None
         except EngineDeadError as error:
-            raise ApiError(503, f"the engine is not running: {error}") from None
+            raise engine_dead(error) from None
         return
     queue: asyncio.Queue[tuple[int, GenerateChunk | None, BaseException | None]] = asyncio.Queue()
 
@@ -110,9 +117,9 @@ async def _engine_chunks(
         while running:
             index, chunk, error = await queue.get()
             if isinstance(error, EngineError):
-                raise bad_request(str(error))
+                raise engine_error(error)
             if error is not None:
-                raise ApiError(503, f"the engine is not running: {error}")
+                raise engine_dead(error)
             if chunk.finish_reason is not None:
                 running -= 1
             yield index, chunk
@@ -153,7 +160,9 @@ async def stream_response(
             await response.write(b"".join(closing()))
         except ApiError as error:  # the stream had started: say so in the stream
             log.warning("stream ended by an error", status=error.status, error=error.message)
-            await response.write(b"data: " + error_body(error.status, error.message, error.param) + b"\n\n")
+            await response.write(
+                b"data: " + error_body(error.status, error.message, error.param, error.type) + b"\n\n"
+            )
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
