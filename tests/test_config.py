@@ -89,6 +89,44 @@ def test_bad_values_name_the_key(override, key):
         load_config([], [override])
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "sampling.temperature=1e-300",
+            r"sampling\.temperature must be 0 \(greedy\) or between 1e-05 and 10000, got 1e-300",
+        ),
+        ("sampling.temperature=1e5", r"sampling\.temperature must be .* got 100000\.0"),
+        ("sampling.temperature=inf", r"sampling\.temperature must be a finite number"),
+        ("sampling.top_p=1e-300", r"sampling\.top_p must be in \[1e-08, 1\].* got 1e-300.*top_k = 1"),
+        ("sampling.top_k=-3", r"sampling\.top_k must be -1 or 0 \(disabled\) or a positive integer, got -3"),
+        ("trainer.lr=inf", r"trainer\.lr must be a finite number"),
+        ("trainer.lr=nan", r"invalid value for 'trainer\.lr'"),
+        (
+            "trainer.betas=[2.0, -1.0]",
+            r"trainer\.betas\[0\] = 2\.0 must be in \[0, 1\).*trainer\.betas\[1\] = -1\.0",
+        ),
+        ("trainer.betas=[0.9, 1.0]", r"trainer\.betas\[1\] = 1\.0 must be in \[0, 1\)"),
+        ("trainer.betas=[nan, 0.999]", r"trainer\.betas\[0\] must be a finite number"),
+        ("trainer.max_grad_norm=inf", r"trainer\.max_grad_norm must be a finite number"),
+        ("trainer.weight_decay=inf", r"trainer\.weight_decay must be a finite number"),
+        ("trainer.clip_high=inf", r"trainer\.clip_high must be a finite number"),
+        ("trainer.kl_coef=inf", r"trainer\.kl_coef must be a finite number"),
+        ("trainer.tis_cap=inf", r"trainer\.tis_cap must be a finite number"),
+        ("weight_sync.timeout_s=inf", r"weight_sync\.timeout_s must be a finite number"),
+    ],
+)
+def test_numbers_the_sampler_or_optimizer_cannot_use_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config([], [override])
+
+
+def test_sampling_bounds_accept_their_edges():
+    config = load_config([], ["sampling.temperature=1e-5", "sampling.top_p=1e-8", "trainer.betas=[0.0, 0.0]"])
+    assert (config.sampling.temperature, config.sampling.top_p) == (1e-5, 1e-8)
+    assert load_config([], ["sampling.temperature=1e4", "sampling.top_k=0"]).sampling.temperature == 1e4
+
+
 def test_cross_field_rules_name_every_field():
     with pytest.raises(ConfigError) as info:
         load_config([], ["trainer.advantage='rloo'", "sampling.samples_per_prompt=1"])
@@ -147,6 +185,8 @@ def test_cli_dry_run_prints_resolved_config(tmp_path):
     [
         (["--set", "trainer.lrr=1"], "trainer.lrr"),
         (["--set", "sampling.temperature=-0.5"], "sampling.temperature"),
+        (["--set", "sampling.temperature=1e-300"], "sampling.temperature"),
+        (["--set", "trainer.betas=[2.0, -1.0]"], "trainer.betas[0]"),
         (["--set", "nonsense"], "KEY=VALUE"),
     ],
 )

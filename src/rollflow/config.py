@@ -7,6 +7,7 @@ module never imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tomllib
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from rollflow.errors import ConfigError
+from rollflow.messages import sampling_error
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -53,9 +55,12 @@ class SamplingConfig(Section):
     """Completions sampled per prompt (the group size for GRPO/RLOO baselines)."""
     max_tokens: Positive = 8
     temperature: NonNegativeFloat = 1.0
+    """Sampling temperature, within what the float32 sampler represents: [1e-5, 1e4]
+    (``rollflow.messages.sampling_error``; 0, greedy, leaves RL nothing to explore and is refused)."""
     top_p: Probability = 1.0
+    """Nucleus mass kept, in [1e-8, 1]; 1 disables it."""
     top_k: int = -1
-    """0 or -1 disables top-k filtering."""
+    """0 or -1 disables top-k filtering; otherwise a positive count."""
 
 
 class InferenceConfig(Section):
@@ -113,9 +118,12 @@ class InferenceConfig(Section):
 
 class TrainerConfig(Section):
     lr: PositiveFloat = 1e-3
+    """AdamW learning rate (finite, > 0). Like every number in the config, inf and nan are refused."""
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moving-average decays, each in [0, 1)."""
     max_grad_norm: PositiveFloat = 1.0
+    """Gradients are clipped to this total norm (finite, > 0)."""
     micro_batch_size: Positive = 64
     """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
@@ -297,6 +305,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
+    errors += _numeric_errors(config)
     errors += _off_policy_errors(config)
     errors += _inference_errors(config.inference)
     errors += _agent_errors(config)
@@ -340,6 +349,48 @@ def _off_policy_errors(config: RunConfig) -> list[str]:
                 f"trainer.decoupled_cap is set but trainer.off_policy = {trainer.off_policy!r} resolves to "
                 f"{off_policy!r} for orchestrator.mode = {config.orchestrator.mode!r}; it only applies to "
                 "off_policy = 'decoupled' (for 'tis' set trainer.tis_cap)"
+            )
+    return errors
+
+
+def _non_finite(value: Any, key: str) -> list[str]:
+    """Keys under ``value`` (a section, a list or a number) holding inf or NaN."""
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [key]
+    if isinstance(value, msgspec.Struct):
+        return [
+            bad
+            for name in value.__struct_fields__
+            for bad in _non_finite(getattr(value, name), f"{key}.{name}")
+        ]
+    if isinstance(value, list | tuple):
+        return [bad for index, item in enumerate(value) for bad in _non_finite(item, f"{key}[{index}]")]
+    return []
+
+
+def _numeric_errors(config: RunConfig) -> list[str]:
+    """Numbers the sampler or the optimizer cannot use: inf or NaN anywhere (TOML spells them ``inf``, ``nan``),
+    sampling values outside the float32 sampler's bounds, Adam betas outside [0, 1)."""
+    errors = []
+    for section in config.__struct_fields__:
+        for key in _non_finite(getattr(config, section), section):
+            errors.append(f"{key} must be a finite number (inf and nan are not)")
+    sampling = config.sampling
+    problem = sampling_error(
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+    )
+    # temperature = 0 has its own message (greedy leaves RL nothing to explore); non-finite ones are above.
+    finite_temperature = math.isfinite(sampling.temperature) and math.isfinite(sampling.top_p)
+    if problem is not None and sampling.temperature != 0 and finite_temperature:
+        errors.append(f"sampling.{problem[1]}")
+    for index, beta in enumerate(config.trainer.betas):
+        if math.isfinite(beta) and not 0 <= beta < 1:
+            errors.append(
+                f"trainer.betas[{index}] = {beta} must be in [0, 1): Adam's moving averages decay by it "
+                "each step (0.9 and 0.999 are usual)"
             )
     return errors
 

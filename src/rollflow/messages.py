@@ -57,8 +57,8 @@ def sampling_error(
         return (
             "temperature",
             f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE:g} and {MAX_TEMPERATURE:g}, got "
-            f"{temperature!r}; smaller positive values cannot be represented by the float32 sampler "
-            "(use 0 for greedy)",
+            f"{temperature!r}: below {MIN_TEMPERATURE:g} the float32 sampler is argmax in all but name (and "
+            f"tiny values round to 0), above {MAX_TEMPERATURE:g} it is uniform in all but name; use 0 for greedy",
         )
     if (
         isinstance(top_p, bool)
