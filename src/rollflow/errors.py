@@ -33,3 +33,9 @@ class EngineDeadError(RollflowError):
 
 class CheckpointError(RollflowError):
     """A checkpoint is missing, incomplete or does not match the run it is resumed into."""
+
+
+# ``error.type`` of the 503 an engine server answers once its engine died (data plane, control plane, /health).
+# Unlike a pause's 503 (``ServiceUnavailableError``: retry later) it never recovers without a restart, so the
+# router takes such a server out and clients stop waiting.
+ENGINE_DEAD_TYPE = EngineDeadError.__name__

@@ -7,6 +7,10 @@ Two planes, as in vLLM RL deployments:
 - the **control plane** (pause, resume, sleep, weight transfer, world size) fans out to every server URL at
   once, each call bounded by ``control_timeout_s``; failures name the server.
 
+A 503 from a paused server is waited out (within ``request_timeout_s``); a 503 whose error ``type`` is
+``EngineDeadError`` (a server whose engine died, or a router all of whose servers' engines died) raises
+``RemoteEngineDeadError`` at once, like a dead server, instead of waiting for a resume that never comes.
+
 Paths and field names are vLLM 0.33's (``/inference/v1/generate``, ``/pause?mode=``, ``/update_weights`` …),
 so the same client drives vLLM on GPUs and rollflow's torch engine server on CPUs. The client is picklable
 (its aiohttp session is created lazily per event loop and dropped on pickling) so it can be shipped to other
@@ -24,7 +28,7 @@ import aiohttp
 import msgspec
 import structlog
 
-from rollflow.errors import RollflowError
+from rollflow.errors import ENGINE_DEAD_TYPE, RollflowError
 from rollflow.inference.client import PAUSE_MODES, PauseMode
 from rollflow.inference.routed_experts import unpack_routed_experts
 from rollflow.inference.streaming import iter_sse
@@ -143,6 +147,16 @@ def _routed_experts(choice: Mapping[str, Any], url: str, total_tokens: int | Non
     return experts
 
 
+class RemoteEngineDeadError(RemoteInferenceError):
+    """The server (or every server behind the router) answered that its engine died (503 with error type
+    ``EngineDeadError``): unlike a pause it does not pass, so calls fail at once instead of waiting."""
+
+
+def _engine_dead(body: Any) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("type") == ENGINE_DEAD_TYPE
+
+
 class ControlPlaneError(RemoteInferenceError):
     """A control-plane call failed on at least one server; ``failures`` maps each failed server URL to
     its error, and the message lists them all."""
@@ -179,8 +193,9 @@ class RemoteInferenceClient:
         control_timeout_s: longest one control-plane call to one server may take. Weight-transfer calls block
             until the trainer's broadcast completes, so this bounds them too.
         connect_retries: data-plane retries after a connection error (refused, reset, disconnected).
-        drop_unreachable_servers: a server that refuses connections during a control-plane fan-out is dropped
-            from ``server_urls`` (logged) and the call succeeds on the rest; otherwise it is an error.
+        drop_unreachable_servers: a server that refuses connections, or answers that its engine died, during a
+            control-plane fan-out is dropped from ``server_urls`` (logged) and the call succeeds on the rest;
+            otherwise it is an error.
         connection_limit: most simultaneous connections (0: unlimited).
         policy_version: stamped on generated tokens when the server does not report per-token versions;
             ``finish_weight_update(weight_version=…)`` advances it.
@@ -303,7 +318,10 @@ class RemoteInferenceClient:
                 body = None
         if status >= 400:
             text = raw.decode(errors="replace")
-            raise RemoteInferenceError(
+            error_class = (
+                RemoteEngineDeadError if status == 503 and _engine_dead(body) else RemoteInferenceError
+            )
+            raise error_class(
                 f"{method} {url} returned HTTP {status}: {_error_message(body, text)}",
                 url=url,
                 status=status,
@@ -326,8 +344,8 @@ class RemoteInferenceClient:
             except aiohttp.ClientConnectionError as error:
                 await retry.after_connection_error(error)
             except RemoteInferenceError as error:
-                if error.status != 503:
-                    raise
+                if error.status != 503 or isinstance(error, RemoteEngineDeadError):
+                    raise  # a dead engine does not come back the way a paused one does
                 await retry.while_paused()
 
     async def _fan_out(
@@ -349,6 +367,9 @@ class RemoteInferenceClient:
             if isinstance(result, aiohttp.ClientConnectionError):
                 unreachable.append(url)
                 failures[url] = RemoteInferenceError(f"unreachable: {result!r}", url=url)
+            elif isinstance(result, RemoteEngineDeadError):
+                unreachable.append(url)  # answering, but as dead as an unreachable server
+                failures[url] = result
             elif isinstance(result, RemoteInferenceError):
                 failures[url] = result
             elif isinstance(result, BaseException):
@@ -367,7 +388,7 @@ class RemoteInferenceClient:
         if url in self.server_urls:
             self.server_urls.remove(url)
             self._world_size = None
-            log.warning("dropped unreachable inference server", server=url, during=action)
+            log.warning("dropped unreachable or dead inference server", server=url, during=action)
 
     async def _control(
         self,
@@ -399,6 +420,7 @@ class RemoteInferenceClient:
         client's ``policy_version``.
 
         Raises:
+            RemoteEngineDeadError: the server's engine died (every server's, behind a router); raised at once.
             RemoteInferenceError: the server rejected the request (4xx, with its message), or it failed after
                 the bounded connection retries, or ``request_timeout_s`` passed.
         """
@@ -486,9 +508,10 @@ class RemoteInferenceClient:
                 body = msgspec.json.decode(raw) if raw else None
             except msgspec.DecodeError:
                 body = None
-            if response.status != 503:
+            dead = response.status == 503 and _engine_dead(body)
+            if response.status != 503 or dead:
                 message = _error_message(body, raw.decode(errors="replace"))
-                raise RemoteInferenceError(
+                raise (RemoteEngineDeadError if dead else RemoteInferenceError)(
                     f"POST {url} returned HTTP {response.status}: {message}",
                     url=url,
                     status=response.status,

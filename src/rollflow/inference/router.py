@@ -10,8 +10,14 @@ Routing:
 Failure handling:
 - Every ``health_check_interval_s`` each server must generate one token (``/inference/v1/generate``,
   ``max_tokens`` 1). A refused connection marks it dead at once; a timeout counts as alive only if
-  ``/health`` still answers (a server paused in ``keep`` mode queues the probe). Dead servers leave the hash
-  ring, their sessions are re-placed on their next request, and they rejoin once a probe succeeds.
+  ``/health`` still answers (a server paused in ``keep`` mode queues the probe). A 503 counts as alive (paused
+  in ``abort``/``wait`` mode) unless its error ``type`` is ``EngineDeadError``: the server answers but its
+  engine died, which is a dead server (so is a 500, vLLM's answer once its engine died). Dead servers leave the
+  hash ring, their sessions are re-placed on their next request, and they rejoin once a probe succeeds.
+- A proxied request answered by a dead engine (503 ``EngineDeadError``) takes that server out at once and is
+  retried on another, so no session pinned to it sees the 503. Servers taken out for a dead engine are counted
+  (``rollflow_router_dead_engines_total``). With every server's engine dead the router answers 503
+  ``EngineDeadError`` itself, so clients stop waiting as they would for a pause.
 - A proxied request that fails on the connection before any response byte reached the caller is retried once
   on another server. All proxied endpoints are treated as idempotent: generation keeps no server state the
   caller could observe, and the failed attempt returned nothing.
@@ -44,6 +50,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from rollflow.errors import ENGINE_DEAD_TYPE
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
 
@@ -120,12 +127,24 @@ def validate_server_url(url: Any) -> str:
     return url.rstrip("/")
 
 
+def _is_engine_dead(status: int, body: bytes) -> bool:
+    """Whether an answer says the server's engine died: 503 with error ``type`` ``EngineDeadError``."""
+    if status != 503 or not body:
+        return False
+    try:
+        error = msgspec.json.decode(body).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("type") == ENGINE_DEAD_TYPE
+
+
 class _Worker:
-    __slots__ = ("failures", "healthy", "outstanding", "requests", "url")
+    __slots__ = ("engine_dead", "failures", "healthy", "outstanding", "requests", "url")
 
     def __init__(self, url: str):
         self.url = url
         self.healthy = True
+        self.engine_dead = False  # taken out because the server said its engine died
         self.outstanding = 0
         self.requests = 0
         self.failures = 0  # proxied requests that failed on the connection
@@ -187,6 +206,7 @@ class InferenceRouter:
         self.num_requests = 0
         self.num_retries = 0
         self.num_errors = 0
+        self.num_dead_engines = 0  # times a server was taken out because its engine died
         # Runtime.
         self._runner: web.AppRunner | None = None
         self._client: aiohttp.ClientSession | None = None
@@ -304,7 +324,10 @@ class InferenceRouter:
         for session_id in [sid for sid, owner in self._sessions.items() if owner == url]:
             del self._sessions[session_id]
 
-    def _mark_dead(self, worker: _Worker, reason: str) -> None:
+    def _mark_dead(self, worker: _Worker, reason: str, *, engine_dead: bool = False) -> None:
+        if engine_dead and not worker.engine_dead:
+            worker.engine_dead = True
+            self.num_dead_engines += 1
         if worker.healthy:
             worker.healthy = False
             self._forget_sessions_of(worker.url)
@@ -314,6 +337,7 @@ class InferenceRouter:
     def _mark_alive(self, worker: _Worker) -> None:
         if not worker.healthy and worker.url in self.workers:
             worker.healthy = True
+            worker.engine_dead = False
             self._rebuild_ring()
             log.info("worker back in", worker=worker.url)
 
@@ -385,6 +409,13 @@ class InferenceRouter:
                 return response
             last_error = f"{worker.url}: {error!r}"
         self.num_errors += 1
+        if self.workers and all(worker.engine_dead for worker in self.workers.values()):
+            return json_error(
+                503,
+                f"{request.method} {request.path} failed: the engine of every inference server "
+                f"({len(self.workers)}) is dead; restart them",
+                type=ENGINE_DEAD_TYPE,
+            )
         status = 503 if not tried else 502
         return json_error(status, f"{request.method} {request.path} failed: {last_error}")
 
@@ -408,6 +439,10 @@ class InferenceRouter:
                 out_headers[WORKER_HEADER] = worker.url
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type:
                     data = await upstream.read()
+                    if _is_engine_dead(upstream.status, data):
+                        # Nothing reached the caller yet: take the server out and let the caller retry.
+                        self._mark_dead(worker, "its engine died", engine_dead=True)
+                        return None, RuntimeError(f"the engine of {worker.url} is dead")
                     return web.Response(body=data, status=upstream.status, headers=out_headers), None
                 response = web.StreamResponse(status=upstream.status, headers=out_headers)
                 await response.prepare(request)
@@ -459,7 +494,10 @@ class InferenceRouter:
                     total=self.health_check_timeout_s, sock_connect=self.connect_timeout_s
                 ),
             ) as response:
-                await response.read()
+                body = await response.read()
+                if _is_engine_dead(response.status, body):
+                    self._mark_dead(worker, "its engine died (health probe)", engine_dead=True)
+                    return
                 # 503: paused in abort/wait mode, alive. Other 4xx: alive but rejecting the probe (logged).
                 alive = response.status < 500 or response.status == 503
                 if 400 <= response.status < 500:
@@ -549,7 +587,7 @@ class InferenceRouter:
         return web.json_response({"status": "ok", "healthy_workers": healthy, "workers": len(self.workers)})
 
     def worker_table(self) -> list[dict[str, Any]]:
-        """One dict per server: url, healthy, outstanding, requests, failures, sessions."""
+        """One dict per server: url, healthy, engine_dead, outstanding, requests, failures, sessions."""
         sessions: dict[str, int] = {}
         for owner in self._sessions.values():
             sessions[owner] = sessions.get(owner, 0) + 1
@@ -557,6 +595,7 @@ class InferenceRouter:
             {
                 "url": worker.url,
                 "healthy": worker.healthy,
+                "engine_dead": worker.engine_dead,
                 "outstanding": worker.outstanding,
                 "requests": worker.requests,
                 "failures": worker.failures,
@@ -579,12 +618,21 @@ class InferenceRouter:
             "# HELP rollflow_router_errors_total Requests that failed on every server tried.",
             "# TYPE rollflow_router_errors_total counter",
             f"rollflow_router_errors_total {self.num_errors}",
+            "# HELP rollflow_router_dead_engines_total Servers taken out because their engine died.",
+            "# TYPE rollflow_router_dead_engines_total counter",
+            f"rollflow_router_dead_engines_total {self.num_dead_engines}",
             "# HELP rollflow_router_sessions Sessions pinned to a server.",
             "# TYPE rollflow_router_sessions gauge",
             f"rollflow_router_sessions {len(self._sessions)}",
         ]
         per_worker = (
             ("worker_healthy", "gauge", "1 if the server passes health checks.", "healthy"),
+            (
+                "worker_engine_dead",
+                "gauge",
+                "1 if the server was taken out because its engine died.",
+                "engine_dead",
+            ),
             ("worker_outstanding_requests", "gauge", "Requests in flight on the server.", "outstanding"),
             ("worker_requests_total", "counter", "Requests sent to the server.", "requests"),
             ("worker_failures_total", "counter", "Connection failures of the server.", "failures"),

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from rollflow.errors import EngineGenerateError
+from rollflow.errors import ENGINE_DEAD_TYPE, EngineGenerateError
 
 # ------------------------------------------------------------------ errors
 
@@ -38,12 +38,6 @@ _ERROR_TYPES = {
 def error_type(status: int) -> str:
     """vLLM's ``error.type`` for an HTTP status (``BadRequestError`` for 400, and so on)."""
     return _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
-
-
-# ``error.type`` of the 503 a server whose engine died answers (data plane, control plane and ``/health``):
-# unlike a pause's 503 (``ServiceUnavailableError``, retry later), it never recovers without a restart, so
-# clients and routers stop waiting and route around it. ``rollflow.inference.router`` and ``remote`` match it.
-ENGINE_DEAD_TYPE = "EngineDeadError"
 
 
 def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> bytes:
