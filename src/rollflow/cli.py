@@ -1,6 +1,7 @@
 """``rollflow`` command line. The only place that configures logging.
 
-Exit status: 0 done, 1 runtime failure, 2 bad config or arguments, 130 interrupted (Ctrl-C).
+Exit status: 0 done, 1 runtime failure, 2 bad config or arguments (or a run directory in use), 130
+interrupted (Ctrl-C), 143 terminated (SIGTERM: ``rollflow run`` and ``generate`` stop as on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,11 +16,37 @@ from pathlib import Path
 import structlog
 
 from rollflow import eventloop
-from rollflow.errors import ConfigError, RollflowError
+from rollflow.errors import ConfigError, RollflowError, RunDirectoryInUseError
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, what a shell reports for a process SIGTERM ended
+
+
+class _Termination:
+    """SIGTERM (``timeout``, systemd, Slurm, Kubernetes) handled as Ctrl-C is: the SIGINT handler in force
+    runs (asyncio's cancels the main task, so teardown and checkpoint-safe stops run; outside a loop,
+    Python's raises KeyboardInterrupt), and ``received`` tells the exit status apart."""
+
+    received = False
+
+    @classmethod
+    def install(cls) -> None:
+        signal.signal(signal.SIGTERM, cls._handle)
+
+    @classmethod
+    def _handle(cls, signum: int, frame: object) -> None:
+        cls.received = True
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:  # SIGINT ignored or default: still stop
+            raise KeyboardInterrupt
+
+    @classmethod
+    def exit_status(cls) -> int:
+        return EXIT_TERMINATED if cls.received else EXIT_INTERRUPTED
 
 
 class _CurrentStderr:
@@ -80,7 +107,14 @@ def _parser() -> argparse.ArgumentParser:
         "--resume",
         type=Path,
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its last checkpoint (its saved config, then CONFIGs and --set)",
+        help="continue the run in RUN_DIR from its last checkpoint, or from step 0 if it has none yet (its "
+        "latest saved config, then CONFIGs and --set)",
+    )
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: accept a config that changes what the run means (model, task, data, "
+        "samples_per_prompt, seeds)",
     )
     run.add_argument("--no-progress", action="store_true", help="plain lines instead of the progress display")
 
@@ -205,24 +239,27 @@ def _generate(args: argparse.Namespace) -> int:
             generate(config, num_prompts=num_prompts, output=args.output, checkpoint=args.checkpoint)
         )
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return _Termination.exit_status()
     sys.stderr.write(json.dumps({"event": "generated", **summary}) + "\n")
     return 0
 
 
 def _resolve_run_config(args: argparse.Namespace):
     from rollflow.config import load_config, read_toml_or_json
+    from rollflow.orchestrator.run_dir import CONFIG_FILE, latest_config
 
     base = None
     if args.resume is not None:
-        saved = args.resume / "config.json"
-        if not saved.exists():
+        saved = latest_config(args.resume)
+        if saved is None:
             raise ConfigError(
-                f"--resume {args.resume}: no config.json there; is it a rollflow run directory?"
+                f"--resume {args.resume}: no {CONFIG_FILE} there; is it a rollflow run directory?"
             )
         base = read_toml_or_json(saved)
     elif not args.configs:
         raise ConfigError("rollflow run: give at least one CONFIG file (or --resume RUN_DIR)")
+    elif args.force:
+        raise ConfigError("rollflow run: --force only applies with --resume RUN_DIR")
     config = load_config(args.configs, args.overrides, base=base)
     if args.resume is not None and config.run_dir.resolve() != args.resume.resolve():
         raise ConfigError(
@@ -232,32 +269,65 @@ def _resolve_run_config(args: argparse.Namespace):
     return config
 
 
-async def _train(config, resume: bool, show_progress: bool) -> None:
+def _steps_left(config) -> bool:
+    """For a resume: whether steps are left to train; says so when none are.
+
+    Raises:
+        ConfigError: ``orchestrator.steps`` is below the step the run's last checkpoint reached.
+    """
+    from rollflow.orchestrator.checkpoint import latest_checkpoint, load_state
+
+    checkpoint = latest_checkpoint(config.run_dir)
+    if checkpoint is None:
+        return True
+    done, steps = load_state(checkpoint).step, config.orchestrator.steps
+    if steps < done:
+        raise ConfigError(
+            f"--resume {config.run_dir}: orchestrator.steps = {steps} is below the {done} steps the run has "
+            f"done (checkpoint {checkpoint}): nothing to resume. To train further, resume with "
+            f"--set orchestrator.steps=N, N > {done}"
+        )
+    if steps == done:
+        sys.stderr.write(
+            f"nothing to do: {config.run_dir} has done all its orchestrator.steps = {steps} steps "
+            f"(checkpoint {checkpoint}). To train further, resume with --set orchestrator.steps=N, N > {done}\n"
+        )
+        return False
+    return True
+
+
+async def _train(config, resume: bool, force: bool, show_progress: bool) -> None:
     from rollflow.metrics import ProgressDisplay
     from rollflow.orchestrator import Orchestrator
 
     progress = ProgressDisplay(config.orchestrator.steps, interactive=None if show_progress else False)
-    async with Orchestrator(config, resume=resume, sinks=[progress]) as orchestrator:
+    async with Orchestrator(config, resume=resume, force=force, sinks=[progress]) as orchestrator:
         await orchestrator.run()
 
 
 def _run(args: argparse.Namespace) -> int:
     from rollflow.config import to_json
+    from rollflow.orchestrator.run_dir import check_unlocked
 
     config = _resolve_run_config(args)
     if args.dry_run:
         sys.stdout.write(to_json(config).decode() + "\n")
         return 0
+    resume = args.resume is not None
+    check_unlocked(config.run_dir)
+    if resume and not _steps_left(config):
+        return 0
     log = structlog.get_logger("rollflow.cli")
-    log.info("starting run", name=config.name, run_dir=str(config.run_dir), resume=args.resume is not None)
+    log.info("starting run", name=config.name, run_dir=str(config.run_dir), resume=resume)
     try:
-        eventloop.run(_train(config, args.resume is not None, not args.no_progress))
+        eventloop.run(_train(config, resume, args.force, not args.no_progress))
     except KeyboardInterrupt:
+        what = "terminated (SIGTERM)" if _Termination.received else "interrupted"
         sys.stderr.write(
-            f"\ninterrupted: metrics and checkpoints so far are in {config.run_dir}; "
+            f"\n{what}: metrics and checkpoints so far are in {config.run_dir}; "
             f"continue with `rollflow run --resume {config.run_dir}`\n"
         )
-        return EXIT_INTERRUPTED
+        return _Termination.exit_status()
     log.info("run finished", run_dir=str(config.run_dir))
     return 0
 
@@ -347,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
+    if args.command in ("run", "generate"):
+        _Termination.install()
     try:
         if args.command == "run":
             return _run(args)
@@ -361,6 +433,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE
+    except RunDirectoryInUseError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:  # before or after the event loop (inside it, each command has its own)
+        sys.stderr.write("\ninterrupted\n")
+        return _Termination.exit_status()
     except RollflowError as error:
         sys.stderr.write(f"error: {error}\n")
         return EXIT_FAILURE

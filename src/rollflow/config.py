@@ -264,7 +264,8 @@ class AgentConfig(Section):
 
 class RunConfig(Section):
     name: str = "run"
-    """Run name; the run directory is ``{output_dir}/{name}``."""
+    """Run name; the run directory is ``{output_dir}/{name}``, so one path component (not ``.`` or ``..``).
+    One live run per run directory (``{run_dir}/run.lock``)."""
     output_dir: str = "runs"
     seed: int = 0
     """Seeds the trainer and the samplers."""
@@ -286,9 +287,10 @@ class RunConfig(Section):
 
 def _cross_field_errors(config: RunConfig) -> list[str]:
     errors = []
-    if not _RUN_NAME.fullmatch(config.name):
+    if not _RUN_NAME.fullmatch(config.name) or config.name in (".", ".."):
         errors.append(
-            f"name = {config.name!r} must be a plain directory name (letters, digits, '.', '_', '-')"
+            f"name = {config.name!r} must be a plain directory name (letters, digits, '.', '_', '-'; not "
+            "empty, '.' or '..'): the run directory is {output_dir}/{name}"
         )
     if config.trainer.advantage == "rloo" and config.sampling.samples_per_prompt < 2:
         errors.append(

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 
 class RollflowError(Exception):
     """Base class of every error rollflow raises on purpose."""
@@ -39,3 +43,38 @@ class CheckpointError(RollflowError):
 # Unlike a pause's 503 (``ServiceUnavailableError``: retry later) it never recovers without a restart, so the
 # router takes such a server out and clients stop waiting.
 ENGINE_DEAD_TYPE = EngineDeadError.__name__
+
+
+class RunDirectoryInUseError(RollflowError):
+    """Another live process holds the run directory's lock (a second run with the same name, or a resume
+    of a run that is still running)."""
+
+
+class StorageError(RollflowError):
+    """A file of the run (metrics, rollouts, config, checkpoint) could not be written: disk full, no
+    permission, read-only file system. The message names the path."""
+
+
+def describe_os_error(error: OSError, path: str | os.PathLike[str]) -> str:
+    """``cannot write PATH: <reason>`` with the free space of its file system when the disk is full.
+
+    ``error`` may carry no file name (a failed ``write`` or ``flush`` does not), so the path is given."""
+    reason = error.strerror or str(error)
+    message = f"cannot write {os.fspath(path)}: {reason}"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        message += f" ({_free_space(path)}); free some space or set output_dir to a larger disk"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        message += "; make it writable or set output_dir to a writable directory"
+    return message
+
+
+def _free_space(path: str | os.PathLike[str]) -> str:
+    import shutil
+
+    for candidate in (os.fspath(path), *(os.fspath(p) for p in Path(path).parents)):
+        try:
+            free = shutil.disk_usage(candidate).free
+        except OSError:
+            continue
+        return f"{free / 2**20:.1f} MiB free on its file system"
+    return "free space unknown"

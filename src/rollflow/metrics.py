@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+import structlog
+
+from rollflow.errors import StorageError, describe_os_error
+
+log = structlog.get_logger(__name__)
 
 
 class MetricsSink(Protocol):
@@ -22,16 +29,30 @@ class JsonlWriter:
     """Appends one JSON object per line and flushes it, so a killed run keeps every finished line."""
 
     def __init__(self, path: Path):
+        """Raises:
+        StorageError: the file cannot be created or opened (permissions); the message names it."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("a", encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = path.open("a", encoding="utf-8")
+        except OSError as error:
+            raise StorageError(describe_os_error(error, path)) from None
 
     def log(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        """Raises:
+        StorageError: the line could not be written (disk full, permissions); the message names the file."""
+        try:
+            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.flush()
+        except OSError as error:
+            raise StorageError(describe_os_error(error, self.path)) from None
 
     def close(self) -> None:
-        self._file.close()
+        """Close the file; a line that could not be written is dropped (``log`` already raised for it)."""
+        try:
+            self._file.close()
+        except OSError as error:
+            log.warning("could not flush the last line", path=str(self.path), error=str(error))
 
 
 def truncate_jsonl_after_step(path: Path, step: int) -> int:
@@ -52,7 +73,15 @@ def truncate_jsonl_after_step(path: Path, step: int) -> int:
             dropped += 1
         else:
             kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    # A temporary file renamed into place: a full disk must not cost the records kept.
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        partial.replace(path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise StorageError(describe_os_error(error, path)) from None
     return dropped
 
 

@@ -2,11 +2,13 @@
 
 Layout: ``{run_dir}/checkpoints/step_000050/`` with ``model.safetensors`` and ``optimizer.pt`` (written by the
 trainer) and ``state.json`` (written here, last). A checkpoint is built in a ``.tmp`` directory and renamed
-into place, so a run killed mid-save never leaves a checkpoint that looks complete.
+into place, so a run killed mid-save never leaves a checkpoint that looks complete; older checkpoints are
+pruned only after that rename, so a save that fails (a full disk) leaves the last complete one in place.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from collections.abc import Callable, Iterable
@@ -15,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from rollflow.errors import CheckpointError
+from rollflow.errors import CheckpointError, describe_os_error
 
 STATE_FILE = "state.json"
 _STEP_DIR = re.compile(r"step_(\d{6,})")
@@ -71,20 +73,54 @@ def save_checkpoint(
     save_trainer: Callable[[Path], None],
     keep: int,
 ) -> Path:
-    """Write a checkpoint for ``state.step`` and prune all but the ``keep`` newest."""
+    """Write a checkpoint for ``state.step`` and prune all but the ``keep`` newest.
+
+    Raises:
+        CheckpointError: a file could not be written (disk full, permissions: the message names the path
+            and says which complete checkpoint is left); the partial checkpoint is removed.
+    """
     root = checkpoints_dir(run_dir)
     final = root / f"step_{state.step:06d}"
     staging = root / f"step_{state.step:06d}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_trainer(staging)
-    (staging / STATE_FILE).write_bytes(msgspec.json.encode(state))
-    if final.exists():
-        shutil.rmtree(final)
-    staging.rename(final)
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        save_trainer(staging)
+        state_path = staging / STATE_FILE
+        try:
+            state_path.write_bytes(msgspec.json.encode(state))
+        except OSError as error:
+            raise CheckpointError(describe_os_error(error, state_path)) from None
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    except Exception as error:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(staging, ignore_errors=True)
+        raise CheckpointError(_save_failure(run_dir, staging, error)) from error
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_failure(run_dir: Path, staging: Path, error: Exception) -> str:
+    """Why a save failed, where, and what is left. The trainer's writers do not always say (torch.save on a
+    full disk raises ``basic_ios::clear: iostream error``), so the free space is checked here too."""
+    if isinstance(error, CheckpointError):
+        reason = str(error)
+    elif isinstance(error, OSError):
+        reason = describe_os_error(error, error.filename or staging)
+    else:
+        reason = f"cannot write checkpoint {staging}: {type(error).__name__}: {error}"
+        try:
+            free = shutil.disk_usage(staging.parent).free
+        except OSError:
+            free = None
+        if free is not None and free < 2**20:
+            reason += f" (its file system has {free / 2**20:.2f} MiB free: the disk is full)"
+    latest = latest_checkpoint(run_dir)
+    left = f"the last complete checkpoint, {latest}, is intact" if latest else "no complete checkpoint yet"
+    return f"{reason}; {left}"
 
 
 def load_state(checkpoint: Path) -> OrchestratorState:

@@ -35,16 +35,22 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from rollflow.channels import Channel, channel
 from rollflow.config import RunConfig, to_json
-from rollflow.errors import CheckpointError, ConfigError
+from rollflow.errors import CheckpointError, ConfigError, StorageError, describe_os_error
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
 from rollflow.metrics import JsonlWriter, MetricsSink, truncate_jsonl_after_step
 from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.checkpoint import (
     OrchestratorState,
     latest_checkpoint,
-    list_checkpoints,
     load_state,
     save_checkpoint,
+)
+from rollflow.orchestrator.run_dir import (
+    CONFIG_FILE,
+    RunLock,
+    latest_config,
+    meaning_changes,
+    write_resume_config,
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.agent import build_agent_generator
@@ -56,7 +62,6 @@ log = structlog.get_logger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 ROLLOUTS_FILE = "rollouts.jsonl"
-CONFIG_FILE = "config.json"
 
 
 class Orchestrator:
@@ -85,12 +90,16 @@ class Orchestrator:
         config: RunConfig,
         *,
         resume: bool = False,
+        force: bool = False,
         sinks: list[MetricsSink] | None = None,
         inference_client: Any = None,
     ):
         """Args:
         config: the run config.
-        resume: continue the run in ``config.run_dir`` from its last checkpoint.
+        resume: continue the run in ``config.run_dir`` from its last checkpoint (from step 0 when it was
+            stopped before its first one).
+        force: resume even when ``config`` changes what the run means (``run_dir.MEANING_KEYS``: model,
+            task and data, samples per prompt, seeds).
         sinks: extra metric sinks (each gets every step's metrics).
         inference_client: an ``InferenceClient`` to use instead of building one from ``config.inference``;
             the caller keeps ownership (it is not closed by ``stop``).
@@ -98,7 +107,10 @@ class Orchestrator:
         self.config = config
         self._given_client = inference_client
         self.resume = resume
+        self.force = force
         self.run_dir = config.run_dir
+        # Held from setup to stop: one live run per run directory.
+        self._lock = RunLock(self.run_dir)
         # Runtime state.
         self.state = OrchestratorState()
         self.history: list[dict[str, Any]] = []
@@ -121,18 +133,21 @@ class Orchestrator:
         config: RunConfig,
         *,
         resume: bool = False,
+        force: bool = False,
         sinks: list[MetricsSink] | None = None,
         inference_client: Any = None,
     ) -> Orchestrator:
         """Build every component (load models, start engines) and return the ready orchestrator.
 
         Raises:
-            ConfigError: the run directory already holds a run and ``resume`` is false, or a config value
-                cannot be used (unknown task, renderer, reward).
-            CheckpointError: ``resume`` is true but the run has no complete checkpoint.
+            RunDirectoryInUseError: another live run holds the run directory's lock.
+            ConfigError: the run directory already holds a run and ``resume`` is false, a resume changes
+                what the run means and ``force`` is false, or a config value cannot be used (unknown task,
+                renderer, reward).
+            CheckpointError: ``resume`` is true but no run was started in the run directory.
             ModelNotFoundError: ``model.path`` does not resolve to a local model.
         """
-        orchestrator = cls(config, resume=resume, sinks=sinks, inference_client=inference_client)
+        orchestrator = cls(config, resume=resume, force=force, sinks=sinks, inference_client=inference_client)
         await orchestrator.setup()
         return orchestrator
 
@@ -149,12 +164,14 @@ class Orchestrator:
             return
         from rollflow.inference.setup import get_inference_client
 
-        checkpoint = self._prepare_run_dir()
         config = self.config
-        self.task = load_task(config.data.task, config.data.seed)
-        rewarder = Rewarder.from_config(config.data.reward, self.task)
         self._exit_stack = contextlib.AsyncExitStack()
         try:
+            self._lock.acquire()
+            self._exit_stack.callback(self._lock.release)
+            checkpoint = self._prepare_run_dir()
+            self.task = load_task(config.data.task, config.data.seed)
+            rewarder = Rewarder.from_config(config.data.reward, self.task)
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
             if config.trainer.placement == "process":
                 self._exit_stack.callback(self.trainer.close)
@@ -185,12 +202,15 @@ class Orchestrator:
                 # keep its last ones): start them on the trainer's, as policy version 0, so that every
                 # sample's version says which weights sampled it.
                 await self.barrier.update(self.trainer.named_weights, 0, self.schedule.pause_mode)
+                if self.resume:  # stopped before its first checkpoint: every step is redone
+                    for name in (METRICS_FILE, ROLLOUTS_FILE):
+                        truncate_jsonl_after_step(self.run_dir / name, 0)
+            self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
+            self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._exit_stack.aclose()
             raise
-        self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
-        self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         self._is_set_up = True
         log.info(
             "orchestrator ready",
@@ -208,30 +228,56 @@ class Orchestrator:
         self._is_set_up = False
         with anyio.CancelScope(shield=True):
             await self._stop_generation()
-            await self._exit_stack.aclose()
-        for sink in self._sinks:
-            sink.close()
-        if self._rollouts is not None:
-            self._rollouts.close()
+            for sink in self._sinks:
+                sink.close()
+            if self._rollouts is not None:
+                self._rollouts.close()
+            await self._exit_stack.aclose()  # releases the run directory's lock last
 
     def _prepare_run_dir(self) -> Path | None:
-        """Create the run directory (or check it for a resume) and save the resolved config."""
-        existing = list_checkpoints(self.run_dir)
-        checkpoint = None
-        if self.resume:
-            checkpoint = latest_checkpoint(self.run_dir)
-            if checkpoint is None:
-                raise CheckpointError(
-                    f"cannot resume {self.run_dir}: it has no complete checkpoint under "
-                    f"{self.run_dir / 'checkpoints'} (checkpoints are written every checkpoint.every steps)"
+        """Check the (locked) run directory for a fresh run or a resume and record the config; returns the
+        checkpoint to resume from (None: start at step 0)."""
+        checkpoint = latest_checkpoint(self.run_dir)
+        has_metrics = (self.run_dir / METRICS_FILE).exists()
+        config_json = to_json(self.config) + b"\n"
+        if not self.resume:
+            if checkpoint is not None or has_metrics:
+                hint = (
+                    "resume it with"
+                    if checkpoint is not None
+                    else "it has no checkpoint yet: restart it from step 0 with"
                 )
-        elif existing or (self.run_dir / METRICS_FILE).exists():
-            raise ConfigError(
-                f"run directory {self.run_dir} already holds a run: resume it with "
-                f"`rollflow run --resume {self.run_dir}`, or pick another `name` (e.g. --set name=...)"
+                raise ConfigError(
+                    f"run directory {self.run_dir} already holds a run: {hint} "
+                    f"`rollflow run --resume {self.run_dir}`, or pick another `name` (e.g. --set name=...)"
+                )
+            # Nothing was trained or recorded here (at most a run stopped during setup): start afresh.
+            _write_file(self.run_dir / CONFIG_FILE, config_json)
+            return None
+        saved = latest_config(self.run_dir)
+        if saved is None and checkpoint is None:
+            raise CheckpointError(
+                f"cannot resume {self.run_dir}: no run was started there (no {CONFIG_FILE}) and it has no "
+                f"complete checkpoint under {self.run_dir / 'checkpoints'}; start it with `rollflow run CONFIG`"
             )
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / CONFIG_FILE).write_bytes(to_json(self.config) + b"\n")
+        if checkpoint is not None and saved is not None and not self.force:
+            from rollflow.config import read_toml_or_json, to_dict
+
+            changes = meaning_changes(read_toml_or_json(saved), to_dict(self.config))
+            if changes:
+                raise ConfigError(
+                    f"--resume {self.run_dir}: the config changes what the run means since {saved.name} ("
+                    + "; ".join(changes)
+                    + "): its checkpoints and metrics would mix two experiments. Start a new run (another "
+                    "`name`), or resume anyway with --force (Orchestrator(..., force=True))"
+                )
+        if saved is None:
+            _write_file(self.run_dir / CONFIG_FILE, config_json)
+        else:
+            recorded = write_resume_config(self.run_dir, config_json)
+            log.info("resume config recorded", path=str(recorded))
+        if checkpoint is None:
+            log.info("no checkpoint yet: the resumed run starts from step 0", run_dir=str(self.run_dir))
         return checkpoint
 
     def _build_trainer_side(self) -> tuple[Any, Any, Any]:
@@ -547,6 +593,22 @@ class Orchestrator:
             self.config.checkpoint.keep,
         )
         log.info("checkpoint saved", path=str(path), step=self.state.step)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all (a temporary name, then a rename).
+
+    Raises:
+        StorageError: the write failed (disk full, permissions); the message names the path.
+    """
+    partial = path.with_name(path.name + ".partial")
+    try:
+        partial.write_bytes(data)
+        partial.replace(path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        raise StorageError(describe_os_error(error, path)) from None
 
 
 def _staleness_metrics(staleness: list[int]) -> dict[str, float]:

@@ -14,6 +14,7 @@ with the child's traceback attached as a note.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing
 import signal
@@ -68,7 +69,9 @@ class TrainerProcess:
     """A ``Trainer`` served by a child process, with the methods the orchestrator calls.
 
     Calls are blocking and serialized (run them from a worker thread, like ``Trainer``'s); ``close`` stops
-    the child. The child also exits on its own when the parent's end of the pipe closes.
+    the child. The child also exits on its own when the parent's end of the pipe closes. It ignores SIGINT
+    and SIGTERM, which a terminal, ``timeout`` or a batch system send to the whole process group: the parent
+    handles them (a step or checkpoint in progress finishes) and then closes the child.
 
     Raises (from the constructor):
         TrainerProcessError: the child exited or did not report ready within ``STARTUP_TIMEOUT_S``.
@@ -84,6 +87,9 @@ class TrainerProcess:
         self._process.start()
         child_conn.close()
         self._lock = threading.Lock()
+        # Before multiprocessing's own exit handler (atexit runs last-registered first), which would
+        # SIGTERM the child (ignored) and wait for it forever if this object was never closed.
+        atexit.register(self.close)
         try:
             self._weights: dict[str, Any] = self._receive("start", timeout=STARTUP_TIMEOUT_S)
         except BaseException:
@@ -122,6 +128,7 @@ class TrainerProcess:
                 self._process.kill()
                 self._process.join()
         self._conn.close()
+        atexit.unregister(self.close)
 
     def _call(self, method: str, *args: Any) -> Any:
         with self._lock:
@@ -159,8 +166,10 @@ class TrainerProcess:
 
 def _serve(conn: Connection, spec: TrainerSpec) -> None:
     """The child: build the trainer, share its weights, then run calls until ``close`` or the pipe closes."""
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when the trainer ends.
+    # Ctrl-C in a terminal, and SIGTERM from `timeout`, systemd or Slurm, reach the whole process group; the
+    # parent finishes the call in progress and then decides when the trainer ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         trainer = _build(spec)
         trainer.model.share_memory()
@@ -180,7 +189,10 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
             reply = ("ok", getattr(trainer, method)(*args), "")
         except Exception as error:
             reply = _error_reply(error)
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:
+            return  # the parent is gone
 
 
 def _build(spec: TrainerSpec) -> Any:
