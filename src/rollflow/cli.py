@@ -92,6 +92,74 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _port(text: str) -> int:
+    """``--port``: 0-65535 (0 picks a free port); anything else is a usage error naming the flag."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; use 0-65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number; use 0-65535 (0 picks a free port)")
+    return port
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def _add_http_limits(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``rollflow.inference.http.HttpLimits`` (the config keys ``inference.http_*``)."""
+    from rollflow.inference.http_limits import HttpLimits
+
+    defaults = HttpLimits()
+    parser.add_argument(
+        "--http-header-timeout-s",
+        type=_positive_float,
+        default=defaults.header_timeout_s,
+        help="seconds a client has to send a request's line and headers; idle kept-alive connections are "
+        f"closed after as long (default {defaults.header_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--http-body-timeout-s",
+        type=_positive_float,
+        default=defaults.body_timeout_s,
+        help=f"seconds a client has to send a request's body (default {defaults.body_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--http-max-connections",
+        type=_positive_int,
+        default=defaults.max_connections,
+        help=f"connections served at once; more get 503 (default {defaults.max_connections})",
+    )
+
+
+def http_limits_from_args(args: argparse.Namespace):
+    """The ``HttpLimits`` the ``--http-*`` flags ask for."""
+    from rollflow.inference.http_limits import HttpLimits
+
+    return HttpLimits(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        max_connections=args.http_max_connections,
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for language models.")
     parser.add_argument(
@@ -129,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     serve.add_argument(
-        "--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)"
+        "--port", type=_port, default=8000, help="port to bind; 0 picks a free one (default 8000)"
     )
     serve.add_argument(
         "--max-batch-size",
@@ -157,6 +225,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
     )
+    _add_http_limits(serve)
 
     router = commands.add_parser(
         "router", help="session-aware HTTP router in front of inference servers (prints a JSON ready line)"
@@ -171,7 +240,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     router.add_argument(
-        "--port", type=int, default=8080, help="port to bind; 0 picks a free one (default 8080)"
+        "--port", type=_port, default=8080, help="port to bind; 0 picks a free one (default 8080)"
     )
     router.add_argument(
         "--health-check-interval-s", type=float, default=2.0, help="seconds between health probes (default 2)"
@@ -188,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token every endpoint but /health and /metrics requires, also sent to the servers "
         "(default: $ROLLFLOW_API_KEY, else none)",
     )
+    _add_http_limits(router)
 
     proxy = commands.add_parser(
         "proxy",
@@ -195,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
     proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    proxy.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)")
+    proxy.add_argument("--port", type=_port, default=0, help="port to bind; 0 picks a free one (default 0)")
 
     generate = commands.add_parser(
         "generate",
@@ -335,6 +405,7 @@ def _run(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     import json
 
+    from rollflow.inference.http import raise_open_file_limit
     from rollflow.inference.router import InferenceRouter, serve_router
 
     try:
@@ -345,6 +416,7 @@ def _router(args: argparse.Namespace) -> int:
             health_check_interval_s=args.health_check_interval_s,
             request_timeout_s=args.request_timeout_s,
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
+            http_limits=http_limits_from_args(args),
         )
     except ValueError as error:
         raise ConfigError(f"rollflow router: {error}") from None
@@ -353,6 +425,7 @@ def _router(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps({"event": "ready", "url": url}) + "\n")
         sys.stdout.flush()
 
+    raise_open_file_limit()
     try:
         eventloop.run(serve_router(router, ready))
     except KeyboardInterrupt:
@@ -371,6 +444,7 @@ def _proxy(args: argparse.Namespace) -> int:
     import secrets
 
     from rollflow.config import load_config
+    from rollflow.inference.http import raise_open_file_limit
     from rollflow.tito.proxy import serve_standalone
 
     config = load_config([args.config])
@@ -385,6 +459,7 @@ def _proxy(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(line) + "\n")
         sys.stdout.flush()
 
+    raise_open_file_limit()
     try:
         eventloop.run(
             serve_standalone(config, host=args.host, port=args.port, admin_token=token, ready=ready)
@@ -398,12 +473,15 @@ def _proxy(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from rollflow.errors import ModelNotFoundError
     from rollflow.inference.engine.server import main as serve_main
 
     try:
         return serve_main(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except ModelNotFoundError as error:  # an OSError too: not the port's fault
+        raise ConfigError(f"rollflow serve --model {args.model}: {error}") from None
     except ValueError as error:
         raise ConfigError(f"rollflow serve: {error}") from None
     except OSError as error:

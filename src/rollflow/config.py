@@ -109,11 +109,33 @@ class InferenceConfig(Section):
     """Sequences decoded together by one engine (its KV-cache slots)."""
     max_model_len: Positive = 1024
     """Longest prompt + completion an engine accepts, in tokens."""
+    http_header_timeout_s: PositiveFloat = 30.0
+    """Seconds a client of the HTTP servers rollflow starts (``rollflow serve``, the router, the TITO proxy)
+    has to send a request's line and headers, counted from the connection opening or its previous response;
+    an idle kept-alive connection is closed after as long. A client past it gets a 408 and is disconnected,
+    so stalled connections cannot pile up (``--http-header-timeout-s``)."""
+    http_body_timeout_s: PositiveFloat = 120.0
+    """Seconds such a client has to send a request's body once its headers are in (408 and disconnect
+    after; ``--http-body-timeout-s``). The default takes the largest body a server accepts (32 MiB) at a
+    quarter of a MB/s."""
+    http_max_connections: Positive = 4096
+    """Connections each such server serves at once; a connection beyond it gets a 503 and is closed
+    (``--http-max-connections``). The servers raise their open-file limit to the hard limit at start."""
     return_routed_experts: bool = False
     """MoE models: engines return the experts each token was routed to, and agent (TITO) samples carry them
     (``routed_experts``, for routing replay in training). Sets ``return_routed_experts`` on in-process engines
     and ``--enable-return-routed-experts`` on the servers rollflow starts (``rollflow serve`` or ``vllm serve``).
     A dense model with this on fails at start-up."""
+
+    def http_limits(self):
+        """``rollflow.inference.http_limits.HttpLimits`` of the ``http_*`` keys."""
+        from rollflow.inference.http_limits import HttpLimits
+
+        return HttpLimits(
+            header_timeout_s=self.http_header_timeout_s,
+            body_timeout_s=self.http_body_timeout_s,
+            max_connections=self.http_max_connections,
+        )
 
 
 class TrainerConfig(Section):

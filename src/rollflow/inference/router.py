@@ -51,7 +51,8 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE
-from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware
+from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
+from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
 
 log = structlog.get_logger(__name__)
@@ -164,7 +165,10 @@ class InferenceRouter:
         max_body_bytes: larger request bodies get 413.
         max_sessions: sessions remembered at most (least recently used are forgotten first).
         api_key: when set, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``, and the
-            router sends it to the servers too.
+            router sends it to the servers too. Without one, ``/add_worker`` lets whoever reaches the router
+            add a server that then receives prompts: bound to loopback (the default), that is any local user;
+            bound elsewhere, ``start`` logs a warning.
+        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
 
     Use ``async with InferenceRouter(urls) as router:`` or ``await router.start()`` / ``await router.stop()``.
     """
@@ -182,8 +186,10 @@ class InferenceRouter:
         max_body_bytes: int = 64 * 1024 * 1024,
         max_sessions: int = 100_000,
         api_key: str | None = None,
+        http_limits: HttpLimits | None = None,
     ):
         self.host = host
+        self.http_limits = http_limits or HttpLimits()
         self.port = port
         self.health_check_interval_s = health_check_interval_s
         self.health_check_timeout_s = health_check_timeout_s
@@ -246,7 +252,9 @@ class InferenceRouter:
             app.router.add_get(path, self._handle_control)
         # handler_cancellation: a caller that disconnects cancels the upstream request, so the server
         # sees the disconnect and aborts the engine request.
-        self._runner = JSONErrorAppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = JSONErrorAppRunner(
+            app, limits=self.http_limits, access_log=None, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         try:
@@ -259,6 +267,7 @@ class InferenceRouter:
         self.url = f"http://{self.host}:{bound_port}"
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
         log.info("router started", url=self.url, workers=list(self.workers))
+        warn_if_exposed("rollflow router", self.host, self.api_key)
         return self.url
 
     async def stop(self) -> None:
@@ -550,6 +559,9 @@ class InferenceRouter:
         return url
 
     async def _handle_add_worker(self, request: web.Request) -> web.Response:
+        """``POST /add_worker?url=``: route to one more server. Behind the API key when one is set; without
+        one, open to whoever reaches the router (local users on loopback), and the server added receives
+        prompts."""
         url = await self._url_param(request)
         if isinstance(url, web.Response):
             return url

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from rollflow.inference.server_group import ProcessGroup
+from rollflow.inference.server_group import ProcessGroup, http_limit_flags
 
 
 class RouterProcess(ProcessGroup):
@@ -22,7 +23,7 @@ class RouterProcess(ProcessGroup):
         server_urls: the inference servers to route to.
         log_dir: the router's output goes to ``{log_dir}/router-0.log``.
         host, port: where it listens; port 0 picks a free one.
-        health_check_interval_s, request_timeout_s: as for ``InferenceRouter``.
+        health_check_interval_s, request_timeout_s, http_limits: as for ``InferenceRouter``.
         api_key: required on every path but ``/health`` and ``/metrics`` and sent to the servers; it reaches
             the router through its environment, never its command line.
     """
@@ -42,6 +43,7 @@ class RouterProcess(ProcessGroup):
         startup_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
         niceness: int = 0,
+        http_limits: Any = None,
     ):
         if not server_urls:
             raise ValueError("RouterProcess needs at least one server URL")
@@ -58,6 +60,7 @@ class RouterProcess(ProcessGroup):
         self.health_check_interval_s = health_check_interval_s
         self.request_timeout_s = request_timeout_s
         self.api_key = api_key
+        self.http_limits = http_limits
 
     @property
     def url(self) -> str | None:
@@ -84,6 +87,8 @@ class RouterProcess(ProcessGroup):
         ]
         for url in self.server_urls:
             command += ["--server", url]
+        if self.http_limits is not None:
+            command += http_limit_flags(self.http_limits)
         # Always set, so a key in this process's environment does not reach a router started without one.
         env = {"ROLLFLOW_API_KEY": self.api_key or ""}
         return command, env, None

@@ -41,6 +41,18 @@ class ServerStartError(RollflowError):
     log's tail."""
 
 
+def http_limit_flags(limits: Any) -> list[str]:
+    """The ``--http-*`` flags of ``rollflow serve`` and ``rollflow router`` for an ``HttpLimits``."""
+    return [
+        "--http-header-timeout-s",
+        repr(limits.header_timeout_s),
+        "--http-body-timeout-s",
+        repr(limits.body_timeout_s),
+        "--http-max-connections",
+        str(limits.max_connections),
+    ]
+
+
 def build_torch_server_command(
     model: str,
     *,
@@ -51,9 +63,11 @@ def build_torch_server_command(
     served_model_name: str | None = None,
     api_key: str | None = None,
     return_routed_experts: bool = False,
+    http_limits: Any = None,
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """Command line of one rollflow torch engine server (``python -m rollflow serve``).
+    """Command line of one rollflow torch engine server (``python -m rollflow serve``); ``http_limits``
+    (``HttpLimits``) become its ``--http-*`` flags.
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment. The API key
@@ -79,6 +93,8 @@ def build_torch_server_command(
         command += ["--served-model-name", served_model_name]
     if return_routed_experts:
         command.append("--enable-return-routed-experts")
+    if http_limits is not None:
+        command += http_limit_flags(http_limits)
     env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
     return [*command, *extra_args], env
 

@@ -99,6 +99,7 @@ async def get_inference_client(
             options: dict[str, object] = {"max_model_len": inference.max_model_len, "api_key": api_key}
             if inference.engine == "torch":
                 options["max_batch_size"] = inference.max_batch_size
+                options["http_limits"] = inference.http_limits()
             else:
                 options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
             if inference.return_routed_experts:
@@ -127,6 +128,7 @@ async def get_inference_client(
                 api_key=api_key,
                 startup_timeout_s=inference.startup_timeout_s,
                 niceness=inference.niceness,
+                http_limits=inference.http_limits(),
             )
             await stack.enter_async_context(router)
             assert router.url is not None

@@ -375,6 +375,8 @@ async def build_agent_generator(
         default_temperature=config.sampling.temperature,
         default_top_p=config.sampling.top_p,
         enforce_sampling=settings.enforce_sampling,
+        max_model_len=config.inference.max_model_len,
+        http_limits=config.inference.http_limits(),
     )
     async with proxy:
         yield AgentGenerator(

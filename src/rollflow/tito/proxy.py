@@ -34,6 +34,9 @@ from aiohttp import web
 
 from rollflow.errors import RollflowError
 from rollflow.inference.client import InferenceClient
+from rollflow.inference.http import JSONErrorAppRunner
+from rollflow.inference.http_limits import HttpLimits
+from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer, normalize_tools
@@ -118,6 +121,10 @@ class TITOProxy:
         enforce_sampling: sample at ``default_temperature`` and ``default_top_p`` whatever a request asks
             (training: the trainer's PPO ratio assumes them); overridden requests are counted in the trace's
             ``stats.sampling_overridden``.
+        max_model_len: the engines' context length, if known: a request whose message text alone cannot fit
+            it is a 400 (``context_length_exceeded``) before it is rendered (``rollflow.inference.
+            prompt_limits``). Large requests are rendered in a worker thread either way.
+        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
     """
 
     def __init__(
@@ -136,6 +143,8 @@ class TITOProxy:
         default_temperature: float = 1.0,
         default_top_p: float = 1.0,
         enforce_sampling: bool = False,
+        max_model_len: int | None = None,
+        http_limits: HttpLimits | None = None,
     ):
         # Swappable components.
         self.client = client
@@ -153,6 +162,11 @@ class TITOProxy:
         self.admin_token = admin_token
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
+        self.max_model_len = max_model_len
+        self.http_limits = http_limits or HttpLimits()
+        self.max_prompt_chars = (
+            None if max_model_len is None else max_prompt_chars(max_model_len, self.renderer.tokenizer)
+        )
         # Runtime state.
         self._runner: web.AppRunner | None = None
         self._sessions: dict[str, Session] = {}  # by URL token
@@ -184,7 +198,9 @@ class TITOProxy:
             app.router.add_get("/sessions/{session_id}/trace", self._admin_trace)
             app.router.add_post("/sessions/{session_id}/close", self._admin_close)
         # handler_cancellation: a client disconnect cancels its handler, which aborts the engine request.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        runner = JSONErrorAppRunner(
+            app, limits=self.http_limits, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await runner.setup()
         try:
             site = web.TCPSite(runner, self.host, self.port)
@@ -317,6 +333,15 @@ class TITOProxy:
         session = self._session(request)
         body = await self._body(request)
         chat = decode_request(body)
+        if self.max_prompt_chars is not None:
+            chars = message_text_chars(chat.messages)
+            if chars > self.max_prompt_chars:
+                assert self.max_model_len is not None
+                raise RequestError(
+                    prompt_too_long_message(chars, self.max_prompt_chars, self.max_model_len),
+                    param="messages",
+                    code="context_length_exceeded",
+                )
         if chat.model != self.settings.model_name:
             raise RequestError(
                 f"model {chat.model!r} is not served here; use {self.settings.model_name!r}",
@@ -634,6 +659,8 @@ async def serve_standalone(
             default_top_p=config.sampling.top_p,
             # Samples composed here train a policy at the run's settings unless [agent] says otherwise.
             enforce_sampling=config.agent.enforce_sampling if config.agent is not None else True,
+            max_model_len=config.inference.max_model_len,
+            http_limits=config.inference.http_limits(),
         )
         async with proxy:
             if ready is not None:

@@ -21,6 +21,7 @@ import structlog
 
 from rollflow.errors import EngineError, RollflowError
 from rollflow.inference.client import InferenceClient
+from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
@@ -179,7 +180,9 @@ class Session:
     async def _run(self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight) -> Turn:
         messages = [normalize_message(m) for m in request.messages]
         tools = normalize_tools(request.tools)
-        prepared = await self.trace.prepare(messages, tools)
+        prepared = await self.trace.prepare(
+            messages, tools, offload=message_text_chars(messages) > OFFLOAD_CHARS
+        )
         try:
             sampled = await self._sample(prepared.prompt_ids, request, entry)
         except RequestError:

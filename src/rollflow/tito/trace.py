@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from rollflow.errors import EngineError, RollflowError
 from rollflow.tito.renderer import TITORenderer, tools_key
 from rollflow.tito.store import (
@@ -169,16 +171,16 @@ class Trace:
         self._latest_sampled = 0  # the newest sampled node (a bridge anchors at the newest match)
         # Sampled nodes whose last routed-experts row is a stand-in: the engine never ran their last token.
         self._padded_routes: set[int] = set()
-        self._mailbox: collections.deque[tuple[Callable[..., Any], tuple, asyncio.Future]] = (
+        self._mailbox: collections.deque[tuple[Callable[..., Any], tuple, asyncio.Future, bool]] = (
             collections.deque()
         )
         self._worker: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ actor plumbing
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    def _call(self, fn: Callable[..., Any], *args: Any, offload: bool = False) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
-        self._mailbox.append((fn, args, future))
+        self._mailbox.append((fn, args, future, offload))
         if self._worker is None:
             self._worker = asyncio.get_running_loop().create_task(self._drain())
         return future
@@ -186,11 +188,13 @@ class Trace:
     async def _drain(self) -> None:
         try:
             while self._mailbox:
-                fn, args, future = self._mailbox.popleft()
+                fn, args, future, offload = self._mailbox.popleft()
                 if future.cancelled():  # the caller left (e.g. its client disconnected): skip its work
                     continue
                 try:
-                    result = fn(*args)
+                    # A large render runs in a worker thread so other sessions (and /health) are served
+                    # meanwhile; the mailbox still runs one operation at a time.
+                    result = await anyio.to_thread.run_sync(fn, *args) if offload else fn(*args)
                 except Exception as error:
                     future.set_exception(error)
                 else:
@@ -205,14 +209,15 @@ class Trace:
     # ------------------------------------------------------------------ public async API
 
     async def prepare(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, offload: bool = False
     ) -> PreparedTurn:
-        """Render a request (normalized messages) against the tree.
+        """Render a request (normalized messages) against the tree; ``offload``: in a worker thread (for
+        large requests; rendering only reads the tree, which changes only in ``commit``).
 
         Raises:
             TraceSealedError: the session is closed.
         """
-        return await self._call(self._prepare, messages, tools)
+        return await self._call(self._prepare, messages, tools, offload=offload)
 
     async def commit(
         self,

@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,7 +40,7 @@ import structlog
 from aiohttp import web
 
 from rollflow import eventloop
-from rollflow.errors import ConfigError, EngineDeadError, EngineError
+from rollflow.errors import ConfigError, EngineDeadError, EngineError, ModelNotFoundError, RollflowError
 from rollflow.inference.client import PAUSE_MODES
 from rollflow.inference.engine.engine import TorchEngine
 from rollflow.inference.engine.server_protocol import (
@@ -56,7 +57,8 @@ from rollflow.inference.engine.server_protocol import (
     engine_dead,
     error_response,
 )
-from rollflow.inference.http import JSONErrorAppRunner
+from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, raise_open_file_limit, warn_if_exposed
+from rollflow.inference.prompt_limits import max_prompt_chars
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +110,7 @@ class EngineServer:
             ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
+        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class EngineServer:
         receiver_factory: ReceiverFactory | None = None,
         eos_token_ids: tuple[int, ...] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        http_limits: HttpLimits | None = None,
     ):
         # Fixed components.
         self.engine = engine
@@ -131,12 +135,17 @@ class EngineServer:
         self.model_path = model_path or served_model_name
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
+        self.http_limits = http_limits or HttpLimits()
         self.receiver_factory = receiver_factory or _default_receiver_factory
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = (eos,) if eos is not None else ()
         self.eos_token_ids = tuple(eos_token_ids)
         self.created = int(time.time())
+        # Text prompts longer than this cannot fit max_model_len tokens: refused before tokenizing.
+        self.max_prompt_chars = max_prompt_chars(engine.max_model_len, tokenizer)
+        # Renders of large chats run in worker threads; renderers keep caches not documented as thread-safe.
+        self.render_lock = threading.Lock()
 
         # Runtime state: pause and sleep. A pause from /pause and one from /sleep are tracked apart, so that
         # /resume does not wake a sleeping server and /wake_up does not resume a paused one.
@@ -272,7 +281,9 @@ class EngineServer:
             OSError: the address cannot be bound.
         """
         # JSONErrorAppRunner: even requests aiohttp cannot parse get the error JSON.
-        runner = JSONErrorAppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        runner = JSONErrorAppRunner(
+            self.build_app(), limits=self.http_limits, handler_cancellation=True, access_log=None
+        )
         await runner.setup()
         try:
             site = web.TCPSite(runner, host, port)
@@ -692,25 +703,35 @@ async def serve(
     served_model_name: str | None = None,
     api_key: str | None = None,
     return_routed_experts: bool = False,
+    http_limits: HttpLimits | None = None,
     ready: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
 
-    Once listening, calls ``ready`` with ``{"event": "ready", "url", "host", "port", "model"}``.
+    Once listening, calls ``ready`` with ``{"event": "ready", "url", "host", "port", "model"}``. Bound to an
+    address other than loopback without an ``api_key``, it logs a warning: every endpoint is then open to
+    whoever reaches the port (aborting everyone's requests, loading weights from any path or URL).
 
     Raises:
-        ModelNotFoundError, EngineError, ValueError: as ``EngineServer.from_model``.
+        ModelNotFoundError: the model cannot be resolved or its files cannot be read.
+        EngineError, ValueError: as ``EngineServer.from_model``.
         OSError: the address cannot be bound.
     """
-    server = await asyncio.to_thread(
-        EngineServer.from_model,
-        model,
-        max_batch_size=max_batch_size,
-        max_model_len=max_model_len,
-        served_model_name=served_model_name,
-        api_key=api_key,
-        return_routed_experts=return_routed_experts,
-    )
+    try:
+        server = await asyncio.to_thread(
+            EngineServer.from_model,
+            model,
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            return_routed_experts=return_routed_experts,
+            http_limits=http_limits,
+        )
+    except RollflowError:
+        raise
+    except OSError as error:  # unreadable model files: the model's fault, not the address's
+        raise ModelNotFoundError(f"could not load model {model!r}: {error}") from error
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -719,6 +740,7 @@ async def serve(
         url = await server.start(host, port)
         bound_port = int(url.rsplit(":", 1)[1])
         log.info("serving", url=url, model=server.served_model_name)
+        warn_if_exposed("rollflow serve", host, api_key)
         if ready is not None:
             ready(
                 {
@@ -744,6 +766,9 @@ def main(args: Any) -> int:
         sys.stdout.write(json.dumps(event) + "\n")
         sys.stdout.flush()
 
+    from rollflow.cli import http_limits_from_args
+
+    raise_open_file_limit()
     eventloop.run(
         serve(
             args.model,
@@ -754,6 +779,7 @@ def main(args: Any) -> int:
             served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
             return_routed_experts=args.enable_return_routed_experts,
+            http_limits=http_limits_from_args(args),
             ready=ready,
         )
     )

@@ -4,6 +4,11 @@ Each handler decodes its body (``server_protocol``), validates every value again
 input is a 400 naming the field, never an engine failure), runs one engine request per prompt and sample, and
 shapes the response as vLLM does (``stream: true`` on the OpenAI endpoints: SSE, see ``server_streaming``). A
 handler cancelled by a client disconnect cancels its engine requests, which frees their KV-cache slots.
+
+Long inputs never stall the event loop: a prompt whose length alone proves it cannot fit ``max_model_len``
+(token ids: their count; text: its characters, see ``rollflow.inference.prompt_limits``) is a 400 before it
+is tokenized, and text or chats above ``OFFLOAD_CHARS`` are tokenized and rendered in a worker thread, so
+``/health`` and other requests keep being served meanwhile.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 from aiohttp import web
 
@@ -31,6 +37,7 @@ from rollflow.inference.engine.server_protocol import (
     engine_error,
 )
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
+from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
 from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.messages import (
     FinishReason,
@@ -98,9 +105,17 @@ class DataPlane:
 
     # ------------------------------------------------------------------ validation and generation
 
-    def _check_tokens(self, token_ids: list[int], param: str) -> None:
+    def _check_tokens(self, token_ids: list[int], param: str, *, prompt: bool = True) -> None:
         if not token_ids:
             raise bad_request(f"{param} is empty; pass at least one token id", param)
+        max_model_len = self.engine.max_model_len
+        if prompt and len(token_ids) >= max_model_len:  # before scanning them: a length is free
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                f"{len(token_ids)} tokens, which leaves no room for output. Please reduce the length of the "
+                "prompt.",
+                param,
+            )
         vocab = self.engine.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
@@ -199,6 +214,25 @@ class DataPlane:
     def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        """400 for text whose character count alone proves it cannot fit ``max_model_len`` tokens."""
+        limit = self.server.max_prompt_chars
+        if chars > limit:
+            raise bad_request(prompt_too_long_message(chars, limit, self.engine.max_model_len), param)
+
+    async def _encode(self, texts: list[str], add_special_tokens: bool, param: str) -> list[list[int]]:
+        """Token ids of each text, after the character check; off the event loop when they are long."""
+        for text in texts:
+            self._check_chars(len(text), param)
+
+        def encode() -> list[list[int]]:
+            return [self.tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
+
+        if sum(len(text) for text in texts) <= OFFLOAD_CHARS:
+            return encode()
+        # The fast tokenizers encode through encode_batch, which releases the interpreter lock.
+        return await anyio.to_thread.run_sync(encode)
+
     # ------------------------------------------------------------------ /inference/v1/generate
 
     async def generate(self, request: web.Request) -> web.Response:
@@ -275,20 +309,20 @@ class DataPlane:
 
     # ------------------------------------------------------------------ /v1/completions
 
-    def _completion_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
         """``prompt`` as a list of token-id prompts: token ids, a batch of them, a string or strings."""
 
         def is_ids(value: Any) -> bool:
             return isinstance(value, list) and all(type(t) is int for t in value)
 
         if isinstance(prompt, str):
-            prompts = [self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)]
+            prompts = await self._encode([prompt], add_special_tokens, "prompt")
         elif is_ids(prompt) and prompt:
             prompts = [prompt]
         elif isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
             prompts = prompt
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            prompts = [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) for p in prompt]
+            prompts = await self._encode(prompt, add_special_tokens, "prompt")
         else:
             raise bad_request(
                 "prompt must be a non-empty list of token ids, a list of such lists, a string or a list of strings",
@@ -315,7 +349,7 @@ class DataPlane:
         check_stream_options(body.stream, body.stream_options)
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
-        prompts = self._completion_prompts(body.prompt, body.add_special_tokens)
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
         spec = _Sampling(
             n=body.n,
             max_tokens=body.max_tokens,
@@ -395,7 +429,9 @@ class DataPlane:
 
     # ------------------------------------------------------------------ /v1/chat/completions
 
-    def _render(self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool) -> list[int]:
+    async def _render(
+        self, messages: list[dict[str, Any]], tools: Any, add_generation_prompt: bool
+    ) -> list[int]:
         renderer = self.server.renderer
         if renderer is None:
             raise bad_request(
@@ -411,10 +447,21 @@ class DataPlane:
                     f"got {type(content).__name__}",
                     "messages",
                 )
+        chars = message_text_chars(messages)
+        self._check_chars(chars, "messages")
+        lock = self.server.render_lock
+
+        def render() -> list[int]:
+            with lock:
+                return list(
+                    renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+                )
+
         try:
-            return list(
-                renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-            )
+            # Inline while small and no large render holds the renderer; else in a worker thread.
+            if chars <= OFFLOAD_CHARS and not lock.locked():
+                return render()
+            return await anyio.to_thread.run_sync(render)
         except Exception as error:  # the renderer validates the conversation; its errors are the caller's
             raise bad_request(
                 f"could not render messages: {type(error).__name__}: {error}", "messages"
@@ -437,7 +484,7 @@ class DataPlane:
         check_stream_options(body.stream, body.stream_options)
         if not body.messages:
             raise bad_request("messages is empty; pass at least one message", "messages")
-        prompt = self._render(body.messages, body.tools, body.add_generation_prompt)
+        prompt = await self._render(body.messages, body.tools, body.add_generation_prompt)
         self._check_tokens(prompt, "messages")
         stop_ids = list(body.stop_token_ids or [])
         if not body.ignore_eos:
@@ -535,11 +582,11 @@ class DataPlane:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("pass exactly one of prompt (text) or messages (chat)", "prompt")
         if body.prompt is not None:
-            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            [tokens] = await self._encode([body.prompt], body.add_special_tokens, "prompt")
         else:
             if not body.messages:
                 raise bad_request("messages is empty; pass at least one message", "messages")
-            tokens = self._render(body.messages, body.tools, body.add_generation_prompt)
+            tokens = await self._render(body.messages, body.tools, body.add_generation_prompt)
         response: dict[str, Any] = {
             "count": len(tokens),
             "max_model_len": self.engine.max_model_len,
@@ -553,8 +600,10 @@ class DataPlane:
         body = decode_body(await request.read(), DetokenizeBody)
         self.server.check_model(body.model)
         if body.tokens:
-            self._check_tokens(body.tokens, "tokens")
-        return _json({"prompt": self._decode(body.tokens, False)})
+            self._check_tokens(body.tokens, "tokens", prompt=False)
+        if len(body.tokens) <= OFFLOAD_CHARS // 8:
+            return _json({"prompt": self._decode(body.tokens, False)})
+        return _json({"prompt": await anyio.to_thread.run_sync(self._decode, body.tokens, False)})
 
     async def models(self, request: web.Request) -> web.Response:
         server = self.server

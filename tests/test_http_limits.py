@@ -1,0 +1,194 @@
+"""Slow clients and the connection cap (``rollflow.inference.http``): real loopback servers, raw sockets.
+
+A connection that stalls in its request line, headers or body gets a 408 JSON error and is closed once its
+timeout passes; an idle kept-alive connection is closed too; beyond ``max_connections`` a request gets 503.
+The last test holds 50 stalled connections against the engine server and checks that it keeps answering.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
+
+TIMEOUT_S = 0.5
+
+
+async def _echo(request: web.Request) -> web.Response:
+    body = await request.read()
+    return web.json_response({"received": len(body)})
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def _serve(limits: HttpLimits):
+    app = web.Application()
+    app.router.add_post("/echo", _echo)
+    app.router.add_get("/health", _health)
+    runner = JSONErrorAppRunner(app, limits=limits, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, port
+
+
+async def _read_reply(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long that took."""
+    started = time.perf_counter()
+    data = await asyncio.wait_for(reader.read(), within_s)
+    return data, time.perf_counter() - started
+
+
+def _status_and_json(reply: bytes) -> tuple[int, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    ("sent", "phase"),
+    [
+        (b"", "request line and headers"),
+        (b"POST /ec", "request line and headers"),
+        (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Len", "request line and headers"),
+        (b'POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"a":', "request body"),
+    ],
+    ids=["nothing", "request-line", "headers", "body"],
+)
+async def test_stalled_request_gets_408_after_its_timeout(sent: bytes, phase: str):
+    runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(sent)
+        reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        status, body = _status_and_json(reply)
+        assert status == 408
+        assert phase in body["error"]["message"]
+        assert body["error"]["type"] == "RequestTimeoutError"
+        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + 2.0
+        assert reader.at_eof()
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_slow_but_steady_body_within_its_timeout_is_served():
+    runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=4 * TIMEOUT_S))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
+        for byte in b"abcd":  # each gap shorter than the body timeout, the total too
+            await asyncio.sleep(TIMEOUT_S / 2)
+            writer.write(bytes([byte]))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        reply, _ = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        assert reply.count(b"HTTP/1.1 200") == 2
+        assert b'"received":4' in reply.replace(b" ", b"")
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_idle_kept_alive_connection_is_closed():
+    runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S))
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        assert reply.startswith(b"HTTP/1.1 200")
+        assert waited >= TIMEOUT_S * 0.8  # served at once, then held open until idle for the timeout
+        writer.close()
+    finally:
+        await runner.cleanup()
+
+
+async def test_connections_beyond_the_cap_get_503():
+    runner, port = await _serve(HttpLimits(header_timeout_s=5.0, body_timeout_s=5.0, max_connections=3))
+    try:
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        async with (
+            aiohttp.ClientSession() as client,
+            client.get(f"http://127.0.0.1:{port}/health") as response,
+        ):
+            assert response.status == 503
+            body = await response.json()
+        assert body["error"]["code"] == 503
+        assert "max_connections" in body["error"]["message"]
+        for _, writer in held:
+            writer.close()
+        await asyncio.sleep(0.05)
+        async with (  # below the cap again: served
+            aiohttp.ClientSession() as client,
+            client.get(f"http://127.0.0.1:{port}/health") as response,
+        ):
+            assert response.status == 200
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"header_timeout_s": 0.0}, "header_timeout_s"),
+        ({"body_timeout_s": float("nan")}, "body_timeout_s"),
+        ({"max_connections": 0}, "max_connections"),
+    ],
+)
+def test_bad_limits_name_the_field(kwargs: dict, field: str):
+    with pytest.raises(ValueError, match=field):
+        HttpLimits(**kwargs)
+
+
+def test_is_loopback():
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")
+
+
+async def test_engine_server_keeps_serving_while_50_connections_stall():
+    """``rollflow serve``'s server: 50 connections stalled in their line, headers or body; a client is
+    served meanwhile, and every stalled connection is closed (with a 408) once the timeout passes."""
+    from rollflow.inference.engine import TorchEngine
+    from rollflow.inference.engine.server import EngineServer
+    from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+
+    model_dir = resolve_model_path("rollflow:tiny")
+    tokenizer = load_tokenizer(model_dir)
+    engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=4, max_model_len=256)
+    limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0)
+    server = EngineServer(engine, tokenizer, served_model_name="tiny", http_limits=limits)
+    url = await server.start()
+    port = int(url.rsplit(":", 1)[1])
+    stalls = [
+        b"",
+        b"POST /inference/v1/gen",
+        b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\n",
+        b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{",
+    ]
+    try:
+        connections = []
+        for index in range(50):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(stalls[index % len(stalls)])
+            connections.append((reader, writer))
+        started = time.perf_counter()
+        async with aiohttp.ClientSession() as client:
+            body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2, "temperature": 0.0}}
+            async with client.post(f"{url}/inference/v1/generate", json=body) as response:
+                assert response.status == 200
+        assert time.perf_counter() - started < limits.header_timeout_s  # served before any stall ended
+        replies = await asyncio.gather(*(_read_reply(reader, within_s=10.0) for reader, _ in connections))
+        assert all(_status_and_json(reply)[0] == 408 for reply, _ in replies)
+        assert max(waited for _, waited in replies) < limits.header_timeout_s + 2.0
+        for _, writer in connections:
+            writer.close()
+    finally:
+        await server.close()
