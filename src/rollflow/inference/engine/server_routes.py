@@ -38,6 +38,7 @@ from rollflow.inference.engine.server_protocol import (
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
 from rollflow.inference.routed_experts import pack_routed_experts
+from rollflow.inference.token_bytes import token_bytes
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -537,7 +538,12 @@ class DataPlane:
         for token, value in zip(output.token_ids, output.logprobs, strict=True):
             text = self._decode([token], False)
             content.append(
-                {"token": text, "logprob": _logprob(value), "bytes": list(text.encode()), "top_logprobs": []}
+                {
+                    "token": text,
+                    "logprob": _logprob(value),
+                    "bytes": token_bytes(self.tokenizer, token, text),
+                    "top_logprobs": [],
+                }
             )
         return content
 
