@@ -192,3 +192,63 @@ async def test_engine_server_keeps_serving_while_50_connections_stall():
             writer.close()
     finally:
         await server.close()
+
+
+# ------------------------------------------------------------------ configuration and command line
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "inference.http_header_timeout_s=0",
+        "inference.http_body_timeout_s=-1",
+        "inference.http_max_connections=0",
+        "inference.http_max_connections=1.5",
+    ],
+)
+def test_bad_http_limit_keys_name_the_key(override: str):
+    from rollflow.config import load_config
+    from rollflow.errors import ConfigError
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError, match=f"invalid value for '{key}'"):
+        load_config([], [override])
+
+
+def test_http_limit_keys_reach_the_servers_and_router_rollflow_starts(tmp_path):
+    from rollflow.cli import _parser, http_limits_from_args
+    from rollflow.config import load_config
+    from rollflow.inference.router_process import RouterProcess
+    from rollflow.inference.server_group import build_torch_server_command
+
+    config = load_config(
+        [],
+        [
+            "inference.http_header_timeout_s=2.5",
+            "inference.http_body_timeout_s=7",
+            "inference.http_max_connections=99",
+        ],
+    )
+    limits = config.inference.http_limits()
+    assert limits == HttpLimits(header_timeout_s=2.5, body_timeout_s=7.0, max_connections=99)
+    serve_argv, _ = build_torch_server_command("rollflow:tiny", http_limits=limits)
+    router_argv, _ = RouterProcess(["http://127.0.0.1:1"], tmp_path, http_limits=limits)._command()[:2]
+    for argv in (serve_argv, router_argv):
+        # The flags parse back, through the real parser, into the same limits.
+        command = argv[argv.index("rollflow") + 1 :]
+        if command[0] == "serve":
+            command = [*command, "--model", "rollflow:tiny"]
+        assert http_limits_from_args(_parser().parse_args(command)) == limits
+
+
+@pytest.mark.parametrize(
+    "flag", ["--http-header-timeout-s=0", "--http-body-timeout-s=nan", "--http-max-connections=0"]
+)
+def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "rollflow", "router", "--server", "http://127.0.0.1:1", flag]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert flag.split("=", 1)[0] in result.stderr

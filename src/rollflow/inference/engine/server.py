@@ -18,7 +18,13 @@ entry point. Where it departs from vLLM:
 Every malformed request gets a 4xx with ``{"error": {"message", "type", "param", "code"}}``, including those
 aiohttp rejects before routing (a bad ``Content-Length``): the server's request handler writes that JSON too.
 Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
-cancels its handler, which aborts its engine request.
+cancels its handler, which aborts its engine request. Clients that stall in a request's line, headers or
+body get a 408 and are disconnected, and connections beyond a cap get a 503 (``HttpLimits``, enforced by
+``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413.
+
+Without an ``api_key`` every endpoint is open to whoever reaches the port: ``/abort_requests`` aborts every
+request, ``/update_weights`` loads weights from wherever ``update_info`` points. The default bind address,
+127.0.0.1, limits that to local users; ``serve`` warns when it listens elsewhere without a key.
 """
 
 from __future__ import annotations
