@@ -252,3 +252,25 @@ def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert flag.split("=", 1)[0] in result.stderr
+
+
+async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
+    """The trainer's HTTP endpoint of ``weight_sync.strategy = "checkpoint"``: a silent client is dropped."""
+    from rollflow.weights import checkpoint
+
+    class Client:
+        async def init_weight_update_communicator(self, init_info: dict) -> None:
+            pass
+
+    monkeypatch.setattr(checkpoint._Handler, "timeout", TIMEOUT_S)
+    sender = checkpoint.CheckpointStrategy().create_sender({"backend": "checkpoint", "timeout_s": 10})
+    await sender.setup(Client())
+    try:
+        host, port = sender._server.server_address[:2]
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /x HTTP/1.1\r\n")  # and nothing more
+        _, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + 2.0
+        writer.close()
+    finally:
+        sender.close()
