@@ -5,6 +5,9 @@ timeout passes; an idle kept-alive connection is closed too; beyond ``max_connec
 The last test holds 50 stalled connections against the engine server and checks that it keeps answering.
 """
 
+# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
+from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
 
 TIMEOUT_S = 0.5
 
@@ -153,18 +157,13 @@ def test_is_loopback():
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")
 
 
-async def test_engine_server_keeps_serving_while_50_connections_stall():
+async def test_engine_server_keeps_serving_while_50_connections_stall(tiny_chat, uncached_engine):
     """``rollflow serve``'s server: 50 connections stalled in their line, headers or body; a client is
     served meanwhile, and every stalled connection is closed (with a 408) once the timeout passes."""
-    from rollflow.inference.engine import TorchEngine
     from rollflow.inference.engine.server import EngineServer
-    from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
-    model_dir = resolve_model_path("rollflow:tiny")
-    tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=4, max_model_len=256)
     limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0)
-    server = EngineServer(engine, tokenizer, served_model_name="tiny", http_limits=limits)
+    server = EngineServer(uncached_engine, tiny_chat.tokenizer, served_model_name="tiny", http_limits=limits)
     url = await server.start()
     port = int(url.rsplit(":", 1)[1])
     stalls = [
@@ -191,7 +190,7 @@ async def test_engine_server_keeps_serving_while_50_connections_stall():
         for _, writer in connections:
             writer.close()
     finally:
-        await server.close()
+        await server._runner.cleanup()  # the module's engine outlives the test
 
 
 # ------------------------------------------------------------------ configuration and command line
@@ -274,3 +273,35 @@ async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
         writer.close()
     finally:
         sender.close()
+
+
+@pytest.mark.parametrize("listener", ["router", "tito_proxy"])
+async def test_router_and_tito_proxy_close_stalled_connections(listener: str, tiny_chat):
+    from rollflow.inference.router import InferenceRouter
+    from rollflow.tito import TITOProxy
+
+    limits = HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S)
+    if listener == "router":
+        server = InferenceRouter([], health_check_interval_s=60, http_limits=limits)
+    else:
+        client = ScriptedClient(tiny_chat.tokenizer)
+        server = TITOProxy(
+            client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, http_limits=limits
+        )
+    async with server:
+        if listener == "router":
+            port, path = int(server.url.rsplit(":", 1)[1]), "/v1/completions"
+        else:
+            session = await server.open_session()
+            port = server.port
+            path = session.base_url.split(str(port), 1)[1] + "/chat/completions"
+        # A handler that reads its body: the stall is in the body, not answered by a 404 first.
+        stalls = [b"GET /hea", f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{{".encode()]
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in stalls]
+        for (_, writer), payload in zip(connections, stalls, strict=True):
+            writer.write(payload)
+        for reader, writer in connections:
+            reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+            assert _status_and_json(reply)[0] == 408
+            assert waited < TIMEOUT_S + 2.0
+            writer.close()

@@ -153,17 +153,22 @@ def test_port_out_of_range_is_a_usage_error_naming_the_flag(argv):
     assert "--port" in result.stderr and "0-65535" in result.stderr
 
 
-def test_serve_blames_an_unusable_model_path_not_the_port():
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_an_unusable_model_path_is_blamed_not_the_port(command, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if command == "serve":
+        argv = ["serve", "--model", "/etc", "--port", "0"]
+        named = "--model /etc"
+    else:
+        config = tmp_path / "proxy.toml"
+        config.write_text('[model]\npath = "/etc"\n')
+        argv = ["proxy", str(config), "--port", "0"]
+        named = "model.path"
     result = subprocess.run(
-        [sys.executable, "-m", "rollflow", "serve", "--model", "/etc", "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
+        [sys.executable, "-m", "rollflow", *argv], capture_output=True, text=True, timeout=120, env=env
     )
     assert result.returncode == 2, result.stderr
-    assert "--model /etc" in result.stderr and "config.json" in result.stderr
+    assert named in result.stderr and "config.json" in result.stderr
     assert "listen" not in result.stderr
 
 
