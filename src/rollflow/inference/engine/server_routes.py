@@ -445,16 +445,22 @@ class DataPlane:
         lock = self.server.render_lock
 
         def render() -> list[int]:
+            return list(
+                renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            )
+
+        def render_locked() -> list[int]:
             with lock:
-                return list(
-                    renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-                )
+                return render()
 
         try:
             # Inline while small and no large render holds the renderer; else in a worker thread.
-            if chars <= OFFLOAD_CHARS and not lock.locked():
-                return render()
-            return await anyio.to_thread.run_sync(render)
+            if chars <= OFFLOAD_CHARS and lock.acquire(blocking=False):
+                try:
+                    return render()
+                finally:
+                    lock.release()
+            return await anyio.to_thread.run_sync(render_locked)
         except Exception as error:  # the renderer validates the conversation; its errors are the caller's
             raise bad_request(
                 f"could not render messages: {type(error).__name__}: {error}", "messages"
