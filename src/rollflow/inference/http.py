@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import resource
 from http import HTTPStatus
 from typing import Any
 
@@ -120,9 +119,13 @@ def warn_if_exposed(what: str, host: str, api_key: str | None) -> None:
     )
 
 
-def raise_open_file_limit() -> int:
+def raise_open_file_limit() -> int | None:
     """Raise this process's soft limit on open files to its hard limit (as vLLM does: every connection is a
-    file descriptor) and return the limit now in force."""
+    file descriptor) and return the limit now in force (None where there is no such limit: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
