@@ -53,8 +53,12 @@ async def while_polled(session, url: str, work) -> tuple[float, list[float], obj
     return elapsed, await poller, result
 
 
-async def completion(session, url: str, prompt: str) -> tuple[int, str]:
-    body = json.dumps({"prompt": prompt, "max_tokens": 1})
+def completion_body(prompt: str) -> bytes:
+    # Encoded before the health polls start: encoding 30 MB here would stall this process's own polls.
+    return json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
+
+
+async def completion(session, url: str, body: bytes) -> tuple[int, str]:
     async with session.post(
         f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
     ) as response:
@@ -79,7 +83,7 @@ async def main(args: argparse.Namespace) -> None:
             assert line, "rollflow serve exited before it was ready"
         url = json.loads(line)["url"]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            await completion(session, url, "warm up")
+            await completion(session, url, completion_body("warm up"))
             rss_before = memory_mb(server.pid, "VmRSS")
             _, idle, _ = await while_polled(session, url, asyncio.sleep(1.0))
             idle_max_ms = round(max(idle) * 1000, 2)
@@ -88,8 +92,9 @@ async def main(args: argparse.Namespace) -> None:
                 ("under_cap", "hello world " * ((cap - 16) // 12)),
             ]
             for name, prompt in cases:
+                body = completion_body(prompt)
                 elapsed, health, (status, text) = await while_polled(
-                    session, url, completion(session, url, prompt)
+                    session, url, completion(session, url, body)
                 )
                 print(
                     json.dumps(

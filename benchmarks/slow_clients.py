@@ -7,7 +7,7 @@ set to ``--timeout-s``. In one invocation:
    idle server (the baseline), then again while ``--stalled`` connections hold the server, stalled in their
    request line, headers or body (a quarter each), then once more after they were closed. Reports p50 and
    p99 of each, and the stalled/idle p99 ratio (target: at most 2).
-2. ``stalled_closed``: when the server closed the stalled connections, counted from each one's opening:
+2. ``stalled_closed``: when the server closed the stalled connections, counted from each one's connect:
    the slowest minus ``--timeout-s`` is how late the deadline fired; also how many got the 408 reply.
 
 The open-file limit of this process is raised to fit the connections. Prints one JSON line per figure.
@@ -59,8 +59,8 @@ async def timed_requests(url: str, count: int) -> list[float]:
 
 async def stall(port: int, payload: bytes) -> tuple[float, bytes]:
     """Open a connection, send ``payload`` and nothing more; (seconds until the server closed it, reply)."""
-    opened = time.perf_counter()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    opened = time.perf_counter()  # the server's deadline counts from its accept, just before this
     writer.write(payload)
     reply = await reader.read()
     closed = time.perf_counter() - opened

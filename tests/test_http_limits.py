@@ -5,6 +5,9 @@ timeout passes; an idle kept-alive connection is closed too; beyond ``max_connec
 The last test holds 50 stalled connections against the engine server and checks that it keeps answering.
 """
 
+# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
+# ruff: noqa: F811
+
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
+from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
 
 TIMEOUT_S = 0.5
 
@@ -153,18 +157,13 @@ def test_is_loopback():
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")
 
 
-async def test_engine_server_keeps_serving_while_50_connections_stall():
+async def test_engine_server_keeps_serving_while_50_connections_stall(tiny_chat, uncached_engine):
     """``rollflow serve``'s server: 50 connections stalled in their line, headers or body; a client is
     served meanwhile, and every stalled connection is closed (with a 408) once the timeout passes."""
-    from rollflow.inference.engine import TorchEngine
     from rollflow.inference.engine.server import EngineServer
-    from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
-    model_dir = resolve_model_path("rollflow:tiny")
-    tokenizer = load_tokenizer(model_dir)
-    engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=4, max_model_len=256)
     limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0)
-    server = EngineServer(engine, tokenizer, served_model_name="tiny", http_limits=limits)
+    server = EngineServer(uncached_engine, tiny_chat.tokenizer, served_model_name="tiny", http_limits=limits)
     url = await server.start()
     port = int(url.rsplit(":", 1)[1])
     stalls = [
@@ -191,4 +190,118 @@ async def test_engine_server_keeps_serving_while_50_connections_stall():
         for _, writer in connections:
             writer.close()
     finally:
-        await server.close()
+        await server._runner.cleanup()  # the module's engine outlives the test
+
+
+# ------------------------------------------------------------------ configuration and command line
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "inference.http_header_timeout_s=0",
+        "inference.http_body_timeout_s=-1",
+        "inference.http_max_connections=0",
+        "inference.http_max_connections=1.5",
+    ],
+)
+def test_bad_http_limit_keys_name_the_key(override: str):
+    from rollflow.config import load_config
+    from rollflow.errors import ConfigError
+
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError, match=f"invalid value for '{key}'"):
+        load_config([], [override])
+
+
+def test_http_limit_keys_reach_the_servers_and_router_rollflow_starts(tmp_path):
+    from rollflow.cli import _parser, http_limits_from_args
+    from rollflow.config import load_config
+    from rollflow.inference.router_process import RouterProcess
+    from rollflow.inference.server_group import build_torch_server_command
+
+    config = load_config(
+        [],
+        [
+            "inference.http_header_timeout_s=2.5",
+            "inference.http_body_timeout_s=7",
+            "inference.http_max_connections=99",
+        ],
+    )
+    limits = config.inference.http_limits()
+    assert limits == HttpLimits(header_timeout_s=2.5, body_timeout_s=7.0, max_connections=99)
+    serve_argv, _ = build_torch_server_command("rollflow:tiny", http_limits=limits)
+    router_argv, _ = RouterProcess(["http://127.0.0.1:1"], tmp_path, http_limits=limits)._command()[:2]
+    for argv in (serve_argv, router_argv):
+        # The flags parse back, through the real parser, into the same limits.
+        command = argv[argv.index("rollflow") + 1 :]
+        if command[0] == "serve":
+            command = [*command, "--model", "rollflow:tiny"]
+        assert http_limits_from_args(_parser().parse_args(command)) == limits
+
+
+@pytest.mark.parametrize(
+    "flag", ["--http-header-timeout-s=0", "--http-body-timeout-s=nan", "--http-max-connections=0"]
+)
+def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "rollflow", "router", "--server", "http://127.0.0.1:1", flag]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert flag.split("=", 1)[0] in result.stderr
+
+
+async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
+    """The trainer's HTTP endpoint of ``weight_sync.strategy = "checkpoint"``: a silent client is dropped."""
+    from rollflow.weights import checkpoint
+
+    class Client:
+        async def init_weight_update_communicator(self, init_info: dict) -> None:
+            pass
+
+    monkeypatch.setattr(checkpoint._Handler, "timeout", TIMEOUT_S)
+    sender = checkpoint.CheckpointStrategy().create_sender({"backend": "checkpoint", "timeout_s": 10})
+    await sender.setup(Client())
+    try:
+        host, port = sender._server.server_address[:2]
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /x HTTP/1.1\r\n")  # and nothing more
+        _, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + 2.0
+        writer.close()
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("listener", ["router", "tito_proxy"])
+async def test_router_and_tito_proxy_close_stalled_connections(listener: str, tiny_chat):
+    from rollflow.inference.router import InferenceRouter
+    from rollflow.tito import TITOProxy
+
+    limits = HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S)
+    if listener == "router":
+        server = InferenceRouter([], health_check_interval_s=60, http_limits=limits)
+    else:
+        client = ScriptedClient(tiny_chat.tokenizer)
+        server = TITOProxy(
+            client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, http_limits=limits
+        )
+    async with server:
+        if listener == "router":
+            port, path = int(server.url.rsplit(":", 1)[1]), "/v1/completions"
+        else:
+            session = await server.open_session()
+            port = server.port
+            path = session.base_url.split(str(port), 1)[1] + "/chat/completions"
+        # A handler that reads its body: the stall is in the body, not answered by a 404 first.
+        stalls = [b"GET /hea", f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{{".encode()]
+        connections = [await asyncio.open_connection("127.0.0.1", port) for _ in stalls]
+        for (_, writer), payload in zip(connections, stalls, strict=True):
+            writer.write(payload)
+        for reader, writer in connections:
+            reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+            assert _status_and_json(reply)[0] == 408
+            assert waited < TIMEOUT_S + 2.0
+            writer.close()

@@ -143,3 +143,26 @@ async def test_tito_proxy_refuses_messages_over_the_cap_and_renders_long_ones_of
         # Under the cap: rendered, off the event loop.
         assert adapter.renderer.threads[-1][1] != threading.current_thread().name
         assert status == 200, reply
+
+
+async def test_trace_survives_a_caller_leaving_during_an_offloaded_render(tiny_chat):
+    """A client that disconnects while its large request renders in a worker thread: the trace's mailbox
+    goes on with the next operation."""
+    import asyncio
+    import time
+
+    from rollflow.tito.renderer import TITORenderer
+    from rollflow.tito.trace import Trace
+
+    class SlowRenderer(Recording):
+        def render(self, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.3)
+            return self._inner.render(*args, **kwargs)
+
+    trace = Trace(TITORenderer(SlowRenderer(tiny_chat.renderer, ()), tiny_chat.tokenizer), "s")
+    messages = [{"role": "user", "content": "hi"}]
+    leaving = asyncio.create_task(trace.prepare(messages, None, offload=True))
+    await asyncio.sleep(0.1)  # the render is running in its thread
+    leaving.cancel()
+    prepared = await asyncio.wait_for(trace.prepare(messages, None, offload=True), 5)
+    assert prepared.prompt_ids

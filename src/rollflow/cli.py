@@ -444,6 +444,7 @@ def _proxy(args: argparse.Namespace) -> int:
     import secrets
 
     from rollflow.config import load_config
+    from rollflow.errors import ModelNotFoundError
     from rollflow.inference.http import raise_open_file_limit
     from rollflow.tito.proxy import serve_standalone
 
@@ -466,6 +467,8 @@ def _proxy(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except ModelNotFoundError as error:  # an OSError too: not the port's fault
+        raise ConfigError(f"rollflow proxy {args.config}: model.path: {error}") from None
     except OSError as error:
         sys.stderr.write(f"error: rollflow proxy could not listen on {args.host}:{args.port}: {error}\n")
         return EXIT_FAILURE

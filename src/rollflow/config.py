@@ -113,7 +113,8 @@ class InferenceConfig(Section):
     """Seconds a client of the HTTP servers rollflow starts (``rollflow serve``, the router, the TITO proxy)
     has to send a request's line and headers, counted from the connection opening or its previous response;
     an idle kept-alive connection is closed after as long. A client past it gets a 408 and is disconnected,
-    so stalled connections cannot pile up (``--http-header-timeout-s``)."""
+    so stalled connections cannot pile up (``--http-header-timeout-s``). Keep it above the clients' pooled
+    connection idle time (aiohttp 15 s, httpx 5 s), or a client may reuse a connection as it is closed."""
     http_body_timeout_s: PositiveFloat = 120.0
     """Seconds such a client has to send a request's body once its headers are in (408 and disconnect
     after; ``--http-body-timeout-s``). The default takes the largest body a server accepts (32 MiB) at a

@@ -10,9 +10,9 @@ default, is the only one), so a few hundred connections that stall mid-request w
 descriptors for good. ``JSONErrorAppRunner`` also enforces ``HttpLimits`` per connection, with one timer
 each (no polling):
 
-- request line and headers must be complete within ``header_timeout_s`` of the connection opening, of
-  the previous response on a kept-alive connection, or of the first byte of the request, whichever is later
-  (an idle kept-alive connection is closed after ``header_timeout_s``);
+- request line and headers must be complete within ``header_timeout_s`` of the connection opening or, on
+  a kept-alive connection, of the previous response (then aiohttp's keep-alive timer, set to the same
+  value, closes it without a reply: the client may be sending its next request at that very moment);
 - the body must be complete within ``body_timeout_s`` of the end of the headers;
 - a connection past either deadline gets a 408 JSON error (when no response has started) and is closed;
   its handler is cancelled, which aborts its engine request;
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
-import resource
 from http import HTTPStatus
 from typing import Any
 
@@ -120,9 +119,13 @@ def warn_if_exposed(what: str, host: str, api_key: str | None) -> None:
     )
 
 
-def raise_open_file_limit() -> int:
+def raise_open_file_limit() -> int | None:
     """Raise this process's soft limit on open files to its hard limit (as vLLM does: every connection is a
-    file descriptor) and return the limit now in force."""
+    file descriptor) and return the limit now in force (None where there is no such limit: Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
         target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
@@ -220,8 +223,12 @@ class _JSONErrorRequestHandler(RequestHandler):
             return
         request = self._current_request
         if phase == "header":
-            # Nothing is being answered unless a pipelined request is still in its handler.
-            answer = not self._request_in_progress
+            if self._request_in_progress:
+                # A pipelined request arrives while the one before is still being answered: its deadline
+                # starts over rather than cutting the request in progress short.
+                self._arm(timeout_s, phase)
+                return
+            answer = True
             what, key = "request line and headers", "header_timeout_s"
         else:
             answer = request is not None and request.writer.output_size == 0

@@ -16,8 +16,8 @@ class HttpLimits:
     largest size servers accept (32 MiB) arrives within ``body_timeout_s`` at a quarter of a MB/s.
     """
 
-    # Seconds to send the request line and headers (from the connection, the previous response or the
-    # request's first byte); also how long an idle kept-alive connection stays open.
+    # Seconds to send the request line and headers, from the connection opening or the previous response;
+    # also how long an idle kept-alive connection stays open.
     header_timeout_s: float = 30.0
     # Seconds to send the whole body once the headers are in.
     body_timeout_s: float = 120.0

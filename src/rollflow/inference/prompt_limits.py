@@ -7,7 +7,9 @@ included): every token covers at most that many characters of the normalized tex
 entries spell one character per byte, SentencePiece entries spell their text, byte-fallback entries such as
 ``<0x0A>`` are longer than the one byte they cover). Unicode normalization may shrink the text before that;
 composition merges at most four code points into one (Greek letter + three marks, e.g. U+1FAF), hence
-``NORMALIZATION_SLACK``. So a prompt with more than ``max_prompt_chars(max_model_len, tokenizer)``
+``NORMALIZATION_SLACK``. (Normalizers that delete characters, such as BERT's control-character cleanup
+or whitespace stripping, would break the bound; causal LMs' tokenizers have none, byte-level BPE never drops
+a byte.) So a prompt with more than ``max_prompt_chars(max_model_len, tokenizer)``
 characters cannot fit ``max_model_len`` tokens, and is refused without tokenizing it: a 30 MB prompt costs
 a length check, not seconds of event-loop time and gigabytes of token offsets.
 

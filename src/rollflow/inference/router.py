@@ -401,6 +401,8 @@ class InferenceRouter:
                 return json_error(400, f"invalid request body: {error}", param="session_id")
             except msgspec.DecodeError as error:
                 return json_error(400, f"request body is not valid JSON: {error}")
+            except RecursionError:  # skipping a deeply nested field hits msgspec's depth limit
+                return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
             session_id = session_id or fields.session_id or None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         self.num_requests += 1
@@ -551,7 +553,7 @@ class InferenceRouter:
         if url is None and request.can_read_body:
             try:
                 data = msgspec.json.decode(await request.read())
-            except msgspec.DecodeError as error:
+            except (msgspec.DecodeError, RecursionError) as error:
                 return json_error(400, f"request body is not valid JSON: {error}")
             url = data.get("url") if isinstance(data, dict) else None
         if url is None:
@@ -584,7 +586,7 @@ class InferenceRouter:
         if session_id is None and request.can_read_body:
             try:
                 fields = msgspec.json.decode(await request.read(), type=_SessionField)
-            except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
                 return json_error(400, f"invalid request body: {error}", param="session_id")
             session_id = fields.session_id
         if not session_id:

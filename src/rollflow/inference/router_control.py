@@ -163,7 +163,7 @@ async def _init_bodies(
     workers before (process-group payloads); other payloads go to every worker unchanged."""
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as error:
+    except (msgspec.DecodeError, RecursionError) as error:
         return json_error(400, f"request body is not valid JSON: {error}")
     info = body.get("init_info") if isinstance(body, dict) else None
     if isinstance(info, list):

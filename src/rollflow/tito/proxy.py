@@ -8,7 +8,9 @@ returns it for ``compose``.
 With an ``admin_token`` (the standalone ``rollflow proxy`` command) it also serves, behind
 ``Authorization: Bearer <token>``: ``POST /sessions`` (→ ``session_id``, ``base_url``),
 ``GET /sessions/{id}/trace``, and ``POST /sessions/{id}/close`` (``reward``, ``mode``, ``max_seq_len`` →
-composed samples as JSON), so agents in any language and tests from outside can drive it.
+composed samples as JSON), so agents in any language and tests from outside can drive it. A close that
+arrives while another close of the session drains waits for it and returns samples of the same sealed
+trace; a close after the session is closed is a 409.
 
 HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 4xx
 (400 naming the field, 404 unknown model or session, 409 closed session, 413 body too large); a 5xx is a bug,
@@ -262,11 +264,15 @@ class TITOProxy:
     ) -> Trace:
         """Refuse new requests (409), wait for those in flight (up to ``drain_timeout_s``, default the
         proxy's; then they are cancelled), record how the agent ended, seal the trace and return it.
-        Closing a closed session returns its trace again."""
+        Closing a closed session returns its trace again; a close while another one drains waits for it,
+        so both return the sealed trace (the second close's ``error`` and ``timed_out`` are ignored)."""
         trace = session.trace
         if session.closed:
+            if session.close_done is not None:
+                await asyncio.shield(session.close_done)
             return trace
         session.closed = True
+        session.close_done = asyncio.get_running_loop().create_future()
         try:
             await session.drain(self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
         finally:
@@ -279,6 +285,7 @@ class TITOProxy:
                 self._closed[key] = None
             while len(self._closed) > _MAX_CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
+            session.close_done.set_result(None)
         return trace
 
     # ------------------------------------------------------------------ HTTP: errors
@@ -350,6 +357,17 @@ class TITOProxy:
                 code="model_not_found",
             )
         key, is_retry = _request_key(request, body)
+        if key is not None and key.startswith("key:"):
+            # The key names one request: replaying its reply for another body would answer the wrong one.
+            digest = hashlib.blake2b(body, digest_size=16).digest()
+            if session.key_digests.setdefault(key, digest) != digest:
+                raise RequestError(
+                    f"Idempotency-Key {key[4:]!r} was already used with a different request body in this "
+                    "session; send a new key with a new request (a retry must resend the same body)",
+                    status=422,
+                    param="Idempotency-Key",
+                    code="idempotency_key_reused",
+                )
         if chat.stream:
             return await self._stream(request, session, chat, key, is_retry)
         turn = await session.complete(chat, request_key=key, is_retry=is_retry)
@@ -363,8 +381,8 @@ class TITOProxy:
     def _token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
         content = []
         for token_id, logprob in zip(token_ids, logprobs, strict=True):
-            text = self.renderer.token_text(token_id)
-            content.append(TokenLogprob(text, logprob, list(text.encode())))
+            text, raw = self.renderer.token_text_and_bytes(token_id)
+            content.append(TokenLogprob(text, logprob, raw))
         return ChoiceLogprobs(content)
 
     def _completion(self, chat: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
@@ -482,7 +500,7 @@ class TITOProxy:
         try:
             params = msgspec.json.decode(body or b"{}", type=OpenRequest)
             session = await self.open_session(params.session_id)
-        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as error:
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError) as error:
             raise RequestError(f"invalid session request: {error}", param="session_id") from None
         return _json({"session_id": session.session_id, "base_url": session.base_url})
 
@@ -496,7 +514,7 @@ class TITOProxy:
         body = await self._body(request)
         try:
             params = msgspec.json.decode(body, type=CloseRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError) as error:
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as error:
             raise RequestError(f"invalid close request: {error}") from None
         if params.mode not in COMPOSE_MODES:
             raise RequestError(

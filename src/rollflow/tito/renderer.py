@@ -90,6 +90,14 @@ class TITORenderer:
         with self._lock:
             return self.tokenizer.decode([token_id])
 
+    def token_text_and_bytes(self, token_id: int) -> tuple[str, list[int]]:
+        """The token's text decoded alone, and its own bytes (not U+FFFD's for part of a character)."""
+        from rollflow.inference.token_bytes import token_bytes
+
+        with self._lock:
+            text = self.tokenizer.decode([token_id])
+            return text, token_bytes(self.tokenizer, token_id, text)
+
 
 # ------------------------------------------------------------------------------------------ normalization
 
@@ -98,7 +106,7 @@ def _arguments(raw: str) -> Any:
     # Chat templates render dict arguments as JSON; a string would be rendered quoted, so parse when we can.
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to be arguments
         return raw
     return value if isinstance(value, dict) else raw
 

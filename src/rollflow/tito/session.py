@@ -92,6 +92,10 @@ class Session:
         self.base_url = base_url
         self.trace = Trace(renderer, session_id)
         self.closed = False
+        # Set by the proxy's close_session while it drains; done once the trace is sealed.
+        self.close_done: asyncio.Future[None] | None = None
+        # Body digest of each Idempotency-Key used, so a key reused with another body is refused.
+        self.key_digests: dict[str, bytes] = {}
         self._client = client
         self._renderer = renderer
         self._settings = settings

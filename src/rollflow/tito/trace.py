@@ -196,9 +196,11 @@ class Trace:
                     # meanwhile; the mailbox still runs one operation at a time.
                     result = await anyio.to_thread.run_sync(fn, *args) if offload else fn(*args)
                 except Exception as error:
-                    future.set_exception(error)
+                    if not future.done():  # an offloaded caller may have left while it ran
+                        future.set_exception(error)
                 else:
-                    future.set_result(result)
+                    if not future.done():
+                        future.set_result(result)
                 # Drop this operation's arguments and result before yielding: the worker must not keep a
                 # request's prompt alive while other sessions run.
                 fn = args = future = result = None

@@ -150,6 +150,10 @@ def decode_request(body: bytes) -> ChatCompletionRequest:
         raise RequestError(f"invalid request: {text}", param=path or None) from None
     except msgspec.DecodeError as error:
         raise RequestError(f"request body is not valid JSON: {error}", code="invalid_json") from None
+    except RecursionError:  # msgspec's depth limit, reached in an untyped field
+        raise RequestError(
+            "request body JSON is nested too deeply to decode; flatten it", code="invalid_json"
+        ) from None
     validate_request(request)
     return request
 

@@ -66,6 +66,9 @@ class _Blob:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     blob: _Blob  # set on a per-server subclass
+    # Socket timeout (s): a client silent this long in its request, or not reading the reply, is dropped
+    # (each connection holds a thread; without it a stalled one would hold it for good).
+    timeout = 30.0
 
     def do_GET(self) -> None:
         with self.blob.lock:

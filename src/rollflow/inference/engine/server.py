@@ -18,7 +18,13 @@ entry point. Where it departs from vLLM:
 Every malformed request gets a 4xx with ``{"error": {"message", "type", "param", "code"}}``, including those
 aiohttp rejects before routing (a bad ``Content-Length``): the server's request handler writes that JSON too.
 Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
-cancels its handler, which aborts its engine request.
+cancels its handler, which aborts its engine request. Clients that stall in a request's line, headers or
+body get a 408 and are disconnected, and connections beyond a cap get a 503 (``HttpLimits``, enforced by
+``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413.
+
+Without an ``api_key`` every endpoint is open to whoever reaches the port: ``/abort_requests`` aborts every
+request, ``/update_weights`` loads weights from wherever ``update_info`` points. The default bind address,
+127.0.0.1, limits that to local users; ``serve`` warns when it listens elsewhere without a key.
 """
 
 from __future__ import annotations
@@ -160,6 +166,8 @@ class EngineServer:
         self._init_info: dict[str, Any] = {}
         self._update_active = False
         self._pending_version = 0
+        # The newest version loaded since init_weight_transfer_engine: older ones are refused.
+        self._version_floor: int | None = None
         self._weights_lock = asyncio.Lock()
         # Each init_weight_transfer_engine starts a new transfer session (epoch). A receive blocked on a peer
         # that died must not hold the server hostage: it runs outside _weights_lock, a new init supersedes it,
@@ -525,6 +533,9 @@ class EngineServer:
         return json_response({"success": bool(success)})
 
     async def abort_requests(self, request: web.Request) -> web.Response:
+        """``POST /abort_requests``: abort the listed requests, or every request when no ids are given. Behind
+        the API key when one is set; without one, open to whoever reaches the server (on loopback: every
+        local user), who can abort everyone's requests."""
         body = await self._read(request, AbortBody, empty_ok=True)
         aborted = await self._engine_call(self.engine.abort(body.request_ids or None))
         return json_response({"status": "aborted", "aborted": aborted})
@@ -566,6 +577,7 @@ class EngineServer:
                 else:
                     await self._close_receiver()
                 self._epoch += 1
+                self._version_floor = None
                 self._receive_lock = asyncio.Lock()
                 self._receive_in_flight = False
                 try:
@@ -602,6 +614,11 @@ class EngineServer:
         return json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
+        """``POST /update_weights``: receive one round of weights and load them. ``update_info`` says where
+        they come from, which for the checkpoint strategy is any local path or URL the server can read:
+        behind the API key when one is set; without one, open to whoever reaches the server (on loopback:
+        every local user). A ``policy_version`` below one loaded since ``/init_weight_transfer_engine`` is a
+        409 (the tensors are received first: the trainer's broadcast needs every receiver)."""
         body = await self._read(request, UpdateWeightsBody)
 
         async def update() -> None:
@@ -636,14 +653,30 @@ class EngineServer:
                         "weight transfer was re-initialized while this update was receiving; "
                         "its tensors were discarded",
                     )
+                # Checked after receiving: the trainer's broadcast needs every receiver, refused or not.
+                self._check_version_not_older(version, "update_info.policy_version")
                 try:
                     await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
                 except EngineError as error:
                     raise bad_request(str(error), "update_info") from None
                 self._pending_version = version
+                self._version_floor = version
 
         await self._shielded(update())
         return json_response({"message": "Weights updated"})
+
+    def _check_version_not_older(self, version: int, param: str) -> None:
+        """409 for a policy version below one loaded in this transfer session: per-token versions would go
+        backwards. A new ``/init_weight_transfer_engine`` (a new trainer, or a resumed run) starts over."""
+        floor = self._version_floor
+        if floor is not None and version < floor:
+            raise ApiError(
+                409,
+                f"{param} = {version} is older than policy version {floor}, already loaded since "
+                "init_weight_transfer_engine; versions only go forward within one transfer session (a new "
+                "init_weight_transfer_engine starts another)",
+                param.split(".", 1)[0],
+            )
 
     async def _receive(self, receiver: Any, epoch: int, update_info: dict[str, Any]) -> Any:
         """Run the blocking receive off the loop, without holding ``_weights_lock``."""
@@ -680,8 +713,12 @@ class EngineServer:
         async with self._weights_lock:
             if not self._update_active:
                 raise bad_request("start_weight_update must be called before finish_weight_update.")
+            if version is not None:
+                self._check_version_not_older(version, "weight_version")
             if version is not None and version != self.engine.policy_version:
                 await self._engine_call(self.engine.load_weights([], policy_version=version))
+            if version is not None:
+                self._version_floor = version
             self._update_active = False
         return json_response({"message": "Weight update finished"})
 

@@ -94,6 +94,8 @@ def engine_error(error: BaseException) -> ApiError:
 
 T = TypeVar("T")
 
+NESTED_TOO_DEEPLY = "the request body's JSON is nested too deeply to decode; flatten it"
+
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
 
@@ -115,6 +117,8 @@ def decode_body(body: bytes, type_: type[T], *, empty_ok: bool = False) -> T:
         raise bad_request(f"invalid request body: {error}", match.group(1) if match else None) from None
     except msgspec.DecodeError as error:
         raise bad_request(f"malformed JSON in the request body: {error}") from None
+    except RecursionError:  # msgspec's depth limit, reached in an untyped (Any) field
+        raise bad_request(NESTED_TOO_DEEPLY) from None
 
 
 # ------------------------------------------------------------------ data plane bodies

@@ -39,6 +39,7 @@ from rollflow.inference.engine.server_protocol import (
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
 from rollflow.inference.routed_experts import pack_routed_experts
+from rollflow.inference.token_bytes import token_bytes
 from rollflow.messages import (
     FinishReason,
     GenerateChunk,
@@ -452,16 +453,22 @@ class DataPlane:
         lock = self.server.render_lock
 
         def render() -> list[int]:
+            return list(
+                renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+            )
+
+        def render_locked() -> list[int]:
             with lock:
-                return list(
-                    renderer.render_ids(messages, tools=tools, add_generation_prompt=add_generation_prompt)
-                )
+                return render()
 
         try:
             # Inline while small and no large render holds the renderer; else in a worker thread.
-            if chars <= OFFLOAD_CHARS and not lock.locked():
-                return render()
-            return await anyio.to_thread.run_sync(render)
+            if chars <= OFFLOAD_CHARS and lock.acquire(blocking=False):
+                try:
+                    return render()
+                finally:
+                    lock.release()
+            return await anyio.to_thread.run_sync(render_locked)
         except Exception as error:  # the renderer validates the conversation; its errors are the caller's
             raise bad_request(
                 f"could not render messages: {type(error).__name__}: {error}", "messages"
@@ -545,7 +552,12 @@ class DataPlane:
         for token, value in zip(output.token_ids, output.logprobs, strict=True):
             text = self._decode([token], False)
             content.append(
-                {"token": text, "logprob": _logprob(value), "bytes": list(text.encode()), "top_logprobs": []}
+                {
+                    "token": text,
+                    "logprob": _logprob(value),
+                    "bytes": token_bytes(self.tokenizer, token, text),
+                    "top_logprobs": [],
+                }
             )
         return content
 
