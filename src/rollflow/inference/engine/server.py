@@ -554,6 +554,7 @@ class EngineServer:
                     self._update_active = False
                 else:
                     await self._close_receiver()
+                self._update_active = False  # a new transfer session starts with a new round
                 self._epoch += 1
                 self._receive_lock = asyncio.Lock()
                 self._receive_in_flight = False
@@ -628,6 +629,9 @@ class EngineServer:
                 try:
                     await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
                 except EngineError as error:
+                    # Refused before anything was copied (non-finite, unknown or misshapen tensors): the old
+                    # weights keep serving, and this round is over; the trainer starts a new one.
+                    self._update_active = False
                     raise bad_request(str(error), "update_info") from None
                 self._pending_version = version
 
