@@ -554,7 +554,6 @@ class EngineServer:
                     self._update_active = False
                 else:
                     await self._close_receiver()
-                self._update_active = False  # a new transfer session starts with a new round
                 self._epoch += 1
                 self._receive_lock = asyncio.Lock()
                 self._receive_in_flight = False
