@@ -136,6 +136,8 @@ REFUSED = [
     ("max_tokens", "1000000000000000000"),
     ("seed", "-1"),
     ("seed", "18446744073709551616"),
+    ("logit_bias", '{"5": 1e999}'),
+    ("logit_bias", '{"5": -100}'),
 ]
 ACCEPTED = [
     {"temperature": 1e-5, "top_p": 1e-8, "seed": 1},
