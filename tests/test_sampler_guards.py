@@ -205,3 +205,29 @@ async def test_overflowing_finite_weights_fail_each_request_alone_until_good_wei
     await engine.load_weights([("model.norm.weight", norm)], policy_version=2)
     after = await generate(engine)
     assert after.token_ids == before.token_ids and set(after.policy_versions) == {2}
+
+
+async def test_a_row_of_non_finite_logits_fails_its_request_alone(engine):
+    """One request's logits turn NaN mid-generation (as one row of a broken kernel would) while three others
+    decode in the same batch: that request fails naming the non-finite logits, the others finish exactly as
+    alone."""
+    expected = await generate(engine)
+    real_decode = engine.runner.decode
+
+    def decode_with_nan_in_slot_0(token_ids, positions):
+        logits = real_decode(token_ids, positions)
+        if positions[0] >= 0:
+            logits[0, 17] = math.nan
+        return logits
+
+    engine.runner.decode = decode_with_nan_in_slot_0
+    await engine.pause("abort")  # the four queue and are admitted together on resume, the first into slot 0
+    results = [asyncio.ensure_future(generate(engine)) for _ in range(4)]
+    async with asyncio.timeout(10):
+        while engine.num_waiting < 4:
+            await asyncio.sleep(0.005)
+    await engine.resume()
+    outcomes = await asyncio.gather(*results, return_exceptions=True)
+    assert isinstance(outcomes[0], EngineError) and "non-finite logits" in str(outcomes[0])
+    assert [o.token_ids for o in outcomes[1:]] == [expected.token_ids] * 3
+    assert engine.num_failed_requests == 1 and not engine.is_dead
