@@ -861,17 +861,19 @@ class TorchEngine:
         """Sample the rows whose logits have a finite maximum and no NaN: ``(finite per row, indices of those
         rows, their sequences, their tokens, their logprobs)``.
 
-        Rows are checked only when sampling says something is wrong (it raised, or gave a non-finite logprob,
-        which is what a NaN or +inf logit, or a row of -inf, leads to), so a healthy step pays nothing.
+        On the CPU rows are checked only when sampling says something is wrong (it raised, or gave a non-finite
+        logprob, which is what a NaN or +inf logit, or a row of -inf, leads to), so a healthy step pays nothing.
         """
         params = [s.params for s in sequences]
         generators = [s.generator for s in sequences]
-        try:
-            tokens, logprobs = sample(logits, params, generators, self._shared_generator)
-            if all(math.isfinite(v) for v in logprobs):
-                return [True] * len(sequences), list(range(len(sequences))), sequences, tokens, logprobs
-        except RuntimeError:
-            pass
+        # Off the CPU, rows are checked first: CUDA's sampling asserts on the device instead of raising.
+        if logits.device.type == "cpu":
+            try:
+                tokens, logprobs = sample(logits, params, generators, self._shared_generator)
+                if all(math.isfinite(v) for v in logprobs):
+                    return [True] * len(sequences), list(range(len(sequences))), sequences, tokens, logprobs
+            except RuntimeError:
+                pass
         finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
         if all(finite):  # not the logits' fault: sample again so that a failure raises
             tokens, logprobs = sample(logits, params, generators, self._shared_generator)

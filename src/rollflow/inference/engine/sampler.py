@@ -16,6 +16,8 @@ inf - inf is NaN. The batch is then sampled again on logits whose row maximum wa
 largest scaled logit is exactly 0 and the others at most -inf, and a row that still has no finite positive mass
 is drawn as its argmax. With parameters inside ``rollflow.messages.sampling_error``'s bounds and rows with a
 finite maximum and no NaN (the engine fails other rows before sampling), sampling therefore never raises.
+Off the CPU the guarded arithmetic is used from the start: CUDA's ``multinomial`` does not raise on an invalid
+distribution, it fails a device-side assert, which ends the process.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def sample(
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
         return tokens.tolist(), logprobs[:, 0].tolist()
 
+    if logits.device.type != "cpu":
+        # On CUDA an invalid distribution is a device-side assert that ends the process, not an exception.
+        return _sample(logits, params, generators, shared_generator, guarded=True)
     try:
         return _sample(logits, params, generators, shared_generator, guarded=False)
     except RuntimeError:  # torch.multinomial refused a row: inf or NaN from an overflow, or no mass left
