@@ -513,9 +513,6 @@ class TorchEngine:
                 f"{where}prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}, which leaves "
                 f"room for at most {self.max_model_len - 1} prompt tokens; shorten the prompt or raise max_model_len"
             )
-        if not all(type(t) is int for t in prompt):
-            bad = next(t for t in prompt if type(t) is not int)
-            raise EngineError(f"{where}prompt_token_ids must be integers, got {bad!r}")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise EngineError(
@@ -530,10 +527,6 @@ class TorchEngine:
         )
         if problem is not None:
             raise EngineError(f"{where}sampling.{problem[1]}")
-        if not all(type(t) is int for t in params.stop_token_ids):
-            raise EngineError(
-                f"{where}sampling.stop_token_ids must be integers, got {params.stop_token_ids!r}"
-            )
 
     def _post(self, message: _Message, *, quiet: bool = False) -> None:
         with self._lock:
