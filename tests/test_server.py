@@ -315,6 +315,9 @@ async def test_weight_update_lifecycle(server, http):
     assert out == {"message": "Weight transfer initialized"}
     bad = {"update_info": {"tensors": {"model.norm.weight": "wrong"}}}
     assert_error(*(await post(http, server, "/update_weights", bad)), 400)  # wrong shape: engine refuses
+    # A refused update ends its round (the old weights keep serving); the trainer starts a new one.
+    assert_error(*(await post(http, server, "/update_weights", bad)), 400)
+    assert (await post(http, server, "/start_weight_update"))[0] == 200
     before = (await post(http, server, "/inference/v1/generate", {"token_ids": [5, 6], "sampling_params": {
         "max_tokens": 4, "temperature": 0}}))[1]["choices"][0]  # fmt: skip
     good = {"update_info": [{"tensors": {"model.norm.weight": "zeros_norm"}, "policy_version": 7}]}

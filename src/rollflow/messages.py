@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from typing import Any
 
 import msgspec
@@ -46,11 +47,11 @@ def sampling_error(
     ``message`` names the field, the value and the allowed range. Shared by the engine, its HTTP server and
     the run config, so the three agree on what a sampler accepts. No torch here.
     """
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 1:
         return "max_tokens", f"max_tokens must be an integer >= 1, got {max_tokens!r}"
     if (
         isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
+        or not isinstance(temperature, numbers.Real)
         or not math.isfinite(temperature)
         or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE)
     ):
@@ -62,7 +63,7 @@ def sampling_error(
         )
     if (
         isinstance(top_p, bool)
-        or not isinstance(top_p, int | float)
+        or not isinstance(top_p, numbers.Real)
         or not math.isfinite(top_p)
         or not MIN_TOP_P <= top_p <= 1
     ):
@@ -71,9 +72,11 @@ def sampling_error(
             f"top_p must be in [{MIN_TOP_P:g}, 1] (1 disables it), got {top_p!r}; every top_p below "
             f"{MIN_TOP_P:g} keeps only the most likely token: use top_k = 1 for that",
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k < _INT64:
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not -1 <= top_k < _INT64:
         return "top_k", f"top_k must be -1 or 0 (disabled) or a positive integer, got {top_k!r}"
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _INT64):
+    if seed is not None and (
+        isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < _INT64
+    ):
         return "seed", f"seed must be an integer in [0, 2**63), got {seed!r}"
     return None
 

@@ -22,7 +22,7 @@ import structlog
 from rollflow.errors import EngineError, RollflowError
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, sampling_error
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
 from rollflow.tito.wire import ChatCompletionRequest, RequestError
@@ -182,6 +182,7 @@ class Session:
     # ------------------------------------------------------------------ one turn
 
     async def _run(self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight) -> Turn:
+        self._check_sampling(request)
         messages = [normalize_message(m) for m in request.messages]
         tools = normalize_tools(request.tools)
         prepared = await self.trace.prepare(
@@ -216,15 +217,31 @@ class Session:
             request_key=request_key,
         )
 
-    def _sampling(self, request: ChatCompletionRequest) -> tuple[float, float]:
+    def _check_sampling(self, request: ChatCompletionRequest) -> None:
+        """400 naming the field for sampling values the engines cannot honour (what the request would sample
+        at, after ``enforce_sampling``), before anything is rendered or sent."""
+        temperature, top_p = self._sampling(request, count=False)
+        max_tokens = request.max_completion_tokens or request.max_tokens or self._settings.default_max_tokens
+        problem = sampling_error(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1, seed=request.seed
+        )
+        if problem is not None:
+            field, message = problem
+            raise RequestError(message, param=field)
+
+    def _sampling(self, request: ChatCompletionRequest, *, count: bool = True) -> tuple[float, float]:
         """The temperature and top_p a request samples at: its own, or the defaults when it gives none or
         when ``enforce_sampling`` is on (then a request that asked for others is counted)."""
         settings = self._settings
         defaults = (settings.default_temperature, settings.default_top_p)
         asked = (request.temperature, request.top_p)
         if settings.enforce_sampling:
-            if any(
-                value is not None and value != default for value, default in zip(asked, defaults, strict=True)
+            if (
+                any(
+                    value is not None and value != default
+                    for value, default in zip(asked, defaults, strict=True)
+                )
+                and count
             ):
                 self.trace.stats.sampling_overridden += 1
             return defaults

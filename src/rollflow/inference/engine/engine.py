@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -512,9 +513,6 @@ class TorchEngine:
                 f"{where}prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}, which leaves "
                 f"room for at most {self.max_model_len - 1} prompt tokens; shorten the prompt or raise max_model_len"
             )
-        if not all(type(t) is int for t in prompt):
-            bad = next(t for t in prompt if type(t) is not int)
-            raise EngineError(f"{where}prompt_token_ids must be integers, got {bad!r}")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise EngineError(
@@ -529,10 +527,6 @@ class TorchEngine:
         )
         if problem is not None:
             raise EngineError(f"{where}sampling.{problem[1]}")
-        if not all(type(t) is int for t in params.stop_token_ids):
-            raise EngineError(
-                f"{where}sampling.stop_token_ids must be integers, got {params.stop_token_ids!r}"
-            )
 
     def _post(self, message: _Message, *, quiet: bool = False) -> None:
         with self._lock:
@@ -818,17 +812,7 @@ class TorchEngine:
         running a row again is safe) and those that still fail are failed; the engine keeps serving the rest."""
         try:
             logits, routes = forward(sequences)
-            finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
-            good = [i for i, ok in enumerate(finite) if ok]
-            if len(good) < len(sequences):
-                index = torch.tensor(good, dtype=torch.long, device=logits.device)
-                logits = logits[index]
-            kept = [sequences[i] for i in good]
-            tokens, logprobs = (
-                sample(logits, [s.params for s in kept], [s.generator for s in kept], self._shared_generator)
-                if kept
-                else ([], [])
-            )
+            finite, good, kept, tokens, logprobs = self._sample_finite_rows(sequences, logits)
         except Exception as exc:
             if len(sequences) == 1:
                 log.exception(
@@ -863,6 +847,41 @@ class TorchEngine:
             if not sequence.token_ids:  # its first token: the prompt was run
                 self.total_prompt_tokens += sequence.prompt_len
         self._append_samples(kept, tokens, logprobs)
+
+    def _sample_finite_rows(
+        self, sequences: list[_Sequence], logits: torch.Tensor
+    ) -> tuple[list[bool], list[int], list[_Sequence], list[int], list[float]]:
+        """Sample the rows whose logits have a finite maximum and no NaN: ``(finite per row, indices of those
+        rows, their sequences, their tokens, their logprobs)``.
+
+        On the CPU rows are checked only when sampling says something is wrong (it raised, or gave a non-finite
+        logprob, which is what a NaN or +inf logit, or a row of -inf, leads to), so a healthy step pays nothing.
+        """
+        params = [s.params for s in sequences]
+        generators = [s.generator for s in sequences]
+        # Off the CPU, rows are checked first: CUDA's sampling asserts on the device instead of raising.
+        if logits.device.type == "cpu":
+            try:
+                tokens, logprobs = sample(logits, params, generators, self._shared_generator)
+                if all(math.isfinite(v) for v in logprobs):
+                    return [True] * len(sequences), list(range(len(sequences))), sequences, tokens, logprobs
+            except RuntimeError:
+                pass
+        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
+        if all(finite):  # not the logits' fault: sample again so that a failure raises
+            tokens, logprobs = sample(logits, params, generators, self._shared_generator)
+            if not all(math.isfinite(v) for v in logprobs):
+                raise RuntimeError(f"sampling gave non-finite logprobs {logprobs} from finite logits")
+            return finite, list(range(len(sequences))), sequences, tokens, logprobs
+        good = [i for i, ok in enumerate(finite) if ok]
+        kept = [sequences[i] for i in good]
+        if not kept:
+            return finite, good, kept, [], []
+        index = torch.tensor(good, dtype=torch.long, device=logits.device)
+        tokens, logprobs = sample(
+            logits[index], [s.params for s in kept], [s.generator for s in kept], self._shared_generator
+        )
+        return finite, good, kept, tokens, logprobs
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
         """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,

@@ -9,12 +9,15 @@ Seeded requests draw from their own ``torch.Generator``, one row at a time, so t
 seed, prompt and weights, never on which other requests share the batch. Unseeded rows are drawn together
 from one shared generator.
 
-Numerics: everything is computed in float32 on logits whose row maximum was subtracted first, so dividing by
-a small temperature cannot overflow (the largest scaled logit is exactly 0, the others at most -inf), and every
-row keeps its most likely token through top-k and top-p, so no row is ever left with zero mass. With
-parameters inside ``rollflow.messages.sampling_error``'s bounds and rows that have a finite maximum and no NaN
-(the engine fails other rows before sampling), no inf or NaN reaches ``torch.multinomial``; a row that
-nevertheless ends up with no finite positive mass falls back to its argmax rather than raising.
+Numerics: everything is computed in float32, and every row keeps its most likely token through top-k and
+top-p. Logits are divided by the temperature as they are (the old arithmetic, bit for bit, and no extra pass)
+unless ``torch.multinomial`` refuses the result: huge logits over a small temperature overflow to inf, and
+inf - inf is NaN. The batch is then sampled again on logits whose row maximum was subtracted first, so the
+largest scaled logit is exactly 0 and the others at most -inf, and a row that still has no finite positive mass
+is drawn as its argmax. With parameters inside ``rollflow.messages.sampling_error``'s bounds and rows with a
+finite maximum and no NaN (the engine fails other rows before sampling), sampling therefore never raises.
+Off the CPU the guarded arithmetic is used from the start: CUDA's ``multinomial`` does not raise on an invalid
+distribution, it fails a device-side assert, which ends the process.
 """
 
 from __future__ import annotations
@@ -45,14 +48,35 @@ def sample(
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
         return tokens.tolist(), logprobs[:, 0].tolist()
 
+    if logits.device.type != "cpu":
+        # On CUDA an invalid distribution is a device-side assert that ends the process, not an exception.
+        return _sample(logits, params, generators, shared_generator, guarded=True)
+    try:
+        return _sample(logits, params, generators, shared_generator, guarded=False)
+    except RuntimeError:  # torch.multinomial refused a row: inf or NaN from an overflow, or no mass left
+        return _sample(logits, params, generators, shared_generator, guarded=True)
+
+
+def _sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    shared_generator: torch.Generator,
+    *,
+    guarded: bool,
+) -> tuple[list[int], list[float]]:
+    """``sample`` for a batch with at least one sampled row; ``guarded`` subtracts each row's maximum before
+    dividing by the temperature and draws rows without mass as their argmax."""
+    temperatures = [p.temperature for p in params]
     if all(t == 1.0 for t in temperatures):
-        scaled = logits
+        scaled = logits  # log_softmax subtracts the max itself
     else:
-        # Max first: (logits - max) / t <= 0, so a small t sends the tail to -inf instead of the top to +inf.
         divisors = torch.tensor(
             [t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device
-        )
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / divisors[:, None]
+        )[:, None]
+        # Guarded, (logits - max) / t <= 0: a small t sends the tail to -inf instead of the top to +inf.
+        shifted = logits - logits.amax(dim=-1, keepdim=True) if guarded else logits
+        scaled = shifted / divisors
     logprobs_all = torch.log_softmax(scaled, dim=-1)
 
     sampled_rows = [i for i, t in enumerate(temperatures) if t > 0]
@@ -74,7 +98,8 @@ def sample(
         probs, order = _filtered_probs(sampled_scaled, sampled_params)
     else:
         probs, order = sampled_logprobs.exp(), None
-    probs = _argmax_where_massless(probs)
+    if guarded:
+        probs = _argmax_where_massless(probs)
     picks = _draw(probs, [generators[i] for i in sampled_rows], shared_generator)
     if order is not None:
         picks = order.gather(1, picks[:, None])[:, 0]

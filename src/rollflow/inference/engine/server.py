@@ -8,9 +8,12 @@ entry point. Where it departs from vLLM:
 - One worker: ``/get_world_size`` is 1. ``/sleep`` on CPU keeps the weights in memory (level 1 drops the KV
   cache, i.e. the prefix cache); the sleep state is tracked as vLLM reports it.
 - Token logprobs are the sampled token's only: a top-k count above 0 (``logprobs``, ``top_logprobs``) is a 400.
-  Stop strings, ``min_p``, ``min_tokens``, penalties and prompt logprobs are 400s naming the field; so is
-  ``stream`` on ``/inference/v1/generate`` (streaming is served on ``/v1/completions`` and
+  Stop strings, ``min_p``, ``min_tokens``, penalties, ``logit_bias`` and prompt logprobs are 400s naming the
+  field; so is ``stream`` on ``/inference/v1/generate`` (streaming is served on ``/v1/completions`` and
   ``/v1/chat/completions``).
+- A dead engine (its loop died) answers 503 with error ``type`` ``EngineDeadError``, ``/health`` included, where
+  a pause answers ``ServiceUnavailableError``; vLLM answers 500 and exits. Weights holding inf or NaN are a 400
+  naming the tensors, and the weights in use stay.
 - Every choice also carries ``policy_versions``: the policy version that sampled each token.
 - ``/pause?mode=wait`` returns once running requests finished; requests still queued behind a full batch start
   after ``/resume`` (vLLM drains those too).
@@ -658,6 +661,9 @@ class EngineServer:
                 try:
                     await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
                 except EngineError as error:
+                    # Refused before anything was copied (non-finite, unknown or misshapen tensors): the old
+                    # weights keep serving, and this round is over; the trainer starts a new one.
+                    self._update_active = False
                     raise bad_request(str(error), "update_info") from None
                 self._pending_version = version
                 self._version_floor = version

@@ -146,6 +146,8 @@ class VllmSamplingParams(msgspec.Struct, kw_only=True):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Token id -> bias; not supported by the torch engine (a 400 naming it rather than silently ignored).
+    logit_bias: dict[str, float] | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -184,6 +186,8 @@ class OpenAISamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
+    # Token id -> bias; not supported by the torch engine (a 400 naming it rather than silently ignored).
+    logit_bias: dict[str, float] | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -251,6 +251,7 @@ class DataPlane:
                 "sampling_params.repetition_penalty": (sp.repetition_penalty, 1.0),
                 "sampling_params.presence_penalty": (sp.presence_penalty, 0.0),
                 "sampling_params.frequency_penalty": (sp.frequency_penalty, 0.0),
+                "sampling_params.logit_bias": (sp.logit_bias or None, None),
                 "sampling_params.stop": (sp.stop or None, None),
             },
         )
@@ -345,6 +346,7 @@ class DataPlane:
             repetition_penalty=(body.repetition_penalty, 1.0),
             presence_penalty=(body.presence_penalty or None, 0.0),
             frequency_penalty=(body.frequency_penalty or None, 0.0),
+            logit_bias=(body.logit_bias or None, None),
             stop=(body.stop or None, None),
         )
         check_stream_options(body.stream, body.stream_options)
@@ -486,6 +488,7 @@ class DataPlane:
             repetition_penalty=(body.repetition_penalty, 1.0),
             presence_penalty=(body.presence_penalty or None, 0.0),
             frequency_penalty=(body.frequency_penalty or None, 0.0),
+            logit_bias=(body.logit_bias or None, None),
             stop=(body.stop or None, None),
         )
         check_stream_options(body.stream, body.stream_options)
