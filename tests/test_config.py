@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,17 @@ def test_cross_field_rules_name_every_field():
         load_config([], ["sampling.temperature=0"])
     with pytest.raises(ConfigError, match="name"):
         load_config([], ["name='../escape'"])
+
+
+@pytest.mark.parametrize("name", [".", "..", "", "a/b", "/abs", "../escape", "a b"])
+def test_run_names_that_are_not_one_directory_are_rejected(name):
+    with pytest.raises(ConfigError, match=rf"name = {re.escape(repr(name))} must be a plain directory name"):
+        load_config([], [f"name={json.dumps(name)}"])
+
+
+@pytest.mark.parametrize("name", ["run.1", "a_b-c", "..x", "v1.2.3"])
+def test_plain_run_names_are_accepted(name):
+    assert load_config([], [f"name={json.dumps(name)}"]).run_dir.name == name
 
 
 def test_missing_and_malformed_files(tmp_path):

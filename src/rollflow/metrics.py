@@ -5,16 +5,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
-import structlog
-
 from rollflow.errors import StorageError, describe_os_error
-
-log = structlog.get_logger(__name__)
 
 
 class MetricsSink(Protocol):
@@ -26,7 +23,8 @@ class MetricsSink(Protocol):
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a killed run keeps every finished line."""
+    """Appends one JSON object per line, each written whole or not at all, so a killed run keeps every
+    finished line and a full disk leaves no torn one."""
 
     def __init__(self, path: Path):
         """Raises:
@@ -34,25 +32,30 @@ class JsonlWriter:
         self.path = path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", encoding="utf-8")
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as error:
             raise StorageError(describe_os_error(error, path)) from None
 
     def log(self, record: dict[str, Any]) -> None:
         """Raises:
-        StorageError: the line could not be written (disk full, permissions); the message names the file."""
+        StorageError: the line could not be written (disk full, permissions); the message names the file,
+            which is left as it was before the line."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: log() after close()")
+        line = memoryview((json.dumps(record, allow_nan=True) + "\n").encode())
+        start = os.lseek(self._fd, 0, os.SEEK_END)
         try:
-            self._file.write(json.dumps(record, allow_nan=True) + "\n")
-            self._file.flush()
+            while line:
+                line = line[os.write(self._fd, line) :]
         except OSError as error:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, start)  # drop the part that was written
             raise StorageError(describe_os_error(error, self.path)) from None
 
     def close(self) -> None:
-        """Close the file; a line that could not be written is dropped (``log`` already raised for it)."""
-        try:
-            self._file.close()
-        except OSError as error:
-            log.warning("could not flush the last line", path=str(self.path), error=str(error))
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
 
 def truncate_jsonl_after_step(path: Path, step: int) -> int:

@@ -105,22 +105,31 @@ def save_checkpoint(
 
 def _save_failure(run_dir: Path, staging: Path, error: Exception) -> str:
     """Why a save failed, where, and what is left. The trainer's writers do not always say (torch.save on a
-    full disk raises ``basic_ios::clear: iostream error``), so the free space is checked here too."""
+    full disk raises ``unexpected pos`` or ``basic_ios::clear: iostream error``), so the free space is
+    compared with the size of the last checkpoint here."""
+    latest = latest_checkpoint(run_dir)
     if isinstance(error, CheckpointError):
         reason = str(error)
     elif isinstance(error, OSError):
         reason = describe_os_error(error, error.filename or staging)
     else:
         reason = f"cannot write checkpoint {staging}: {type(error).__name__}: {error}"
+        needed = _size(latest) if latest is not None else 2**20
         try:
             free = shutil.disk_usage(staging.parent).free
         except OSError:
             free = None
-        if free is not None and free < 2**20:
-            reason += f" (its file system has {free / 2**20:.2f} MiB free: the disk is full)"
-    latest = latest_checkpoint(run_dir)
+        if free is not None and free < needed:
+            reason += (
+                f" (its file system has {free / 2**20:.1f} MiB free, less than a checkpoint's "
+                f"{needed / 2**20:.1f} MiB: the disk is full; free some space or set output_dir to a larger disk)"
+            )
     left = f"the last complete checkpoint, {latest}, is intact" if latest else "no complete checkpoint yet"
     return f"{reason}; {left}"
+
+
+def _size(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.iterdir() if path.is_file())
 
 
 def load_state(checkpoint: Path) -> OrchestratorState:

@@ -1,0 +1,235 @@
+"""The real CLI in subprocesses, signalled inside a chosen phase (``tests/paused_run.py`` holds it): one
+live run per run directory, SIGTERM at setup, mid-step and mid-checkpoint (exit 143, no process left
+behind, and the resumed run trains every prompt exactly once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO_ROOT
+
+QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
+PAUSED_RUN = Path(__file__).with_name("paused_run.py")
+STEPS, PROMPTS_PER_STEP = 6, 4
+SMALL_RUN = [
+    "--no-progress",
+    "--set",
+    f"orchestrator.steps={STEPS}",
+    "--set",
+    "checkpoint.every=2",
+    "--set",
+    f"orchestrator.prompts_per_step={PROMPTS_PER_STEP}",
+]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start_paused(
+    tmp_path: Path, phase: str, *args: str, env: dict[str, str] | None = None, hold_s: float = 4
+):
+    """``rollflow run QUICKSTART ARGS`` in a session of its own, held in ``phase`` for ``hold_s`` or until
+    ``{marker}.release`` appears; returns the process and the marker file that appears when the phase
+    begins."""
+    marker = tmp_path / f"paused-{phase.replace(':', '-')}"
+    process = subprocess.Popen(
+        [sys.executable, str(PAUSED_RUN), "run", str(QUICKSTART), *SMALL_RUN, *args],
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            **(env or {}),
+            "PYTHONUNBUFFERED": "1",
+            "ROLLFLOW_TEST_PAUSE": phase,
+            "ROLLFLOW_TEST_PAUSE_MARKER": str(marker),
+            "ROLLFLOW_TEST_PAUSE_S": str(hold_s),
+        },
+        start_new_session=True,
+    )
+    return process, marker
+
+
+def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            return
+        if process.poll() is not None:
+            raise AssertionError(
+                f"run exited early with {process.returncode}: {process.stderr.read()[-3000:]}"
+            )
+        time.sleep(0.05)
+    raise AssertionError(f"{path.name} did not appear in {timeout_s} s")
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[1].split()  # fields from the state on (the name may hold spaces)
+
+
+def descendants(pid: int) -> dict[int, tuple[str, str]]:
+    """Every live descendant of ``pid``: pid -> (start time, to tell a reused pid apart; command line)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
+    found, stack = {}, [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            if (stat := _proc_stat(child)) is not None:
+                found[child] = (stat[19], _cmdline(child))
+                stack.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def still_running(processes: dict[int, tuple[str, str]]) -> dict[int, str]:
+    """Those of ``processes`` that still exist (zombies and reused pids excluded): pid -> state and command."""
+    alive = {}
+    for pid, (started, cmd) in processes.items():
+        stat = _proc_stat(pid)
+        if stat is not None and stat[19] == started and stat[0] != "Z":
+            alive[pid] = f"[{stat[0]}] {cmd}"
+    return alive
+
+
+def assert_exactly_once(run_dir: Path) -> None:
+    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, STEPS + 1))
+    prompts = [r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
+    assert sorted(prompts) == list(range(STEPS * PROMPTS_PER_STEP)), "each prompt trained exactly once"
+    state = json.loads((run_dir / "checkpoints" / f"step_{STEPS:06d}" / "state.json").read_text())
+    assert state["data_position"] == STEPS * PROMPTS_PER_STEP
+    assert state["trained_ahead"] == []
+
+
+def resume(tmp_path: Path, run_dir: Path, *args: str, env: dict[str, str] | None = None):
+    """``rollflow run --resume RUN_DIR`` to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "rollflow", "run", "--resume", str(run_dir), "--no-progress", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_path):
+    run_dir = tmp_path / "runs" / "quickstart"
+    first, marker = start_paused(tmp_path, "step:2", hold_s=120)
+    try:
+        wait_for(marker, first)
+        second = subprocess.run(
+            [sys.executable, "-m", "rollflow", "run", str(QUICKSTART), *SMALL_RUN],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        concurrent_resume = resume(tmp_path, run_dir)
+        marker.with_name(marker.name + ".release").touch()  # the first run goes on
+        _, stderr = first.communicate(timeout=240)
+    finally:
+        first.kill()
+    lock = str(Path("runs") / "quickstart" / "run.lock")  # as the config names it, relative to the cwd
+    for refused in (second, concurrent_resume):
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert lock in refused.stderr
+        assert f"pid {first.pid}" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    # The refused runs touched nothing: the first one ran alone, once.
+    assert first.returncode == 0, stderr[-3000:]
+    assert_exactly_once(run_dir)
+    assert not (run_dir / "config.resume-1.json").exists()
+    assert not (run_dir / "run.lock").exists(), "released at exit"
+
+
+@pytest.mark.parametrize(
+    ("phase", "placement", "inference_mode", "target"),
+    [
+        # Everything up (2 engine servers, the router, the trainer process); SIGTERM to the run alone, as
+        # `timeout` or `kill` send it.
+        ("setup", "process", "http", "process"),
+        # SIGTERM to the whole process group (systemd, Slurm), the trainer process included, mid-step.
+        ("step:3", "process", "local", "group"),
+        ("step:3", "thread", "local", "process"),
+        # Mid-checkpoint: the trainer's files written, state.json not yet.
+        ("checkpoint:4", "thread", "local", "group"),
+    ],
+)
+def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
+    tmp_path, phase, placement, inference_mode, target
+):
+    run_dir = tmp_path / "runs" / "quickstart"
+    env = {"ROLLFLOW_INFERENCE_MODE": inference_mode}
+    process, marker = start_paused(
+        tmp_path,
+        phase,
+        "--set",
+        f"trainer.placement='{placement}'",
+        "--set",
+        "inference.router_port=0",
+        env=env,
+    )
+    try:
+        wait_for(marker, process)
+        children = descendants(process.pid)
+        if placement == "process":
+            assert any("multiprocessing" in cmd for cmd in still_running(children).values())
+        if inference_mode == "http":
+            assert sum("rollflow serve" in cmd for cmd in still_running(children).values()) == 2
+        if target == "group":
+            os.killpg(process.pid, signal.SIGTERM)
+        else:
+            process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr[-3000:]
+    assert f"continue with `rollflow run --resume {Path('runs') / 'quickstart'}`" in stderr
+    assert "Traceback" not in stderr
+    # Servers, router and trainer process are stopped before the run exits; multiprocessing's resource
+    # tracker leaves when its pipe from the run closes, a moment later.
+    left = still_running(children)
+    assert not {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd}, left
+    deadline = time.monotonic() + 5
+    while still_running(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not still_running(children), still_running(children)
+    assert not (run_dir / "run.lock").exists()
+
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").glob("step_*"))
+    if phase == "setup":
+        assert checkpoints == [] and read_jsonl(run_dir / "metrics.jsonl") == []
+    elif phase == "step:3":
+        assert checkpoints == ["step_000002"]
+    else:  # the checkpoint in progress was finished before the run stopped
+        assert checkpoints == ["step_000002", "step_000004"]
+
+    resumed = resume(tmp_path, run_dir, env={"ROLLFLOW_INFERENCE_MODE": "local"})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_exactly_once(run_dir)
+    assert json.loads((run_dir / "config.json").read_text())["orchestrator"]["steps"] == STEPS
+    assert (run_dir / "config.resume-1.json").exists()

@@ -1,0 +1,279 @@
+"""Run-directory rules: the lock (exclusion, release, a crashed holder), resume rules (from step 0 without a
+checkpoint, meaning changes refused unless forced, every config kept) and write failures on a real full or
+read-only file system."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rollflow import Orchestrator, load_config
+from rollflow.errors import CheckpointError, ConfigError, RunDirectoryInUseError, StorageError
+from rollflow.metrics import JsonlWriter, truncate_jsonl_after_step
+from rollflow.orchestrator.checkpoint import latest_checkpoint, list_checkpoints, load_state
+from rollflow.orchestrator.run_dir import (
+    RunLock,
+    config_history,
+    latest_config,
+    meaning_changes,
+    write_resume_config,
+)
+
+from .conftest import REPO_ROOT
+
+SMALL = [
+    "orchestrator.prompts_per_step=4",
+    "sampling.samples_per_prompt=4",
+    "sampling.max_tokens=4",
+    "data.task='digit'",
+]
+
+
+def small_config(output_dir: Path, *overrides: str):
+    return load_config([], [f"output_dir='{output_dir}'", "name=t", *SMALL, *overrides])
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------------ the lock
+
+
+def test_lock_excludes_a_second_holder_and_is_released(tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    first = RunLock(run_dir)
+    first.acquire()
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
+    with pytest.raises(RunDirectoryInUseError) as info:
+        RunLock(run_dir).acquire()
+    assert str(run_dir / "run.lock") in str(info.value)
+    assert f"pid {os.getpid()}" in str(info.value)
+    first.release()
+    first.release()  # idempotent
+    assert not (run_dir / "run.lock").exists()
+    with RunLock(run_dir):
+        pass
+
+
+HOLD_LOCK = """
+import sys, time
+from rollflow.orchestrator.run_dir import RunLock
+RunLock(sys.argv[1]).acquire()
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
+    run_dir = tmp_path / "r"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryInUseError, match=f"pid {holder.pid}"):
+            RunLock(run_dir).acquire()
+        holder.send_signal(signal.SIGKILL)  # no cleanup: the lock file stays, with the dead pid in it
+        holder.wait()
+    finally:
+        holder.kill()
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] == holder.pid
+    with RunLock(run_dir):
+        assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
+
+
+async def test_an_orchestrator_holds_the_lock_from_setup_to_stop(tmp_path):
+    config = small_config(tmp_path / "runs", "orchestrator.steps=1")
+    orchestrator = await Orchestrator.start(config)
+    try:
+        with pytest.raises(RunDirectoryInUseError, match="run.lock"):
+            await Orchestrator.start(config, resume=True)
+        await orchestrator.run()
+    finally:
+        await orchestrator.stop()
+    assert not (config.run_dir / "run.lock").exists()
+    assert json.loads((config.run_dir / "config.json").read_text())["orchestrator"]["steps"] == 1
+
+
+# ------------------------------------------------------------------------------------------ resume rules
+
+
+def test_config_history_never_overwrites(tmp_path):
+    assert latest_config(tmp_path) is None
+    (tmp_path / "config.json").write_text("{}")
+    assert write_resume_config(tmp_path, b"1").name == "config.resume-1.json"
+    (tmp_path / "config.resume-3.json").write_text("3")
+    assert write_resume_config(tmp_path, b"4").name == "config.resume-4.json"
+    assert [p.name for p in config_history(tmp_path)] == [
+        "config.json",
+        "config.resume-1.json",
+        "config.resume-3.json",
+        "config.resume-4.json",
+    ]
+    assert latest_config(tmp_path).read_text() == "4"
+
+
+def test_meaning_changes_name_each_key():
+    saved = {"seed": 0, "model": {"path": "a"}, "sampling": {"samples_per_prompt": 8, "max_tokens": 8}}
+    new = {"seed": 1, "model": {"path": "a"}, "sampling": {"samples_per_prompt": 4, "max_tokens": 99}}
+    assert meaning_changes(saved, new) == ["sampling.samples_per_prompt: 8 -> 4", "seed: 0 -> 1"]
+
+
+async def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_zero(tmp_path):
+    config = small_config(tmp_path / "runs", "orchestrator.steps=3", "checkpoint.every=2")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=1)  # stopped after step 1: metrics, no checkpoint
+    run_dir = config.run_dir
+    assert latest_checkpoint(run_dir) is None and len(read_jsonl(run_dir / "metrics.jsonl")) == 1
+    # A fresh run with the same name says what to do...
+    with pytest.raises(
+        ConfigError, match=r"no checkpoint yet: restart it from step 0 with `rollflow run --resume"
+    ):
+        await Orchestrator.start(config)
+    # ...and the resume starts over, recording step 1 once.
+    async with Orchestrator(config, resume=True) as orchestrator:
+        assert orchestrator.state.step == 0
+        await orchestrator.run()
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    assert sorted(r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")) == list(range(12))
+    assert [p.name for p in config_history(run_dir)] == ["config.json", "config.resume-1.json"]
+
+
+async def test_resume_refuses_a_change_of_meaning_unless_forced_and_keeps_every_config(tmp_path):
+    config = small_config(tmp_path / "runs", "orchestrator.steps=2", "checkpoint.every=1")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=1)
+    original = (config.run_dir / "config.json").read_bytes()
+    changed = small_config(tmp_path / "runs", "orchestrator.steps=2", "sampling.samples_per_prompt=2")
+    with pytest.raises(ConfigError) as info:
+        await Orchestrator.start(changed, resume=True)
+    message = str(info.value)
+    assert "sampling.samples_per_prompt: 4 -> 2" in message and "--force" in message
+    assert config_history(config.run_dir) == [config.run_dir / "config.json"], (
+        "a refused resume records nothing"
+    )
+    # A change that keeps the meaning (more steps) needs no force; each resume's config is recorded.
+    longer = small_config(tmp_path / "runs", "orchestrator.steps=3", "checkpoint.every=1")
+    async with Orchestrator(longer, resume=True) as orchestrator:
+        await orchestrator.run(steps=1)
+    async with Orchestrator(changed, resume=True, force=True) as orchestrator:
+        assert orchestrator.state.step == 2
+    assert (config.run_dir / "config.json").read_bytes() == original
+    saved = [json.loads(p.read_text()) for p in config_history(config.run_dir)]
+    assert [c["orchestrator"]["steps"] for c in saved] == [2, 3, 2]
+    assert [c["sampling"]["samples_per_prompt"] for c in saved] == [4, 4, 2]
+
+
+async def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no run was started there"):
+        await Orchestrator.start(small_config(tmp_path / "runs"), resume=True)
+
+
+# -------------------------------------------------------------------- a real full or read-only disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mount a tmpfs of a given size (root only; skipped where mounting is not allowed)."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        point = tmp_path / f"disk{len(mounts)}"
+        point.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+def _fill(directory: Path) -> None:
+    with contextlib.suppress(OSError), (directory / "filler").open("wb") as file:
+        while True:
+            file.write(b"\0" * 65536)
+            file.flush()
+
+
+def test_a_full_disk_fails_a_metrics_line_naming_the_file(small_disk):
+    disk = small_disk("256k")
+    writer = JsonlWriter(disk / "run" / "metrics.jsonl")
+    writer.log({"step": 1})
+    _fill(disk)
+    with pytest.raises(StorageError) as info:
+        writer.log({"step": 2, "pad": "x" * 10000})
+    assert str(disk / "run" / "metrics.jsonl") in str(info.value)
+    assert "No space left on device" in str(info.value) and "MiB free" in str(info.value)
+    writer.close()
+    assert read_jsonl(disk / "run" / "metrics.jsonl") == [{"step": 1}], "no torn line"
+    # A resume's truncation rewrites under another name: a full disk keeps the lines it had.
+    with pytest.raises(StorageError):
+        truncate_jsonl_after_step(disk / "run" / "metrics.jsonl", 1)
+    assert read_jsonl(disk / "run" / "metrics.jsonl")[0] == {"step": 1}
+
+
+def test_a_read_only_file_system_is_named(small_disk):
+    disk = small_disk("1m")
+    (disk / "run").mkdir()
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    with pytest.raises(StorageError) as info:
+        JsonlWriter(disk / "run" / "metrics.jsonl")
+    assert str(disk / "run" / "metrics.jsonl") in str(info.value)
+    assert "Read-only file system" in str(info.value) and "output_dir" in str(info.value)
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_last_one(tmp_path, small_disk, placement):
+    """The real CLI with output_dir on a disk that holds one checkpoint of the tiny model but not two."""
+    disk = small_disk("3200k")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow",
+            "run",
+            str(REPO_ROOT / "examples" / "quickstart.toml"),
+            "--no-progress",
+            "--set",
+            f"output_dir='{disk}'",
+            "--set",
+            "name=full",
+            *[arg for override in SMALL for arg in ("--set", override)],
+            "--set",
+            "orchestrator.steps=4",
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            f"trainer.placement='{placement}'",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    run_dir = disk / "full"
+    assert result.returncode == 1, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    print(f"full disk, trainer.placement = {placement}: {error}")
+    assert error.startswith("error: cannot write "), error
+    assert str(run_dir / "checkpoints" / "step_000004.tmp") in error
+    assert "disk is full" in error or "No space left on device" in error, error
+    assert f"the last complete checkpoint, {run_dir / 'checkpoints' / 'step_000002'}, is intact" in error
+    assert "Traceback" not in result.stderr
+    assert [p.name for p in list_checkpoints(run_dir)] == ["step_000002"]
+    assert not (run_dir / "checkpoints" / "step_000004.tmp").exists(), "the partial checkpoint is removed"
+    assert load_state(run_dir / "checkpoints" / "step_000002").step == 2
+    assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").stat().st_size > 0
