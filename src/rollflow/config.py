@@ -118,6 +118,11 @@ class TrainerConfig(Section):
     max_grad_norm: PositiveFloat = 1.0
     micro_batch_size: Positive = 64
     """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    logprob_chunk_tokens: NonNegative = 1024
+    """Token positions whose vocabulary-sized logits are computed at once, in the forward and again in the
+    backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
+    never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
+    logits in one piece (the plain ``lm_head``), e.g. to compare."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
     """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
     clip_low: NonNegativeFloat = 0.2

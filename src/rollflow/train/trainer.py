@@ -25,7 +25,7 @@ from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
 from rollflow.messages import Sample, StepResult, TrainBatch
 from rollflow.train.advantages import compute_advantages
-from rollflow.train.losses import entropy_from_logits, ppo_clip_loss, token_logprobs
+from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
 from rollflow.train.off_policy import OffPolicy, importance_weights
 
 log = structlog.get_logger(__name__)
@@ -287,8 +287,8 @@ class Trainer:
         token count.
         """
         mask = micro_batch.loss_mask
-        logits = self._logits(self.model, micro_batch)
-        new_logprobs = token_logprobs(logits, micro_batch.target_ids, self.temperature)
+        policy = self._token_logprobs(self.model, micro_batch)
+        new_logprobs = policy.logprobs
         importance = None
         if self.off_policy == "none":
             ratio_anchor, token_weights = micro_batch.old_logprobs, None
@@ -307,8 +307,7 @@ class Trainer:
         ref_logprobs = None
         if self.reference_model is not None:
             with torch.no_grad():
-                ref_logits = self._logits(self.reference_model, micro_batch)
-                ref_logprobs = token_logprobs(ref_logits, micro_batch.target_ids, self.temperature)
+                ref_logprobs = self._token_logprobs(self.reference_model, micro_batch).logprobs
         result = ppo_clip_loss(
             new_logprobs,
             ratio_anchor,
@@ -332,7 +331,7 @@ class Trainer:
                 other_version = mask & (micro_batch.token_versions != policy_version)
                 on_policy = mask & ~other_version.any(dim=1, keepdim=True)
             mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[on_policy].abs()
-            entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
+            entropy = policy.entropy[mask]
             shares = {
                 "loss": result.loss.detach(),
                 "clip_fraction": result.clip_fraction,
@@ -350,13 +349,16 @@ class Trainer:
                 shares["is_truncated_fraction"] = importance.capped.sum() / num_step_tokens
         return shares
 
-    @staticmethod
-    def _logits(model: torch.nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
-        output = model(
-            input_ids=micro_batch.input_ids, attention_mask=micro_batch.attention_mask, use_cache=False
+    def _token_logprobs(self, model: torch.nn.Module, micro_batch: MicroBatch) -> TokenLogprobs:
+        """Logprobs and entropy on the micro-batch's loss tokens (0 elsewhere), chunked over positions."""
+        return model_token_logprobs(
+            model,
+            micro_batch.input_ids,
+            micro_batch.attention_mask,
+            temperature=self.temperature,
+            chunk_tokens=self.config.logprob_chunk_tokens,
+            positions=micro_batch.loss_mask,
         )
-        # Drop the last position: it predicts a token after the sequence, which has no target.
-        return output.logits[:, :-1]
 
     def _skipped(self, batch: TrainBatch, metrics: dict[str, float], started: float) -> StepResult:
         metrics["skipped_update"] = 1.0
