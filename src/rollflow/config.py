@@ -104,6 +104,10 @@ class InferenceConfig(Section):
     """Sequences decoded together by one engine (its KV-cache slots)."""
     max_model_len: Positive = 1024
     """Longest prompt + completion an engine accepts, in tokens."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where rollflow's torch engines run: the in-process ones (``local`` mode) and the ``rollflow serve``
+    servers rollflow starts (``--device``). ``auto``: CUDA when torch sees a GPU, else the CPU. Engines
+    compute in float32."""
     return_routed_experts: bool = False
     """MoE models: engines return the experts each token was routed to, and agent (TITO) samples carry them
     (``routed_experts``, for routing replay in training). Sets ``return_routed_experts`` on in-process engines
@@ -113,6 +117,25 @@ class InferenceConfig(Section):
 
 class TrainerConfig(Section):
     lr: PositiveFloat = 1e-3
+    """Peak learning rate (AdamW); see ``lr_schedule``."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run's ``orchestrator.steps`` optimizer steps, after ``warmup_steps`` of linear
+    warm-up from 0 (transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
+    ``cosine`` follows half a cosine to 0. Saved in checkpoints, so a resumed run continues it."""
+    warmup_steps: NonNegative = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's model, gradients and optimizer state live. ``auto``: CUDA when torch sees a GPU,
+    else the CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the forward and backward. Weights, gradients and AdamW state stay float32 (master
+    weights) either way; ``bfloat16`` runs the forward under ``torch.autocast(bfloat16)`` (matmuls in bf16,
+    softmax and norms in float32). ``auto``: bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are
+    slow and the engine/trainer logprob mismatch would grow)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face
+    ``gradient_checkpointing_enable``): about a layer's activations instead of all of them, for ~1/3 more
+    compute."""
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: PositiveFloat = 1.0

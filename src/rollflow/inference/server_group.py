@@ -51,6 +51,7 @@ def build_torch_server_command(
     served_model_name: str | None = None,
     api_key: str | None = None,
     return_routed_experts: bool = False,
+    device: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Command line of one rollflow torch engine server (``python -m rollflow serve``).
@@ -79,6 +80,8 @@ def build_torch_server_command(
         command += ["--served-model-name", served_model_name]
     if return_routed_experts:
         command.append("--enable-return-routed-experts")
+    if device != "auto":
+        command += ["--device", device]
     env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
     return [*command, *extra_args], env
 
@@ -98,6 +101,7 @@ def build_vllm_server_command(
     gpu_memory_utilization: float | None = None,
     api_key: str | None = None,
     return_routed_experts: bool = False,
+    device: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.

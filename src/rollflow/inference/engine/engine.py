@@ -841,7 +841,7 @@ class TorchEngine:
     def _keep_routes(self, sequences: list[_Sequence], rows: Iterable[int], lengths: list[int]) -> None:
         """Append to each sequence the routes of its tokens in the last forward: the first ``lengths[i]``
         positions of runner row ``rows[i]`` (the rest is padding)."""
-        routes = self.runner.last_routed_experts.numpy()  # [rows, positions, moe_layers, topk]
+        routes = self.runner.last_routed_experts.cpu().numpy()  # [rows, positions, moe_layers, topk]
         for sequence, row, length in zip(sequences, rows, lengths, strict=True):
             sequence.routes.append(routes[row, :length])
 
