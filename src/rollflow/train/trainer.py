@@ -24,6 +24,7 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
 from rollflow.messages import Sample, StepResult, TrainBatch
+from rollflow.train import routing_replay
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
 from rollflow.train.off_policy import OffPolicy, importance_weights
@@ -51,6 +52,9 @@ class MicroBatch:
     token_versions: (
         torch.Tensor
     )  # [batch, time - 1] long, policy version of each completion token, -1 unknown
+    # [batch, time, moe_layers, topk] long expert ids the sampler routed each input token to (-1 unknown), for
+    # MoE routing replay; None when no sample carries routes.
+    routed_experts: torch.Tensor | None = None
 
 
 def build_micro_batch(
@@ -90,6 +94,7 @@ def build_micro_batch(
     old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
+    routes = routing_replay.collate_routes(samples, time_len)
     for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
         prompt_len = len(sample.prompt_token_ids)
         input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -113,6 +118,7 @@ def build_micro_batch(
         old_logprobs=old_logprobs.to(device),
         advantages=token_advantages.to(device),
         token_versions=token_versions.to(device),
+        routed_experts=None if routes is None else routes.to(device),
     )
 
 
@@ -182,6 +188,8 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.dtype, self.device, "trainer.dtype")
         # Model and optimizer: float32 master weights on the device, whatever the compute dtype.
         self.model = model.to(device=self.device, dtype=torch.float32)
+        # MoE: forwards replay the experts the sampler chose when samples carry them (routing_replay.py).
+        self.routing_replay = routing_replay.install(self.model)
         # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
         self.reference_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
@@ -381,6 +389,8 @@ class Trainer:
         with torch.autocast(
             self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32
         ):
+            if self.routing_replay:
+                routing_replay.set_routes(model, micro_batch.routed_experts)
             return model_token_logprobs(
                 model,
                 micro_batch.input_ids,
