@@ -258,3 +258,24 @@ def test_the_resolved_config_records_the_new_keys():
     config = load_config(overrides=["trainer.lr_schedule=cosine", "trainer.warmup_steps=3"])
     trainer = json.loads(json.dumps({"trainer": {"lr_schedule": config.trainer.lr_schedule}}))
     assert trainer == {"trainer": {"lr_schedule": "cosine"}} and config.trainer.warmup_steps == 3
+
+
+# ---------------------------------------------------------------- loading
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_moe"])
+def test_an_empty_model_filled_from_a_state_dict_equals_the_loaded_one(which, request):
+    from rollflow.models.loading import empty_causal_lm, load_causal_lm, materialize
+
+    model_dir = request.getfixturevalue(f"{which}_model_dir")
+    loaded = load_causal_lm(model_dir)
+    empty = empty_causal_lm(model_dir)
+    assert {p.device.type for p in empty.parameters()} == {"meta"}  # nothing read, nothing allocated
+    materialize(empty, "cpu")
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight  # tied again after to_empty
+    empty.load_state_dict(loaded.state_dict())
+    input_ids = torch.randint(
+        0, loaded.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(empty(input_ids).logits, loaded(input_ids).logits, rtol=0, atol=0)

@@ -89,6 +89,67 @@ def load_causal_lm(model_dir: Path, *, device: Any = "cpu", dtype: Any = None) -
     return model.eval()
 
 
+def empty_causal_lm(model_dir: Path) -> Any:
+    """The model's architecture on the meta device (float32, eval mode), reading no weights: for a process that
+    receives its weights from another (a data-parallel rank other than 0, filled by
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``), so that only one process per node reads and
+    holds a full copy.
+
+    Give it memory with ``materialize(model, device)`` (or ``to_empty`` after sharding, for FSDP2, then
+    ``tie_weights`` and ``restore_non_persistent_buffers``): ``to_empty`` unties tied weights and leaves the
+    buffers outside the state dict (rotary ``inv_freq``) uninitialised.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def materialize(model: Any, device: Any = "cpu") -> Any:
+    """Allocate (uninitialised) memory on ``device`` for a model from ``empty_causal_lm``, tie its weights
+    again and restore its non-persistent buffers; the weights are then ready for ``load_state_dict``."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    restore_non_persistent_buffers(model)
+    return model
+
+
+def restore_non_persistent_buffers(model: Any) -> None:
+    """Recompute the buffers no state dict carries (rotary ``inv_freq`` and the like) of a model that was
+    built on the meta device and materialised with ``to_empty``: each module holding such buffers is built
+    again on the CPU from its own ``config`` and its buffers copied over.
+
+    Raises:
+        TypeError: a module with non-persistent buffers cannot be rebuilt from its ``config``.
+    """
+    import torch
+
+    for name, module in model.named_modules():
+        buffers = [
+            b for b in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, b) is not None
+        ]
+        if not buffers:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise TypeError(
+                f"module {name!r} ({type(module).__name__}) has non-persistent buffers {buffers} but no config "
+                "to rebuild them from; load this model with load_causal_lm instead"
+            )
+        with torch.device("cpu"):
+            fresh = type(module)(config=config)
+        with torch.no_grad():
+            for buffer in buffers:
+                getattr(module, buffer).copy_(getattr(fresh, buffer))
+        for attribute in ("attention_scaling",):
+            if hasattr(fresh, attribute):
+                setattr(module, attribute, getattr(fresh, attribute))
+
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16")
 
