@@ -16,13 +16,14 @@ variants (the figure is an upper bound for them).
 
 Prints one JSON line per variant:
 {"benchmark": "trainer_memory", "variant": "chunked_1024", "logprob_chunk_tokens": 1024, "batch": 8,
- "tokens_per_sample": 1024, "vocab_size": 151936, "peak_bytes": ..., "logits_bytes": ..., "step_seconds": ...,
- "baseline": "full_logits", "baseline_peak_bytes": ..., "reduction": ...}
+ "tokens_per_sample": 1024, "vocab_size": 151936, "peak_bytes": ..., "logits_bytes": ..., "peak_over_logits": ...,
+ "step_seconds": ..., "baseline": "full_logits", "baseline_peak_bytes": ..., "reduction": ...}
 ``logits_bytes`` is the theoretical size of one float32 ``[batch, time, vocab]`` logits tensor.
 
-Usage: ``python benchmarks/trainer_memory.py`` (Linux; about a minute per variant on 2 CPU cores, and the
-baseline variant needs ~4x ``logits_bytes`` of free memory: ~20 GiB at 8 x 1,024 tokens; it refuses to start
-with less and names a ``--tokens-per-sample`` to use).
+Usage: ``python benchmarks/trainer_memory.py`` (Linux; up to a minute per variant on 2 CPU cores). The
+baseline variant needs ~4x ``logits_bytes`` of free memory, ~20 GiB at 8 x 1,024 tokens: with less available,
+it says so on stderr and measures every variant at the longest samples that fit (``tokens_per_sample`` in each
+line says which). ``--variants chunked_1024,chunked_256`` measures without the baseline.
 """
 
 from __future__ import annotations
@@ -126,47 +127,51 @@ def main() -> None:
     parser.add_argument(
         "--tokens-per-sample", type=int, default=TOKENS_PER_SAMPLE, help="sample length (default 1024)"
     )
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all; the reduction needs full_logits)",
+    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         print(json.dumps(measure(args.child, args.tokens_per_sample)))
         return
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
 
-    logits_bytes = BATCH * args.tokens_per_sample * VOCAB_SIZE * 4
-    # The full-logits step holds about four logits-sized tensors at its peak (logits, logsumexp's exp, and
-    # their gradients in the backward).
-    needed, available = 4 * logits_bytes + 2 * 2**30, _meminfo_bytes("MemAvailable")
-    if available < needed:
-        fits = max((available - 2 * 2**30) // (4 * BATCH * VOCAB_SIZE * 4) // 64 * 64, 64)
-        sys.exit(
-            f"the full-logits variant needs about {needed / 2**30:.1f} GiB free, this machine has "
-            f"{available / 2**30:.1f} GiB available; run with --tokens-per-sample {fits} or less"
-        )
-    results = {}
-    for variant, chunk_tokens in VARIANTS.items():
-        child = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                str(chunk_tokens),
-                "--tokens-per-sample",
-                str(args.tokens_per_sample),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if child.returncode != 0:
-            killed = (
-                " (killed: out of memory? try a smaller --tokens-per-sample)"
-                if child.returncode == -9
-                else ""
+    tokens_per_sample = args.tokens_per_sample
+    if "full_logits" in variants:
+        # The full-logits step holds about four logits-sized tensors at its peak (logits, logsumexp's exp, and
+        # their gradients in the backward); on a smaller machine, measure at the longest samples that fit.
+        per_token = 4 * BATCH * VOCAB_SIZE * 4
+        available = _meminfo_bytes("MemAvailable") - 2 * 2**30
+        if per_token * tokens_per_sample > available:
+            fits = max(available // per_token // 64 * 64, 64)
+            print(
+                f"trainer_memory: the full-logits variant needs ~{per_token * tokens_per_sample / 2**30:.1f} GiB "
+                f"at {tokens_per_sample} tokens per sample, {available / 2**30:.1f} GiB is available: measuring "
+                f"at {fits} tokens per sample instead",
+                file=sys.stderr,
             )
+            tokens_per_sample = fits
+    logits_bytes = BATCH * tokens_per_sample * VOCAB_SIZE * 4
+    results = {}
+    for variant, chunk_tokens in variants.items():
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            str(chunk_tokens),
+            "--tokens-per-sample",
+            str(tokens_per_sample),
+        ]
+        child = subprocess.run(command, capture_output=True, text=True, check=False)
+        if child.returncode != 0:
+            killed = " (killed: out of memory?)" if child.returncode == -9 else ""
             sys.exit(f"variant {variant} failed (exit {child.returncode}){killed}:\n{child.stderr[-4000:]}")
         results[variant] = json.loads(child.stdout.strip().splitlines()[-1])
-    baseline = results["full_logits"]["peak_bytes"]
-    for variant, chunk_tokens in VARIANTS.items():
+    baseline = results["full_logits"]["peak_bytes"] if "full_logits" in results else None
+    for variant, chunk_tokens in variants.items():
         figure = results[variant]
         print(
             json.dumps(
@@ -175,14 +180,15 @@ def main() -> None:
                     "variant": variant,
                     "logprob_chunk_tokens": chunk_tokens,
                     "batch": BATCH,
-                    "tokens_per_sample": args.tokens_per_sample,
+                    "tokens_per_sample": tokens_per_sample,
                     "vocab_size": VOCAB_SIZE,
                     "peak_bytes": figure["peak_bytes"],
                     "logits_bytes": logits_bytes,
+                    "peak_over_logits": round(figure["peak_bytes"] / logits_bytes, 3),
                     "step_seconds": round(figure["step_seconds"], 2),
                     "baseline": "full_logits",
                     "baseline_peak_bytes": baseline,
-                    "reduction": round(baseline / figure["peak_bytes"], 2),
+                    "reduction": None if baseline is None else round(baseline / figure["peak_bytes"], 2),
                 }
             ),
             flush=True,
