@@ -279,3 +279,11 @@ def test_an_empty_model_filled_from_a_state_dict_equals_the_loaded_one(which, re
     )
     with torch.no_grad():
         torch.testing.assert_close(empty(input_ids).logits, loaded(input_ids).logits, rtol=0, atol=0)
+
+
+def test_servers_rollflow_starts_get_the_engine_device():
+    from rollflow.inference.server_group import build_torch_server_command
+
+    command, _ = build_torch_server_command("rollflow:tiny", device="cuda")
+    assert command[command.index("--device") + 1] == "cuda"
+    assert "--device" not in build_torch_server_command("rollflow:tiny")[0]  # auto: each server decides
