@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
         "else none)",
     )
     serve.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the engine runs: auto (CUDA when torch sees a GPU, else CPU), cpu or cuda (default auto)",
+    )
+    serve.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",

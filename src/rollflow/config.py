@@ -122,6 +122,10 @@ class InferenceConfig(Section):
     http_max_connections: Positive = 4096
     """Connections each such server serves at once; a connection beyond it gets a 503 and is closed
     (``--http-max-connections``). The servers raise their open-file limit to the hard limit at start."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where rollflow's torch engines run: the in-process ones (``local`` mode) and the ``rollflow serve``
+    servers rollflow starts (``--device``). ``auto``: CUDA when torch sees a GPU, else the CPU. Engines
+    compute in float32."""
     return_routed_experts: bool = False
     """MoE models: engines return the experts each token was routed to, and agent (TITO) samples carry them
     (``routed_experts``, for routing replay in training). Sets ``return_routed_experts`` on in-process engines
@@ -141,7 +145,26 @@ class InferenceConfig(Section):
 
 class TrainerConfig(Section):
     lr: PositiveFloat = 1e-3
-    """AdamW learning rate (finite, > 0). Like every number in the config, inf and nan are refused."""
+    """Peak AdamW learning rate (finite, > 0); see ``lr_schedule``. Like every number in the config, inf and nan
+    are refused."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run's ``orchestrator.steps`` optimizer steps, after ``warmup_steps`` of linear
+    warm-up from 0 (transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
+    ``cosine`` follows half a cosine to 0. Saved in checkpoints, so a resumed run continues it."""
+    warmup_steps: NonNegative = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's model, gradients and optimizer state live. ``auto``: CUDA when torch sees a GPU,
+    else the CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the forward and backward. Weights, gradients and AdamW state stay float32 (master
+    weights) either way; ``bfloat16`` runs the forward under ``torch.autocast(bfloat16)`` (matmuls in bf16,
+    softmax and norms in float32). ``auto``: bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are
+    slow and the engine/trainer logprob mismatch would grow)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face
+    ``gradient_checkpointing_enable``): about a layer's activations instead of all of them, for ~1/3 more
+    compute."""
     weight_decay: NonNegativeFloat = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW's moving-average decays, each in [0, 1)."""
@@ -149,6 +172,11 @@ class TrainerConfig(Section):
     """Gradients are clipped to this total norm (finite, > 0)."""
     micro_batch_size: Positive = 64
     """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    logprob_chunk_tokens: NonNegative = 1024
+    """Token positions whose vocabulary-sized logits are computed at once, in the forward and again in the
+    backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
+    never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
+    logits in one piece (the plain ``lm_head``), e.g. to compare."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
     """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
     clip_low: NonNegativeFloat = 0.2

@@ -64,6 +64,7 @@ def build_torch_server_command(
     api_key: str | None = None,
     return_routed_experts: bool = False,
     http_limits: Any = None,
+    device: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Command line of one rollflow torch engine server (``python -m rollflow serve``); ``http_limits``
@@ -95,6 +96,8 @@ def build_torch_server_command(
         command.append("--enable-return-routed-experts")
     if http_limits is not None:
         command += http_limit_flags(http_limits)
+    if device != "auto":
+        command += ["--device", device]
     env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
     return [*command, *extra_args], env
 
@@ -114,6 +117,7 @@ def build_vllm_server_command(
     gpu_memory_utilization: float | None = None,
     api_key: str | None = None,
     return_routed_experts: bool = False,
+    device: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.

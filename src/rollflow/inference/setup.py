@@ -42,12 +42,13 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
     """Blocking: load ``num_engines`` model copies into torch engines."""
     from rollflow.inference.client import LocalInferenceClient
     from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm, resolve_model_path
+    from rollflow.models.loading import load_causal_lm, resolve_device, resolve_model_path
 
     model_dir = resolve_model_path(config.model.path)
+    device = resolve_device(config.inference.device, "inference.device")
     engines = [
         TorchEngine(
-            load_causal_lm(model_dir),
+            load_causal_lm(model_dir, device=device),
             max_batch_size=config.inference.max_batch_size,
             max_model_len=config.inference.max_model_len,
             return_routed_experts=config.inference.return_routed_experts,
@@ -100,6 +101,7 @@ async def get_inference_client(
             if inference.engine == "torch":
                 options["max_batch_size"] = inference.max_batch_size
                 options["http_limits"] = inference.http_limits()
+                options["device"] = inference.device
             else:
                 options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
             if inference.return_routed_experts:

@@ -64,14 +64,156 @@ def load_tokenizer(model_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def load_causal_lm(model_dir: Path) -> Any:
-    """Load the model in float32 on CPU, in eval mode (no dropout: sampler and trainer must agree)."""
+def load_causal_lm(model_dir: Path, *, device: Any = "cpu", dtype: Any = None) -> Any:
+    """Load the model in eval mode (no dropout: sampler and trainer must agree).
+
+    transformers (v5) builds the model on the meta device and then reads the memory-mapped safetensors into
+    it, so no randomly initialised copy is ever allocated: a process holds one copy of the weights. For a
+    CUDA ``device`` that copy is read on the CPU and then moved (``device_map`` would read straight to the
+    GPU but needs ``accelerate``, which rollflow does not depend on), so CPU memory briefly holds the weights
+    once, in ``dtype``.
+
+    Args:
+        model_dir: a resolved model directory (``resolve_model_path``).
+        device: where the weights go (``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``).
+        dtype: dtype of the weights; None is float32.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     _quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    if device.type != "cpu":
+        model.to(device)
     return model.eval()
+
+
+def empty_causal_lm(model_dir: Path) -> Any:
+    """The model's architecture on the meta device (float32, eval mode), reading no weights: for a process that
+    receives its weights from another (a data-parallel rank other than 0, filled by
+    ``set_model_state_dict(..., broadcast_from_rank0=True)``), so that only one process per node reads and
+    holds a full copy.
+
+    Give it memory with ``materialize(model, device)`` (or ``to_empty`` after sharding, for FSDP2, then
+    ``tie_weights`` and ``restore_non_persistent_buffers``): ``to_empty`` unties tied weights and leaves the
+    buffers outside the state dict (rotary ``inv_freq``) uninitialised.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _quiet_transformers()
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def materialize(model: Any, device: Any = "cpu") -> Any:
+    """Allocate (uninitialised) memory on ``device`` for a model from ``empty_causal_lm``, tie its weights
+    again and restore its non-persistent buffers; the weights are then ready for ``load_state_dict``."""
+    model.to_empty(device=device)
+    model.tie_weights()
+    restore_non_persistent_buffers(model)
+    return model
+
+
+def restore_non_persistent_buffers(model: Any) -> None:
+    """Recompute the buffers no state dict carries (rotary ``inv_freq`` and the like) of a model that was
+    built on the meta device and materialised with ``to_empty``: each module holding such buffers is built
+    again on the CPU from its own ``config`` and its buffers copied over.
+
+    Raises:
+        TypeError: a module with non-persistent buffers cannot be rebuilt from its ``config``.
+    """
+    import torch
+
+    for name, module in model.named_modules():
+        buffers = [
+            b for b in getattr(module, "_non_persistent_buffers_set", ()) if getattr(module, b) is not None
+        ]
+        if not buffers:
+            continue
+        config = getattr(module, "config", None)
+        if config is None:
+            raise TypeError(
+                f"module {name!r} ({type(module).__name__}) has non-persistent buffers {buffers} but no config "
+                "to rebuild them from; load this model with load_causal_lm instead"
+            )
+        with torch.device("cpu"):
+            fresh = type(module)(config=config)
+        with torch.no_grad():
+            for buffer in buffers:
+                getattr(module, buffer).copy_(getattr(fresh, buffer))
+        for attribute in ("attention_scaling",):
+            if hasattr(fresh, attribute):
+                setattr(module, attribute, getattr(fresh, attribute))
+
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
+
+
+def resolve_device(name: str, key: str) -> Any:
+    """The ``torch.device`` for a configured ``auto`` | ``cpu`` | ``cuda`` (``auto``: CUDA when available).
+
+    Args:
+        name: the configured value.
+        key: the config key (or command-line flag) it came from, for the error message.
+
+    Raises:
+        ConfigError: an unknown name, or ``cuda`` on a machine where torch sees no CUDA device.
+    """
+    import torch
+
+    if name not in DEVICES:
+        raise ConfigError(f"{key} = {name!r} is not a device; use one of {', '.join(DEVICES)}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{key} = 'cuda' but torch sees no CUDA device (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'none'}); use 'cpu' or 'auto', or run on a GPU machine"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: Any, key: str) -> Any:
+    """The compute ``torch.dtype`` for a configured ``auto`` | ``float32`` | ``bfloat16`` on ``device``
+    (``auto``: bfloat16 on CUDA devices that support it, else float32).
+
+    Raises:
+        ConfigError: an unknown name, or ``bfloat16`` on a CUDA device without bfloat16 support.
+    """
+    import torch
+
+    if name not in DTYPES:
+        raise ConfigError(f"{key} = {name!r} is not a dtype; use one of {', '.join(DTYPES)}")
+    bf16_ok = device.type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" and bf16_ok else torch.float32
+    if name == "bfloat16" and not bf16_ok:
+        raise ConfigError(
+            f"{key} = 'bfloat16' is not supported by {torch.cuda.get_device_name(device)} "
+            f"(compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))}, "
+            "bfloat16 needs 8.0 or newer); use 'float32'"
+        )
+    return getattr(torch, name)
+
+
+def check_devices(config: Any) -> None:
+    """Resolve every device and dtype a run config names, so a bad one fails before anything starts.
+
+    Raises:
+        ConfigError: see ``resolve_device`` and ``resolve_dtype``; the message names the key.
+    """
+    trainer_device = resolve_device(config.trainer.device, "trainer.device")
+    resolve_dtype(config.trainer.dtype, trainer_device, "trainer.dtype")
+    if config.inference.engine == "torch" and not (
+        config.inference.mode == "http"
+        and (config.inference.external_proxy_url or config.inference.external_server_urls)
+    ):
+        resolve_device(config.inference.device, "inference.device")
 
 
 def create_chat_renderer(tokenizer: Any, config: ModelConfig) -> Any:

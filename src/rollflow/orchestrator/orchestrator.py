@@ -284,6 +284,7 @@ class Orchestrator:
         """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model (in this process,
         or in the trainer process that ``trainer.placement = "process"`` starts)."""
         from rollflow.models.loading import (
+            check_devices,
             create_chat_renderer,
             load_causal_lm,
             load_tokenizer,
@@ -293,6 +294,7 @@ class Orchestrator:
         from rollflow.train.trainer import Trainer
 
         config = self.config
+        check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
         tokenizer = load_tokenizer(model_dir)
         renderer = create_chat_renderer(tokenizer, config.model)
@@ -303,6 +305,7 @@ class Orchestrator:
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
+            total_steps=config.orchestrator.steps,
         )
         if config.trainer.placement == "process":
             return renderer, tokenizer, TrainerProcess(spec)

@@ -653,14 +653,16 @@ async def serve_standalone(
         create_chat_renderer,
         load_causal_lm,
         load_tokenizer,
+        resolve_device,
         resolve_model_path,
     )
 
+    device = resolve_device(config.inference.device, "inference.device")
     model_dir = resolve_model_path(config.model.path)
     tokenizer = load_tokenizer(model_dir)
     renderer = create_chat_renderer(tokenizer, config.model)
     engine = TorchEngine(
-        load_causal_lm(model_dir),
+        load_causal_lm(model_dir, device=device),
         max_batch_size=config.inference.max_batch_size,
         max_model_len=config.inference.max_model_len,
     )

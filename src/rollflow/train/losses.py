@@ -13,13 +13,21 @@ Where this departs from the GRPO paper (Shao et al. 2024):
   by an importance weight (``token_weights``; see ``off_policy.py``).
 - The KL term is the paper's k3 estimator to the reference policy, added per token with weight ``kl_coef``
   and aggregated like the policy term.
+
+Logprobs and entropy come from ``model_token_logprobs``: by default from the model's final hidden states and
+the output-embedding weight, a chunk of positions at a time (``chunked_token_logprobs``), so the
+``[batch, time, vocab]`` logits never exist at once, in the forward nor in the backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import structlog
 import torch
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,221 @@ def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: 
         scaled = scaled / temperature
     picked = scaled.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(scaled, dim=-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Per-token logprobs of the target ids (with gradient) and the entropy at each position (detached)."""
+
+    logprobs: torch.Tensor  # float32, shape of target_ids
+    entropy: torch.Tensor  # float32, shape of target_ids, nats of softmax(logits / temperature)
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T / temperature)`` at the targets, ``chunk_rows`` rows at a time.
+
+    The forward keeps only each row's logsumexp; the backward recomputes each chunk's logits and turns
+    them into that chunk's gradient, so at most one chunk of vocabulary-sized tensors exists at any time.
+    Matmuls run in ``compute_dtype`` (autocast's dtype when the caller runs under autocast, as the plain
+    ``lm_head`` would), softmax arithmetic in float32; the weight gradient accumulates in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_ids, temperature, chunk_rows, compute_dtype):
+        rows = hidden.shape[0]
+        logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.empty_like(logprobs)
+        logsumexp = torch.empty_like(logprobs)
+        with torch.autocast(hidden.device.type, enabled=False):
+            cast_weight = weight.to(compute_dtype)
+            for start in range(0, rows, chunk_rows):
+                end = min(start + chunk_rows, rows)
+                logits = _chunk_logits(hidden[start:end], cast_weight, temperature, compute_dtype)
+                chunk_lse = torch.logsumexp(logits, dim=-1)
+                logsumexp[start:end] = chunk_lse
+                logprobs[start:end] = logits.gather(-1, target_ids[start:end, None]).squeeze(-1) - chunk_lse
+                # H = lse - sum(p * z); the dot product as a batched matmul makes no third [rows, vocab] tensor.
+                probs = (logits - chunk_lse[:, None]).exp_()
+                entropy[start:end] = chunk_lse - (probs[:, None, :] @ logits[:, :, None]).reshape(-1)
+                del logits, probs
+        ctx.save_for_backward(hidden, weight, target_ids, logsumexp)
+        ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, target_ids, logsumexp = ctx.saved_tensors
+        temperature, chunk_rows, compute_dtype = ctx.temperature, ctx.chunk_rows, ctx.compute_dtype
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            cast_weight = weight.to(compute_dtype)
+            for start in range(0, hidden.shape[0], chunk_rows):
+                end = min(start + chunk_rows, hidden.shape[0])
+                logits = _chunk_logits(hidden[start:end], cast_weight, temperature, compute_dtype)
+                grad = grad_logprobs[start:end, None].float()
+                # d logprob / d z = onehot(target) - softmax(z), with z = logits / temperature.
+                grad_logits = (logits - logsumexp[start:end, None]).exp_().mul_(-grad)
+                grad_logits.scatter_add_(-1, target_ids[start:end, None], grad)
+                if temperature != 1.0:
+                    grad_logits.div_(temperature)
+                del logits
+                grad_logits = grad_logits.to(compute_dtype)
+                if want_hidden:
+                    grad_hidden[start:end] = grad_logits @ cast_weight
+                if want_weight:
+                    chunk_hidden = hidden[start:end].to(compute_dtype)
+                    if compute_dtype == torch.float32:
+                        grad_weight.addmm_(grad_logits.T, chunk_hidden)
+                    else:
+                        grad_weight += grad_logits.T @ chunk_hidden
+                del grad_logits
+        if want_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _chunk_logits(hidden, weight, temperature: float, compute_dtype: torch.dtype) -> torch.Tensor:
+    logits = (hidden.to(compute_dtype) @ weight.T).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> TokenLogprobs:
+    """Logprobs and entropy of ``softmax(hidden @ weight.T / temperature)`` without the full logits.
+
+    Equal to ``token_logprobs(hidden @ weight.T, target_ids, temperature)`` and ``entropy_from_logits`` of
+    the same logits, but only ``chunk_tokens`` positions' logits exist at once, in the forward and in the
+    backward (which recomputes them). Gradients flow to ``hidden`` and ``weight``; the entropy is detached.
+
+    Args:
+        hidden: ``[..., hidden_size]`` final hidden states (after the last norm), position-aligned with
+            ``target_ids``.
+        weight: ``[vocab, hidden_size]`` output-embedding (``lm_head``) weight, without bias.
+        target_ids: ``[...]`` token ids.
+        temperature: the sampler's temperature.
+        chunk_tokens: positions per chunk (>= 1).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens = {chunk_tokens} must be >= 1")
+    device_type = hidden.device.type
+    compute_dtype = (
+        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    )
+    shape = target_ids.shape
+    logprobs, entropy = _ChunkedLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        target_ids.reshape(-1),
+        float(temperature),
+        int(chunk_tokens),
+        compute_dtype,
+    )
+    return TokenLogprobs(logprobs=logprobs.reshape(shape), entropy=entropy.reshape(shape))
+
+
+def model_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    positions: torch.Tensor | None = None,
+    **forward_kwargs: Any,
+) -> TokenLogprobs:
+    """The model's logprob of each next token ``input_ids[:, 1:]``, and its entropy there.
+
+    Position ``i`` of the results describes the token at input position ``i + 1`` (shape
+    ``[batch, time - 1]``). With ``chunk_tokens > 0`` the model's forward stops at the final hidden states
+    (``output_hidden_states``, with ``logits_to_keep=1`` so its own ``lm_head`` projects one position) and
+    ``chunked_token_logprobs`` projects them; the call still goes through the model's own ``forward``, so
+    wrappers that hook it (FSDP) see it. ``chunk_tokens = 0`` computes the full logits, as ``lm_head`` does.
+    Models whose logits are not a plain bias-free projection of the last hidden state (soft-capping, logit
+    scaling, an ``lm_head`` bias) always take the full-logits path.
+
+    Args:
+        model: a Hugging Face causal LM.
+        input_ids, attention_mask: ``[batch, time]``.
+        temperature: the sampler's temperature.
+        chunk_tokens: positions per chunk of logits; 0 disables chunking.
+        positions: optional ``[batch, time - 1]`` bool mask of the positions wanted (e.g. the loss mask);
+            only those are projected, the others are 0 in both results.
+        forward_kwargs: passed on to the model's forward.
+    """
+    targets = input_ids[:, 1:]
+    if chunk_tokens > 0 and _plain_projection(model):
+        output = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            **forward_kwargs,
+        )
+        hidden = output.hidden_states[-1][:, :-1]
+        weight = model.get_output_embeddings().weight
+        if positions is None:
+            return chunked_token_logprobs(
+                hidden, weight, targets, temperature=temperature, chunk_tokens=chunk_tokens
+            )
+        picked = chunked_token_logprobs(
+            hidden[positions], weight, targets[positions], temperature=temperature, chunk_tokens=chunk_tokens
+        )
+        return TokenLogprobs(
+            logprobs=_scatter(picked.logprobs, positions), entropy=_scatter(picked.entropy, positions)
+        )
+    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **forward_kwargs)
+    # Drop the last position: it predicts a token after the sequence, which has no target.
+    logits = output.logits[:, :-1]
+    logprobs = token_logprobs(logits, targets, temperature)
+    entropy = entropy_from_logits(logits.detach(), temperature)
+    if positions is not None:
+        logprobs = torch.where(positions, logprobs, torch.zeros_like(logprobs))
+        entropy = torch.where(positions, entropy, torch.zeros_like(entropy))
+    return TokenLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def _scatter(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``values`` of the true ``positions``, zeros elsewhere (differentiable in ``values``)."""
+    return torch.zeros(positions.shape, dtype=values.dtype, device=values.device).masked_scatter(
+        positions, values
+    )
+
+
+_warned_full_logits: set[str] = set()
+
+
+def _plain_projection(model: torch.nn.Module) -> bool:
+    """Whether the logits are ``last_hidden_state @ lm_head.weight.T`` and nothing else."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    extra = [
+        name
+        for name in ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+        if getattr(config, name, None) not in (None, 1, 1.0)
+    ]
+    if isinstance(head, torch.nn.Linear) and head.bias is None and not extra:
+        return True
+    kind = type(model).__name__
+    if kind not in _warned_full_logits:
+        _warned_full_logits.add(kind)
+        log.warning(
+            "logits of this model are not a plain projection; computing full logits (no chunking)",
+            model=kind,
+            reasons=extra or ["output embedding is not a bias-free Linear"],
+        )
+    return False
 
 
 @torch.no_grad()

@@ -53,6 +53,7 @@ class TrainerSpec:
     pad_token_id: int
     seed: int
     off_policy: str
+    total_steps: int | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:
         """``Trainer``'s arguments after the model."""
@@ -62,6 +63,7 @@ class TrainerSpec:
             "pad_token_id": self.pad_token_id,
             "seed": self.seed,
             "off_policy": self.off_policy,
+            "total_steps": self.total_steps,
         }
 
 

@@ -24,8 +24,9 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
 from rollflow.messages import Sample, StepResult, TrainBatch
+from rollflow.train import routing_replay
 from rollflow.train.advantages import compute_advantages
-from rollflow.train.losses import entropy_from_logits, ppo_clip_loss, token_logprobs
+from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
 from rollflow.train.off_policy import OffPolicy, importance_weights
 
 log = structlog.get_logger(__name__)
@@ -51,6 +52,9 @@ class MicroBatch:
     token_versions: (
         torch.Tensor
     )  # [batch, time - 1] long, policy version of each completion token, -1 unknown
+    # [batch, time, moe_layers, topk] long expert ids the sampler routed each input token to (-1 unknown), for
+    # MoE routing replay; None when no sample carries routes.
+    routed_experts: torch.Tensor | None = None
 
 
 def build_micro_batch(
@@ -90,6 +94,7 @@ def build_micro_batch(
     old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
+    routes = routing_replay.collate_routes(samples, time_len)
     for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
         prompt_len = len(sample.prompt_token_ids)
         input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -113,6 +118,7 @@ def build_micro_batch(
         old_logprobs=old_logprobs.to(device),
         advantages=token_advantages.to(device),
         token_versions=token_versions.to(device),
+        routed_experts=None if routes is None else routes.to(device),
     )
 
 
@@ -131,6 +137,16 @@ class Trainer:
         seed: seeds the trainer's own torch generator (global RNG state is left alone).
         off_policy: the resolved off-policy correction, ``config.resolved_off_policy(orchestrator.mode)``.
             None takes ``config.off_policy`` with ``auto`` resolved as in ``sync`` mode (``none``).
+        total_steps: optimizer steps of the run (``orchestrator.steps``), the length of a ``linear`` or
+            ``cosine`` ``lr_schedule``.
+
+    The model is moved to ``config.device`` with float32 weights (the master weights: gradients and AdamW
+    state are float32 too); ``config.dtype = "bfloat16"`` computes the forward under ``torch.autocast``.
+
+    Raises:
+        ConfigError: ``config.device`` or ``config.dtype`` is not available on this machine.
+        ValueError: a bad ``off_policy`` or ``temperature``, or a decaying ``lr_schedule`` without
+            ``total_steps``.
     """
 
     def __init__(
@@ -142,7 +158,10 @@ class Trainer:
         pad_token_id: int = 0,
         seed: int = 0,
         off_policy: OffPolicy | None = None,
+        total_steps: int | None = None,
     ) -> None:
+        from rollflow.models.loading import resolve_device, resolve_dtype
+
         if off_policy is None:
             off_policy = config.resolved_off_policy("sync")
         if off_policy not in ("none", "tis", "decoupled"):
@@ -155,25 +174,38 @@ class Trainer:
                 f"temperature = {temperature} cannot be trained on: greedy sampling has no logprobs to "
                 "compare; sample with sampling.temperature > 0"
             )
+        if config.lr_schedule != "constant" and not total_steps:
+            raise ValueError(
+                f"trainer.lr_schedule = {config.lr_schedule!r} decays over the run: pass total_steps "
+                "(orchestrator.steps)"
+            )
         # Fixed settings
         self.config = config
         self.temperature = temperature
         self.pad_token_id = pad_token_id
         self.off_policy: OffPolicy = off_policy
-        # Model and optimizer
-        self.model = model
+        self.device = resolve_device(config.device, "trainer.device")
+        self.compute_dtype = resolve_dtype(config.dtype, self.device, "trainer.dtype")
+        # Model and optimizer: float32 master weights on the device, whatever the compute dtype.
+        self.model = model.to(device=self.device, dtype=torch.float32)
+        # MoE: forwards replay the experts the sampler chose when samples carry them (routing_replay.py).
+        self.routing_replay = routing_replay.install(self.model)
         # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
         self.reference_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
             self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if config.gradient_checkpointing:
+            # transformers v5 name (gradient_checkpointing_enable is its deprecated alias); non-reentrant
+            # checkpointing works with inputs that need no grad and under autocast.
+            self.model.activation_checkpointing_enable({"use_reentrant": False})
         self.model.train()
-        self.device = next(model.parameters()).device
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=config.lr,
             betas=tuple(config.betas),
             weight_decay=config.weight_decay,
         )
+        self.scheduler = _lr_scheduler(self.optimizer, config, total_steps)
         # Runtime state
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -208,6 +240,7 @@ class Trainer:
             "num_samples": float(len(samples)),
             "num_masked_samples": float(len(samples) - len(trainable)),
             "advantage_abs_mean": _mean([abs(a) for _, a in trainable]),
+            "lr": self.optimizer.param_groups[0]["lr"],  # what this step's update uses
         }
 
         size = self.config.micro_batch_size
@@ -259,6 +292,7 @@ class Trainer:
             return self._skipped(batch, metrics, started)
 
         self.optimizer.step()
+        self.scheduler.step()  # the schedule counts updates: a skipped step leaves it where it is
         metrics["skipped_update"] = 0.0
         metrics["train_time_s"] = time.perf_counter() - started
         return StepResult(step=batch.step, metrics=metrics, updated=True)
@@ -287,8 +321,8 @@ class Trainer:
         token count.
         """
         mask = micro_batch.loss_mask
-        logits = self._logits(self.model, micro_batch)
-        new_logprobs = token_logprobs(logits, micro_batch.target_ids, self.temperature)
+        policy = self._token_logprobs(self.model, micro_batch)
+        new_logprobs = policy.logprobs
         importance = None
         if self.off_policy == "none":
             ratio_anchor, token_weights = micro_batch.old_logprobs, None
@@ -307,8 +341,7 @@ class Trainer:
         ref_logprobs = None
         if self.reference_model is not None:
             with torch.no_grad():
-                ref_logits = self._logits(self.reference_model, micro_batch)
-                ref_logprobs = token_logprobs(ref_logits, micro_batch.target_ids, self.temperature)
+                ref_logprobs = self._token_logprobs(self.reference_model, micro_batch).logprobs
         result = ppo_clip_loss(
             new_logprobs,
             ratio_anchor,
@@ -332,7 +365,7 @@ class Trainer:
                 other_version = mask & (micro_batch.token_versions != policy_version)
                 on_policy = mask & ~other_version.any(dim=1, keepdim=True)
             mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[on_policy].abs()
-            entropy = entropy_from_logits(logits.detach()[mask], self.temperature)
+            entropy = policy.entropy[mask]
             shares = {
                 "loss": result.loss.detach(),
                 "clip_fraction": result.clip_fraction,
@@ -350,13 +383,22 @@ class Trainer:
                 shares["is_truncated_fraction"] = importance.capped.sum() / num_step_tokens
         return shares
 
-    @staticmethod
-    def _logits(model: torch.nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
-        output = model(
-            input_ids=micro_batch.input_ids, attention_mask=micro_batch.attention_mask, use_cache=False
-        )
-        # Drop the last position: it predicts a token after the sequence, which has no target.
-        return output.logits[:, :-1]
+    def _token_logprobs(self, model: torch.nn.Module, micro_batch: MicroBatch) -> TokenLogprobs:
+        """Logprobs and entropy on the micro-batch's loss tokens (0 elsewhere), chunked over positions, in
+        the compute dtype (the backward runs outside this context, as autocast expects)."""
+        with torch.autocast(
+            self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32
+        ):
+            if self.routing_replay:
+                routing_replay.set_routes(model, micro_batch.routed_experts)
+            return model_token_logprobs(
+                model,
+                micro_batch.input_ids,
+                micro_batch.attention_mask,
+                temperature=self.temperature,
+                chunk_tokens=self.config.logprob_chunk_tokens,
+                positions=micro_batch.loss_mask,
+            )
 
     def _skipped(self, batch: TrainBatch, metrics: dict[str, float], started: float) -> StepResult:
         metrics["skipped_update"] = 1.0
@@ -375,10 +417,12 @@ class Trainer:
             yield name, tensor.detach()
 
     def state_dict(self) -> dict[str, Any]:
-        """Model weights, optimizer state and the trainer's RNG state (live tensors, not copies)."""
+        """Model weights, optimizer and learning-rate schedule state and the trainer's RNG state (live
+        tensors, not copies)."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
             "rng_state": self.generator.get_state(),
         }
 
@@ -394,7 +438,9 @@ class Trainer:
                 f"trainer state lacks {sorted(missing)}; pass what Trainer.state_dict() returns"
             )
         self._check_weights(state["model"], source="trainer state")
-        self._load_optimizer_and_rng(state["optimizer"], state["rng_state"], source="trainer state")
+        self._load_optimizer_and_rng(
+            state["optimizer"], state["rng_state"], state.get("scheduler"), source="trainer state"
+        )
         self.model.load_state_dict(state["model"], strict=False)
 
     def save_checkpoint(self, directory: str | Path) -> None:
@@ -414,7 +460,11 @@ class Trainer:
         )
         if (model_config := getattr(self.model, "config", None)) is not None:
             model_config.save_pretrained(directory)
-        state = {"optimizer": self.optimizer.state_dict(), "rng_state": self.generator.get_state()}
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng_state": self.generator.get_state(),
+        }
         _write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
 
     def load_checkpoint(self, directory: str | Path) -> None:
@@ -444,13 +494,16 @@ class Trainer:
         try:
             state = torch.load(optimizer_path, map_location=self.device, weights_only=True)
             optimizer_state, rng_state = state["optimizer"], state["rng_state"]
+            scheduler_state = state.get("scheduler")  # absent in checkpoints older than lr schedules
         except Exception as error:
             raise CheckpointError(
                 f"cannot read {optimizer_path} (corrupt or truncated?): {error!r}"
             ) from error
 
         self._check_weights(weights, source=str(weights_path))
-        self._load_optimizer_and_rng(optimizer_state, rng_state.cpu(), source=str(optimizer_path))
+        self._load_optimizer_and_rng(
+            optimizer_state, rng_state.cpu(), scheduler_state, source=str(optimizer_path)
+        )
         self.model.load_state_dict(weights, strict=False)
 
     def _check_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
@@ -470,13 +523,32 @@ class Trainer:
                 f"wrong shape {wrong_shape[:5]}; resume with the model the checkpoint was trained from"
             )
 
-    def _load_optimizer_and_rng(self, optimizer_state: dict, rng_state: torch.Tensor, source: str) -> None:
+    def _load_optimizer_and_rng(
+        self, optimizer_state: dict, rng_state: torch.Tensor, scheduler_state: dict | None, source: str
+    ) -> None:
+        if scheduler_state is not None and not isinstance(scheduler_state.get("last_epoch"), int):
+            raise CheckpointError(f"{source}: the learning-rate schedule state has no step count")
         try:
             # Validates the parameter groups before changing anything.
             self.optimizer.load_state_dict(optimizer_state)
         except (ValueError, KeyError, RuntimeError) as error:
             raise CheckpointError(f"{source}: optimizer state does not fit this model: {error}") from error
+        if scheduler_state is not None:
+            # The step count and base rates; the optimizer's groups already hold the current rate.
+            self.scheduler.load_state_dict(scheduler_state)
         self.generator.set_state(rng_state)
+
+
+def _lr_scheduler(
+    optimizer: torch.optim.Optimizer, config: TrainerConfig, total_steps: int | None
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """transformers' schedule for ``trainer.lr_schedule``, stepped once per optimizer update."""
+    from transformers import get_scheduler
+
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[config.lr_schedule]
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps
+    )
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

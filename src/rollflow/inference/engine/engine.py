@@ -802,7 +802,7 @@ class TorchEngine:
         runner row ``rows[i]`` (the rest is padding); None when routes are not recorded."""
         if not self.return_routed_experts:
             return None
-        routes = self.runner.last_routed_experts.numpy()  # [rows, positions, moe_layers, topk]
+        routes = self.runner.last_routed_experts.cpu().numpy()  # [rows, positions, moe_layers, topk]
         return [routes[row, :length] for row, length in zip(rows, lengths, strict=True)]
 
     def _advance(self, sequences: list[_Sequence], forward: _Forward) -> None:

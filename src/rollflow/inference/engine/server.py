@@ -194,16 +194,19 @@ class EngineServer:
         served_model_name: str | None = None,
         api_key: str | None = None,
         return_routed_experts: bool = False,
+        device: str = "auto",
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
 
         ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 2048.
         ``return_routed_experts`` (MoE models): generate responses carry each choice's ``routed_experts``.
+        ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``; the engine computes in float32.
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
             EngineError: the architecture is not supported, or ``return_routed_experts`` for a dense model.
+            ConfigError: ``device`` is unknown or not available (``cuda`` without CUDA).
             ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
         """
         from rollflow.config import ModelConfig
@@ -211,12 +214,14 @@ class EngineServer:
             create_chat_renderer,
             load_causal_lm,
             load_tokenizer,
+            resolve_device,
             resolve_model_path,
         )
 
+        torch_device = resolve_device(device, "--device")
         model_dir = resolve_model_path(model)
         tokenizer = load_tokenizer(model_dir)
-        causal_lm = load_causal_lm(model_dir)
+        causal_lm = load_causal_lm(model_dir, device=torch_device)
         if max_model_len is None:
             max_model_len = min(getattr(causal_lm.config, "max_position_embeddings", 2048) or 2048, 2048)
         engine = TorchEngine(
@@ -747,6 +752,7 @@ async def serve(
     api_key: str | None = None,
     return_routed_experts: bool = False,
     http_limits: HttpLimits | None = None,
+    device: str = "auto",
     ready: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
@@ -770,6 +776,7 @@ async def serve(
             api_key=api_key,
             return_routed_experts=return_routed_experts,
             http_limits=http_limits,
+            device=device,
         )
     except RollflowError:
         raise
@@ -823,6 +830,7 @@ def main(args: Any) -> int:
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
             return_routed_experts=args.enable_return_routed_experts,
             http_limits=http_limits_from_args(args),
+            device=args.device,
             ready=ready,
         )
     )
