@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import statistics
 import time
@@ -46,6 +45,7 @@ from rollflow.orchestrator.checkpoint import (
     load_state,
     save_checkpoint,
 )
+from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
@@ -454,7 +454,7 @@ class Orchestrator:
         batch = TrainBatch(step=step, groups=groups)
         staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples if not s.masked]
         result: StepResult = await anyio.to_thread.run_sync(
-            functools.partial(self.trainer.train_step, batch, policy_version=self.state.policy_version)
+            self._pack_and_train, batch, self.state.policy_version
         )
 
         barrier: dict[str, float] = {}
@@ -479,6 +479,11 @@ class Orchestrator:
         if self._checkpoint_due():
             await self._save_checkpoint()
         return metrics
+
+    def _pack_and_train(self, batch: TrainBatch, policy_version: int) -> StepResult:
+        """Blocking: advantages per group and the split across the trainer's ranks, then the step."""
+        packed = pack_for_trainer(batch, self.config.trainer, self.trainer.world_size)
+        return self.trainer.train_step(packed, policy_version=policy_version)
 
     def _step_metrics(
         self,
