@@ -3,8 +3,9 @@
 Each component has one job and never references the orchestrator:
 - Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
-- ``Trainer``: one optimizer step per ``TrainBatch`` (in a worker thread, or in a process of its own:
-  ``TrainerProcess``, per ``trainer.placement``).
+- Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
+  (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
+  own (``trainer.placement``), or ``trainer.num_workers`` data-parallel ``TrainerWorkers``.
 - ``WeightBarrier``: pause engines ▸ push weights ▸ policy version += 1 ▸ resume.
 - ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
   pauses.
@@ -51,6 +52,7 @@ from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
+from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +80,7 @@ class Orchestrator:
     barrier: WeightBarrier
     # Fixed components.
     client: Any  # InferenceClient: in-process engines, or servers behind a router
-    trainer: Any  # rollflow.train.trainer.Trainer, or a TrainerProcess serving one (trainer.placement)
+    trainer: TrainerHandle  # a Trainer, a TrainerProcess (trainer.placement) or TrainerWorkers (num_workers)
 
     def __init__(
         self,
@@ -156,8 +158,7 @@ class Orchestrator:
         self._exit_stack = contextlib.AsyncExitStack()
         try:
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
-            if config.trainer.placement == "process":
-                self._exit_stack.callback(self.trainer.close)
+            self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
@@ -258,6 +259,10 @@ class Orchestrator:
             seed=config.seed,
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
         )
+        if config.trainer.num_workers > 1:
+            from rollflow.train.workers import TrainerWorkers
+
+            return renderer, tokenizer, TrainerWorkers(spec)
         if config.trainer.placement == "process":
             return renderer, tokenizer, TrainerProcess(spec)
         return renderer, tokenizer, Trainer(load_causal_lm(model_dir), **spec.trainer_kwargs())

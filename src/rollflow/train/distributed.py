@@ -62,8 +62,13 @@ class DataParallel:
         return reduced
 
     def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
-        """``ddp``: sum every gradient over the ranks, in one flat buffer per dtype (one collective each)."""
-        if self.parallelism != "ddp":
+        """Leave every rank with the sum of the ranks' gradients. ``ddp``: all-reduced here, in one flat
+        buffer per dtype (one collective each). ``fsdp2``: FSDP reduce-scattered the shards in the backward
+        pass as a mean (its custom divide factor needs ``PREMUL_SUM``, which gloo lacks); undone here."""
+        if self.parallelism == "fsdp2":
+            for parameter in parameters:
+                if parameter.grad is not None:
+                    parameter.grad.mul_(self.world_size)
             return
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -81,18 +86,34 @@ class DataParallel:
                 grad.copy_(synced)
 
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-        return clip_grad_norm(parameters, max_norm)
+        return clip_grad_norm(parameters, max_norm, sharded=self.parallelism == "fsdp2")
 
 
-def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` that also takes sharded (DTensor) gradients: the norm is the one of
-    the whole gradient, over every shard, and every rank scales its shards by the same factor."""
-    parameters = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in parameters], 2.0)
-    if hasattr(total, "full_tensor"):  # a DTensor: partial norms of the shards, reduced here
-        total = total.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
-    return total
+def clip_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, sharded: bool = False
+) -> torch.Tensor:
+    """Scale the gradients so that their global L2 norm is at most ``max_norm``; returns the norm before.
+
+    The squared norms are summed in float64: a float32 norm of one vocabulary-sized gradient is off in its
+    sixth digit, and by a different amount for a shard than for the whole tensor, so the same step would
+    report another norm on another number of ranks. With ``sharded`` (DTensor gradients, disjoint shards)
+    each rank sums its shards' squares and one all-reduce adds the ranks'.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    squares = torch.zeros((), dtype=torch.float64, device=local[0].device if local else None)
+    for grad in local:
+        squares = squares + torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+    if sharded:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM)
+    total = squares.sqrt()
+    # As torch.nn.utils.clip_grad_norm_: the 1e-6 keeps a zero norm finite, and gradients are never scaled up.
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in local:
+        grad.mul_(coefficient.to(grad.dtype))
+    return total.float()
 
 
 def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -100,9 +121,9 @@ def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) 
 
     Decoder layers are the modules whose class the model names in ``_no_split_modules`` (what Hugging Face
     models declare for sharding). Parameters compute in ``param_dtype`` (None: their own) and gradients are
-    reduced in float32 and summed over ranks (FSDP's default divides them by the world size).
+    reduced in float32, averaged over ranks (``DataParallel.sync_gradients`` turns the mean into the sum).
     """
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -110,7 +131,4 @@ def shard_model(model: torch.nn.Module, param_dtype: torch.dtype | None = None) 
         if module is not model and type(module).__name__ in layer_classes:
             fully_shard(module, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
     return model

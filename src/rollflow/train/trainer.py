@@ -464,15 +464,21 @@ class Trainer:
 
         Both files are read and checked before anything is changed, so a bad checkpoint leaves the trainer
         as it was. The reference model (KL penalty) is not part of a checkpoint: it stays the model this
-        trainer was built from, which should be the run's initial policy.
+        trainer was built from, which should be the run's initial policy. A sharded checkpoint that
+        data-parallel workers wrote (``rollflow.train.sharded``) loads too, whatever their number.
 
         Raises:
             CheckpointError: a file is missing, unreadable, or does not fit this model and optimizer.
         """
         from safetensors.torch import load_file
 
+        from rollflow.train import sharded
+
         directory = Path(directory)
         weights_path, optimizer_path = directory / WEIGHTS_FILE, directory / OPTIMIZER_FILE
+        if not optimizer_path.is_file() and sharded.has_sharded_state(directory):
+            sharded.load_checkpoint(self, directory)  # written by data-parallel workers (any number)
+            return
         for path in (weights_path, optimizer_path):
             if not path.is_file():
                 raise CheckpointError(
