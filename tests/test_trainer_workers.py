@@ -166,6 +166,25 @@ def test_a_bad_checkpoint_fails_on_every_rank_and_the_group_serves_on(fsdp2_work
     )
 
 
+def fail_on_rank_1(named_weights, rank):
+    """Rank 1 raises; rank 0 goes on into the gathers rank 1 never joins."""
+    if rank == 1:
+        raise RuntimeError("out of memory on rank 1")
+    return count_weights(named_weights, rank)
+
+
+def test_an_error_on_one_rank_while_another_waits_in_a_collective_stops_the_group(fsdp2_workers, monkeypatch):
+    """Last of the tests on the shared group: it ends it."""
+    monkeypatch.setattr("rollflow.train.workers.ERROR_GRACE_S", 1.0)
+    pids = fsdp2_workers.pids
+    with pytest.raises(RuntimeError, match="out of memory on rank 1") as raised:
+        fsdp2_workers.push_weights(fail_on_rank_1)
+    assert any("raised in trainer worker rank 1" in note for note in raised.value.__notes__)
+    assert not any(alive(pid) for pid in pids), "the stuck rank is stopped too"
+    with pytest.raises(TrainerWorkerError, match="stopped: rank 1 raised RuntimeError during push_weights"):
+        fsdp2_workers.push_weights(count_weights)
+
+
 def test_ddp_workers_train_as_one_trainer_and_a_dead_worker_ends_the_step(tiny_model_dir, base_model):
     workers = TrainerWorkers(spec(tiny_model_dir, num_workers=2, parallelism="ddp"))
     try:

@@ -65,7 +65,7 @@ class TrainerWorkers:
     Calls block and are serialized; run them from a worker thread. ``close`` stops every worker.
 
     Raises (from the constructor, before any process starts):
-        ConfigError: more workers than GPUs when training on CUDA.
+        ConfigError: more workers than GPUs when training on CUDA, or a KL penalty (no reference model yet).
     Raises (from the constructor, after):
         TrainerWorkerError: a worker exited or the group was not ready within ``STARTUP_TIMEOUT_S``.
         Exception: what building the trainer raised in a worker (e.g. a model that does not load).
@@ -73,6 +73,11 @@ class TrainerWorkers:
 
     def __init__(self, spec: TrainerSpec):
         config = spec.config
+        if config.kl_coef > 0:
+            raise ConfigError(
+                f"trainer.kl_coef = {config.kl_coef} needs a reference model, which trainer workers do not "
+                "support yet; set trainer.kl_coef = 0 or trainer.num_workers = 1"
+            )
         self.world_size = config.num_workers
         self.parallelism = config.parallelism
         device = _check_devices(config)
