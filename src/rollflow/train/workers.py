@@ -1,9 +1,10 @@
 """Data-parallel trainer workers: ``trainer.num_workers`` processes in one torch.distributed group.
 
-Each worker is a spawned process (like ``TrainerProcess``'s child) that loads the model, joins the group
-(gloo on CPU; NCCL for CUDA tensors, one GPU per worker) and wraps the model per ``trainer.parallelism``:
-``fsdp2`` (``fully_shard`` per decoder layer and the root, see ``rollflow.train.distributed``) or ``ddp``
-(replicas, gradients summed once per step). It then serves the same calls as a ``Trainer``, each on its own
+Each worker is a spawned process (like ``TrainerProcess``'s child) that joins the group (gloo on CPU; NCCL
+for CUDA tensors, one GPU per worker) and builds the model per ``trainer.parallelism``: ``fsdp2``
+(``fully_shard`` per decoder layer and the root, see ``rollflow.train.distributed``; only rank 0 reads the
+weights, the others start on the meta device and receive their shards) or ``ddp`` (a whole replica per
+worker, gradients summed once per step). It then serves the same calls as a ``Trainer``, each on its own
 share of the step: ``TrainerWorkers`` sends rank ``r`` the ``r``-th ``RankBatch`` of a ``PackedBatch`` and
 returns rank 0's result, whose metrics are already the whole step's (all-reduced).
 
@@ -305,7 +306,7 @@ def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int,
     import torch.distributed as dist
 
     from rollflow.models.loading import load_causal_lm
-    from rollflow.train.distributed import DataParallel, shard_model
+    from rollflow.train.distributed import DataParallel
     from rollflow.train.trainer import Trainer
 
     torch.set_num_threads(threads)
@@ -323,14 +324,47 @@ def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int,
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
-    model = load_causal_lm(spec.model_dir)
-    if device == "cuda":
-        model = model.to(f"cuda:{rank}")
+    target = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
     if spec.config.parallelism == "fsdp2":
-        shard_model(model, param_dtype=_compute_dtype(spec.config, device))
+        model = _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
+    else:
+        model = load_causal_lm(spec.model_dir).to(target)
     trainer = Trainer(model, **spec.trainer_kwargs())
     trainer.parallel = DataParallel(spec.config.parallelism)
     return trainer
+
+
+def _load_sharded_model(model_dir: Path, rank: int, target: Any, param_dtype: Any) -> Any:
+    """The model, sharded, with only rank 0 reading the weights: the others build it on the meta device
+    (no memory), shard it, and receive their shards from rank 0's full state dict."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.train.distributed import shard_model
+
+    if rank == 0:
+        model = load_causal_lm(model_dir).to(target)
+        full = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+            )
+        model.eval()  # as load_causal_lm's: no dropout
+        full = {}
+    shard_model(model, param_dtype=param_dtype)
+    if rank != 0:
+        model.to_empty(device=target)
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    # Buffers left out of state dicts (rotary inv_freq) were never initialised off rank 0: take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model
 
 
 def _compute_dtype(config: Any, device: str) -> Any:
