@@ -15,6 +15,7 @@ from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
 from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
 from rollflow.models.tiny import ensure_tiny_model
+from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.losses import entropy_from_logits, ppo_clip_loss
 from rollflow.train.trainer import Trainer, build_micro_batch
@@ -35,8 +36,17 @@ def model(base_model):
     return copy.deepcopy(base_model)
 
 
+class PackingTrainer(Trainer):
+    """The trainer fed as the orchestrator feeds it: a ``TrainBatch`` goes through the batch packer first."""
+
+    def train_step(self, batch, policy_version=None):
+        if isinstance(batch, TrainBatch):
+            batch = pack_for_trainer(batch, self.config, self.world_size)
+        return super().train_step(batch, policy_version)
+
+
 def make_trainer(model, temperature: float = 1.0, **config) -> Trainer:
-    return Trainer(
+    return PackingTrainer(
         model,
         TrainerConfig(**config),
         temperature=temperature,

@@ -19,6 +19,8 @@ from rollflow.train.losses import ppo_clip_loss
 from rollflow.train.off_policy import importance_weights
 from rollflow.train.trainer import Trainer
 
+from .test_train import PackingTrainer
+
 # ---------------------------------------------------------------- helpers
 
 
@@ -72,7 +74,7 @@ def make_batch(behaviour_model, seed: int = 0, groups: int = 2, group_size: int 
 
 def make_trainer(model, off_policy: str, **config) -> Trainer:
     config.setdefault("max_grad_norm", 1e6)  # keep param.grad the raw gradient
-    return Trainer(
+    return PackingTrainer(
         model, TrainerConfig(**config), pad_token_id=model.config.pad_token_id, off_policy=off_policy
     )
 

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from rollflow import Orchestrator
 from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
+from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.train.process import TrainerProcess, TrainerProcessError, TrainerSpec
 from rollflow.train.trainer import Trainer
 
@@ -58,7 +59,7 @@ def test_the_child_trains_exactly_as_the_trainer_in_this_process(tiny_model_dir)
         before = {name: tensor.clone() for name, tensor in shared.items()}
         assert shared.keys() == dict(in_process.named_weights()).keys()
         for step, seed in enumerate((0, 1), start=1):
-            batch = make_batch(in_process.model, seed=seed)
+            batch = pack_for_trainer(make_batch(in_process.model, seed=seed), in_process.config)
             expected, actual = (
                 in_process.train_step(batch, policy_version=step),
                 child.train_step(batch, step),
@@ -78,7 +79,9 @@ def test_the_child_trains_exactly_as_the_trainer_in_this_process(tiny_model_dir)
 
 
 def test_checkpoints_save_and_load_through_the_child(trainer_process, tiny_model_dir, tmp_path):
-    batch = make_batch(AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    batch = pack_for_trainer(
+        make_batch(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), TrainerConfig()
+    )
     trainer_process.train_step(batch)
     saved = {name: tensor.clone() for name, tensor in trainer_process.named_weights()}
     trainer_process.save_checkpoint(tmp_path / "ckpt")
@@ -94,21 +97,25 @@ def test_an_error_in_the_child_is_raised_here_and_the_child_serves_on(
     trainer_process, tiny_model_dir, tmp_path
 ):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    bad = make_batch(model)
-    bad.groups[0].samples[0].logprobs.append(-1.0)  # one logprob more than completion tokens
+    bad = pack_for_trainer(make_batch(model), TrainerConfig())  # the packer checks samples: spoil one after
+    bad.ranks[0].micro_batches[0][0].sample.logprobs.append(-1.0)  # one logprob more than completion tokens
     with pytest.raises(ValueError, match="logprobs") as raised:
         trainer_process.train_step(bad)
     assert any("raised in the trainer process" in note for note in raised.value.__notes__)
     with pytest.raises(CheckpointError, match="incomplete or not a rollflow checkpoint"):
         trainer_process.load_checkpoint(tmp_path / "nothing-here")
-    assert trainer_process.train_step(make_batch(model)).updated
+    assert trainer_process.train_step(pack_for_trainer(make_batch(model), TrainerConfig())).updated
 
 
 def test_a_child_that_dies_fails_the_next_call_clearly(tiny_model_dir):
     child = TrainerProcess(spec(tiny_model_dir))
     os.kill(child.pid, signal.SIGKILL)
     with pytest.raises(TrainerProcessError, match=r"exited \(exit code -9\) during train_step"):
-        child.train_step(make_batch(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))
+        child.train_step(
+            pack_for_trainer(
+                make_batch(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), TrainerConfig()
+            )
+        )
     child.close()
 
 

@@ -171,7 +171,20 @@ class TrainerConfig(Section):
     max_grad_norm: PositiveFloat = 1.0
     """Gradients are clipped to this total norm (finite, > 0)."""
     micro_batch_size: Positive = 64
-    """Samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    """Most samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    micro_batch_tokens: Positive | None = None
+    """Token budget of one forward/backward pass: samples of similar length are grouped (longest first) so
+    that rows × longest row stays within it, instead of padding every sample to the step's longest. Unset:
+    only ``micro_batch_size`` limits a micro-batch. Must hold the longest sample the run can produce
+    (``inference.max_model_len``, or ``agent.max_seq_len`` for agents)."""
+    num_workers: Positive = 1
+    """Data-parallel trainer processes (one torch.distributed group: gloo on CPU, NCCL on GPU, one GPU each);
+    the step's samples are split across them by tokens. More than 1 always runs them as processes of their
+    own (``placement`` applies to a single trainer)."""
+    parallelism: Literal["fsdp2", "ddp"] = "fsdp2"
+    """How ``num_workers > 1`` share the model. ``fsdp2``: parameters, gradients and optimizer state sharded
+    (``fully_shard`` per decoder layer and the root). ``ddp``: every worker holds the whole model, gradients
+    are summed across workers once per step."""
     logprob_chunk_tokens: NonNegative = 1024
     """Token positions whose vocabulary-sized logits are computed at once, in the forward and again in the
     backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
@@ -360,6 +373,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
         )
     errors += _numeric_errors(config)
     errors += _off_policy_errors(config)
+    errors += _trainer_errors(config)
     errors += _inference_errors(config.inference)
     errors += _agent_errors(config)
     strategy = config.weight_sync.resolved_strategy(config.inference.mode)
@@ -378,6 +392,28 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
         errors.append(
             "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
             "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
+        )
+    return errors
+
+
+def _trainer_errors(config: RunConfig) -> list[str]:
+    trainer = config.trainer
+    errors = []
+    if trainer.micro_batch_tokens is not None:
+        if config.agent is not None and config.agent.max_seq_len is not None:
+            longest, key = config.agent.max_seq_len, "agent.max_seq_len"
+        else:
+            longest, key = config.inference.max_model_len, "inference.max_model_len"
+        if trainer.micro_batch_tokens < longest:
+            errors.append(
+                f"trainer.micro_batch_tokens = {trainer.micro_batch_tokens} is smaller than the longest sample "
+                f"the run can produce ({key} = {longest}): no micro-batch could hold it; raise "
+                f"trainer.micro_batch_tokens to at least {longest} or lower {key}"
+            )
+    if trainer.num_workers > 1 and trainer.kl_coef > 0:
+        errors.append(
+            f"trainer.kl_coef = {trainer.kl_coef} needs a reference model, which trainer.num_workers = "
+            f"{trainer.num_workers} does not support yet; set trainer.kl_coef = 0 or trainer.num_workers = 1"
         )
     return errors
 

@@ -205,3 +205,40 @@ class StepResult(msgspec.Struct):
     metrics: dict[str, float]
     # False when the update was skipped (non-finite loss, nothing trainable): no weight push is needed.
     updated: bool = True
+
+
+class TrainSample(msgspec.Struct):
+    """A sample as the trainer trains it: with the advantage its group's baseline gave it."""
+
+    sample: Sample
+    advantage: float
+
+
+class RankBatch(msgspec.Struct):
+    """One data-parallel rank's share of a step: its micro-batches, one forward/backward pass each.
+
+    Every rank of a step gets the same number of micro-batches; an empty one carries no loss tokens (the rank
+    still runs it, so it joins every collective of the pass).
+    """
+
+    step: int
+    micro_batches: list[list[TrainSample]]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [item.sample for micro_batch in self.micro_batches for item in micro_batch]
+
+
+class PackedBatch(msgspec.Struct):
+    """A step's trainable samples with their advantages, split across data-parallel ranks by tokens
+    (``rollflow.orchestrator.packing``); masked samples are left out."""
+
+    step: int
+    ranks: list[RankBatch]
+    # Step-wide figures the packer measured (samples, masked samples, mean |advantage|, tokens per rank).
+    metrics: dict[str, float] = {}
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The trained samples of every rank."""
+        return [sample for rank in self.ranks for sample in rank.samples]

@@ -3,8 +3,9 @@
 Each component has one job and never references the orchestrator:
 - Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
-- ``Trainer``: one optimizer step per ``TrainBatch`` (in a worker thread, or in a process of its own:
-  ``TrainerProcess``, per ``trainer.placement``).
+- Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
+  (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
+  own (``trainer.placement``), or ``trainer.num_workers`` data-parallel ``TrainerWorkers``.
 - ``WeightBarrier``: pause engines ▸ push weights ▸ policy version += 1 ▸ resume.
 - ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
   pauses.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import math
 import statistics
 import time
@@ -45,6 +45,7 @@ from rollflow.orchestrator.checkpoint import (
     load_state,
     save_checkpoint,
 )
+from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.orchestrator.run_dir import (
     CONFIG_FILE,
     RunLock,
@@ -57,6 +58,7 @@ from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
+from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +85,7 @@ class Orchestrator:
     barrier: WeightBarrier
     # Fixed components.
     client: Any  # InferenceClient: in-process engines, or servers behind a router
-    trainer: Any  # rollflow.train.trainer.Trainer, or a TrainerProcess serving one (trainer.placement)
+    trainer: TrainerHandle  # a Trainer, a TrainerProcess (trainer.placement) or TrainerWorkers (num_workers)
 
     def __init__(
         self,
@@ -173,8 +175,7 @@ class Orchestrator:
             self.task = load_task(config.data.task, config.data.seed)
             rewarder = Rewarder.from_config(config.data.reward, self.task)
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
-            if config.trainer.placement == "process":
-                self._exit_stack.callback(self.trainer.close)
+            self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
@@ -307,6 +308,10 @@ class Orchestrator:
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
             total_steps=config.orchestrator.steps,
         )
+        if config.trainer.num_workers > 1:
+            from rollflow.train.workers import TrainerWorkers
+
+            return renderer, tokenizer, TrainerWorkers(spec)
         if config.trainer.placement == "process":
             return renderer, tokenizer, TrainerProcess(spec)
         return renderer, tokenizer, Trainer(load_causal_lm(model_dir), **spec.trainer_kwargs())
@@ -503,7 +508,7 @@ class Orchestrator:
         batch = TrainBatch(step=step, groups=groups)
         staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples if not s.masked]
         result: StepResult = await anyio.to_thread.run_sync(
-            functools.partial(self.trainer.train_step, batch, policy_version=self.state.policy_version)
+            self._pack_and_train, batch, self.state.policy_version
         )
 
         barrier: dict[str, float] = {}
@@ -528,6 +533,11 @@ class Orchestrator:
         if self._checkpoint_due():
             await self._save_checkpoint()
         return metrics
+
+    def _pack_and_train(self, batch: TrainBatch, policy_version: int) -> StepResult:
+        """Blocking: advantages per group and the split across the trainer's ranks, then the step."""
+        packed = pack_for_trainer(batch, self.config.trainer, self.trainer.world_size)
+        return self.trainer.train_step(packed, policy_version=policy_version)
 
     def _step_metrics(
         self,

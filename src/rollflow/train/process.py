@@ -20,7 +20,7 @@ import multiprocessing
 import signal
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -30,7 +30,7 @@ import structlog
 
 from rollflow.config import TrainerConfig
 from rollflow.errors import RollflowError
-from rollflow.messages import StepResult, TrainBatch
+from rollflow.messages import PackedBatch, StepResult
 
 log = structlog.get_logger(__name__)
 
@@ -103,9 +103,16 @@ class TrainerProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
-    def train_step(self, batch: TrainBatch, policy_version: int | None = None) -> StepResult:
+    world_size = 1
+    """Data-parallel ranks the trainer's batches are packed for."""
+
+    def train_step(self, batch: PackedBatch, policy_version: int | None = None) -> StepResult:
         """``Trainer.train_step`` in the child."""
         return self._call("train_step", batch, policy_version)
+
+    def push_weights(self, push: Callable[[Iterator[tuple[str, Any]], int], Any]) -> list[Any]:
+        """``Trainer.push_weights`` in the child: ``push`` (picklable) runs there, next to the weights."""
+        return self._call("push_weights", push)
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         """The child's live weights (shared memory, no copy): ``Trainer.named_weights``'s names and order."""

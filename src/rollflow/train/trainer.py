@@ -1,9 +1,11 @@
-"""The single-process torch trainer: one optimizer step of the GRPO-family loss per ``TrainBatch``.
+"""The single-process torch trainer: one optimizer step of the GRPO-family loss per packed batch.
 
 It trains on exactly the tokens the sampler produced: each sample's input is ``prompt_token_ids +
 completion_token_ids``, the loss covers the completion tokens only, and the behaviour logprob of each of them
-is the one the sampler recorded. Advantages come from each sample's prompt group (``advantages.py``); the loss
-is a token mean over the whole step (``losses.py``), so micro-batching changes memory use, not the update.
+is the one the sampler recorded. It trains packed batches (``PackedBatch``: the orchestrator's packer computed
+each sample's advantage within its whole group and split the samples into micro-batches per data-parallel rank);
+the loss is a token mean over the whole step, all ranks included (``losses.py``), so micro-batching and the
+split change memory use, not the update.
 Tokens sampled by older policies are corrected per ``trainer.off_policy`` (``off_policy.py``).
 """
 
@@ -13,7 +15,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +25,9 @@ import torch
 
 from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
-from rollflow.messages import Sample, StepResult, TrainBatch
+from rollflow.messages import PackedBatch, RankBatch, Sample, StepResult
 from rollflow.train import routing_replay
-from rollflow.train.advantages import compute_advantages
+from rollflow.train.distributed import SINGLE_PROCESS, DataParallel, SingleProcess
 from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
 from rollflow.train.off_policy import OffPolicy, importance_weights
 
@@ -67,6 +69,8 @@ def build_micro_batch(
     """Collate samples into one right-padded micro-batch.
 
     With an empty prompt, the first completion token has no logits predicting it and is left out of the loss.
+    No samples give one row of two pad tokens without loss tokens: a data-parallel rank with fewer samples
+    than the others still runs the pass, and with it the pass's collectives.
 
     Raises:
         ValueError: a sample's ``logprobs`` and ``completion_token_ids`` differ in length, or it has no tokens.
@@ -85,11 +89,13 @@ def build_micro_batch(
                 "completion tokens"
             )
     lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-    if min(lengths, default=0) < 1:
+    if min(lengths, default=1) < 1:
         raise ValueError("every sample of a micro-batch needs at least one token")
-    batch, time_len = len(samples), max(lengths)
+    batch, time_len = max(len(samples), 1), max(lengths, default=2)
     input_ids = torch.full((batch, time_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, time_len), dtype=torch.long)
+    if not samples:
+        attention_mask[:] = 1  # a fully masked row would put NaNs in the (unused) logits
     loss_mask = torch.zeros((batch, time_len - 1), dtype=torch.bool)
     old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
@@ -211,70 +217,82 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, batch: TrainBatch, policy_version: int | None = None) -> StepResult:
+    parallel: SingleProcess | DataParallel = SINGLE_PROCESS
+    """This trainer's data-parallel rank; a trainer worker sets its group's (``rollflow.train.workers``)."""
+
+    @property
+    def world_size(self) -> int:
+        """Data-parallel ranks the trainer's batches are packed for."""
+        return self.parallel.world_size
+
+    def train_step(self, batch: PackedBatch | RankBatch, policy_version: int | None = None) -> StepResult:
         """Run one optimizer step on ``batch``; blocking (call it from a worker thread).
 
         The update is skipped (``updated=False``, weights and optimizer state untouched) when the batch has
-        no trainable tokens, or when the loss or the gradient norm is not finite.
+        no trainable tokens, or when the loss or the gradient norm is not finite. On a data-parallel rank
+        the loss denominator, the metrics and both decisions are the whole step's (all-reduced), so every
+        rank takes the same ones.
 
         With off-policy correction on, the metrics include ``is_weight_mean`` and ``is_weight_max`` (of
         ``pi_trainer / pi_behaviour`` over the loss tokens, before any cap) and ``is_truncated_fraction``
         (loss tokens above the cap: truncated by ``tis``, left out by ``decoupled``).
 
         Args:
-            batch: the step's scored groups.
+            batch: the step packed by ``rollflow.orchestrator.packing.pack_batch`` for ``world_size`` ranks
+                (the packer's metrics are included in the result), or this rank's share of one.
             policy_version: the version of the weights being trained; when given, the metrics include
                 ``behaviour_staleness_mean``, the mean over loss tokens of ``policy_version`` minus the
                 version that sampled the token (tokens of unknown version, below 0, are left out).
 
         Raises:
-            ValueError: a sample's logprobs do not match its completion tokens.
+            ValueError: a sample's logprobs do not match its completion tokens, or the batch was packed for
+                another number of ranks.
+            TypeError: ``batch`` is not packed (a ``TrainBatch``).
         """
         started = time.perf_counter()
         # Worker threads that never set a thread count run under MKL/OpenMP dynamic threading, which is
         # measurably slower here (pytorch#13757); setting it, even to the same value, turns that off.
         torch.set_num_threads(self.config.num_threads or torch.get_num_threads())
-        samples, advantages = self._samples_with_advantages(batch)
-        trainable = [(s, a) for s, a in zip(samples, advantages, strict=True) if not s.masked]
-        metrics: dict[str, float] = {
-            "num_samples": float(len(samples)),
-            "num_masked_samples": float(len(samples) - len(trainable)),
-            "advantage_abs_mean": _mean([abs(a) for _, a in trainable]),
-            "lr": self.optimizer.param_groups[0]["lr"],  # what this step's update uses
-        }
-
-        size = self.config.micro_batch_size
+        share, metrics = self._rank_share(batch)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]  # what this step's update uses
         micro_batches = [
             build_micro_batch(
-                [s for s, _ in chunk],
-                [a for _, a in chunk],
+                [item.sample for item in items],
+                [item.advantage for item in items],
                 pad_token_id=self.pad_token_id,
                 device=self.device,
             )
-            for chunk in (trainable[i : i + size] for i in range(0, len(trainable), size))
+            for items in share.micro_batches
         ]
-        # Every micro-batch divides by the step's token count, so their gradients add up to the step's mean.
-        num_loss_tokens = sum(int(mb.loss_mask.sum()) for mb in micro_batches)
-        metrics["num_loss_tokens"] = float(num_loss_tokens)
+        # Every micro-batch of every rank divides by the step's token count, so their gradients add up to
+        # the step's mean. One reduction brings the count and the staleness sums of all ranks.
+        lag_sum, lag_count = _staleness_sums(share.samples, policy_version)
+        local = [sum(int(mb.loss_mask.sum()) for mb in micro_batches), lag_sum, lag_count]
+        step_sums = self.parallel.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device))
+        num_loss_tokens, lag_sum, lag_count = (float(value) for value in step_sums.cpu())
+        metrics["num_loss_tokens"] = num_loss_tokens
         if policy_version is not None:  # after collation, which checks each sample's lengths
-            metrics["behaviour_staleness_mean"] = _staleness_mean([s for s, _ in trainable], policy_version)
+            metrics["behaviour_staleness_mean"] = lag_sum / lag_count if lag_count else 0.0
         if num_loss_tokens == 0:
-            log.warning("skipped optimizer step: no trainable tokens", step=batch.step, **metrics)
-            return self._skipped(batch, metrics, started)
+            log.warning("skipped optimizer step: no trainable tokens", step=share.step, **metrics)
+            return self._skipped(share.step, metrics, started)
 
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
         for micro_batch in micro_batches:
-            for name, value in self._forward_backward(micro_batch, num_loss_tokens, policy_version).items():
+            for name, value in self._forward_backward(
+                micro_batch, int(num_loss_tokens), policy_version
+            ).items():
                 if name not in totals:
                     totals[name] = value
                 elif name.endswith("_max"):
                     totals[name] = torch.maximum(totals[name], value)
                 else:
                     totals[name] = totals[name] + value
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.parallel.sync_gradients(self.model.parameters())
+        grad_norm = self.parallel.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
 
-        metrics.update({name: float(value) for name, value in totals.items()})
+        metrics.update(self._reduce_totals(totals))
         # Engine-vs-trainer mismatch is a numerical check: only samples wholly sampled by these weights count.
         onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
         mismatch_sum = metrics.pop("logprob_mismatch_sum")
@@ -285,32 +303,44 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             log.warning(
                 "skipped optimizer step: non-finite loss or gradient norm",
-                step=batch.step,
+                step=share.step,
                 loss=metrics["loss"],
                 grad_norm=metrics["grad_norm"],
             )
-            return self._skipped(batch, metrics, started)
+            return self._skipped(share.step, metrics, started)
 
         self.optimizer.step()
         self.scheduler.step()  # the schedule counts updates: a skipped step leaves it where it is
         metrics["skipped_update"] = 0.0
         metrics["train_time_s"] = time.perf_counter() - started
-        return StepResult(step=batch.step, metrics=metrics, updated=True)
+        return StepResult(step=share.step, metrics=metrics, updated=True)
 
-    def _samples_with_advantages(self, batch: TrainBatch) -> tuple[list[Sample], list[float]]:
-        samples: list[Sample] = []
-        advantages: list[float] = []
-        for group in batch.groups:
-            samples.extend(group.samples)
-            advantages.extend(
-                compute_advantages(
-                    [s.reward for s in group.samples],
-                    [not s.masked for s in group.samples],
-                    self.config.advantage,
-                    trajectories=[s.trajectory for s in group.samples],
-                )
+    def _rank_share(self, batch: PackedBatch | RankBatch) -> tuple[RankBatch, dict[str, float]]:
+        """This rank's micro-batches, and the packer's step-wide metrics when the whole batch came."""
+        if isinstance(batch, RankBatch):
+            return batch, {}
+        if not isinstance(batch, PackedBatch):
+            raise TypeError(
+                f"train_step takes a PackedBatch, not {type(batch).__name__}: pack the step's groups first, "
+                "e.g. rollflow.orchestrator.packing.pack_for_trainer(batch, trainer_config, trainer.world_size)"
             )
-        return samples, advantages
+        if len(batch.ranks) != self.world_size:
+            raise ValueError(
+                f"step {batch.step} was packed for {len(batch.ranks)} ranks, but this trainer has "
+                f"{self.world_size}; pack it with num_ranks = trainer.world_size"
+            )
+        return batch.ranks[self.parallel.rank], dict(batch.metrics)
+
+    def _reduce_totals(self, totals: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The step's metrics from this rank's shares: sums added over ranks, ``*_max`` maxima taken."""
+        reduced: dict[str, float] = {}
+        for op in ("sum", "max"):
+            names = sorted(name for name in totals if name.endswith("_max") == (op == "max"))
+            if names:
+                values = torch.stack([totals[name].detach().float().reshape(()) for name in names])
+                values = self.parallel.all_reduce(values, op=op).cpu()
+                reduced.update((name, float(value)) for name, value in zip(names, values, strict=True))
+        return reduced
 
     def _forward_backward(
         self, micro_batch: MicroBatch, num_step_tokens: int, policy_version: int | None = None
@@ -400,10 +430,10 @@ class Trainer:
                 positions=micro_batch.loss_mask,
             )
 
-    def _skipped(self, batch: TrainBatch, metrics: dict[str, float], started: float) -> StepResult:
+    def _skipped(self, step: int, metrics: dict[str, float], started: float) -> StepResult:
         metrics["skipped_update"] = 1.0
         metrics["train_time_s"] = time.perf_counter() - started
-        return StepResult(step=batch.step, metrics=metrics, updated=False)
+        return StepResult(step=step, metrics=metrics, updated=False)
 
     # ------------------------------------------------------------------ weights and checkpoints
 
@@ -415,6 +445,18 @@ class Trainer:
         """
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
+
+    def push_weights(self, push: Callable[[Iterator[tuple[str, torch.Tensor]], int], Any]) -> list[Any]:
+        """Run ``push(named_weights, rank)`` on every rank (here: this one, rank 0) with the rank's
+        ``named_weights()``; returns the result of each rank, in rank order.
+
+        A worker group runs it in each worker, where the tensors may be shards (DTensors): every rank must
+        iterate them (each ``full_tensor()`` is a collective) and rank 0 sends.
+        """
+        return [push(self.named_weights(), self.parallel.rank)]
+
+    def close(self) -> None:
+        """Nothing to release in this process (the handle protocol's ``close``)."""
 
     def state_dict(self) -> dict[str, Any]:
         """Model weights, optimizer and learning-rate schedule state and the trainer's RNG state (live
@@ -472,15 +514,21 @@ class Trainer:
 
         Both files are read and checked before anything is changed, so a bad checkpoint leaves the trainer
         as it was. The reference model (KL penalty) is not part of a checkpoint: it stays the model this
-        trainer was built from, which should be the run's initial policy.
+        trainer was built from, which should be the run's initial policy. A sharded checkpoint that
+        data-parallel workers wrote (``rollflow.train.sharded``) loads too, whatever their number.
 
         Raises:
             CheckpointError: a file is missing, unreadable, or does not fit this model and optimizer.
         """
         from safetensors.torch import load_file
 
+        from rollflow.train import sharded
+
         directory = Path(directory)
         weights_path, optimizer_path = directory / WEIGHTS_FILE, directory / OPTIMIZER_FILE
+        if not optimizer_path.is_file() and sharded.has_sharded_state(directory):
+            sharded.load_checkpoint(self, directory)  # written by data-parallel workers (any number)
+            return
         for path in (weights_path, optimizer_path):
             if not path.is_file():
                 raise CheckpointError(
@@ -569,16 +617,14 @@ def _write_atomically(path: Path, write) -> None:
     os.replace(partial, path)
 
 
-def _mean(values: Sequence[float]) -> float:
-    return math.fsum(values) / len(values) if values else 0.0
-
-
 def _max_or_zero(values: torch.Tensor) -> torch.Tensor:
     return values.max() if values.numel() else values.new_zeros(())
 
 
-def _staleness_mean(samples: Sequence[Sample], policy_version: int) -> float:
-    """Mean of ``policy_version - version`` over the samples' loss tokens of known version."""
+def _staleness_sums(samples: Sequence[Sample], policy_version: int | None) -> tuple[float, float]:
+    """Sum and count of ``policy_version - version`` over the samples' loss tokens of known version."""
+    if policy_version is None:
+        return 0.0, 0.0
     lags = []
     for sample in samples:
         if len(sample.policy_versions) != len(sample.completion_token_ids):
@@ -591,4 +637,4 @@ def _staleness_mean(samples: Sequence[Sample], policy_version: int) -> float:
             for version, trained in zip(sample.policy_versions[skipped:], mask[skipped:], strict=True)
             if trained and version >= 0
         ]
-    return _mean(lags)
+    return float(math.fsum(lags)), float(len(lags))

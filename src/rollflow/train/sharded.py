@@ -1,0 +1,140 @@
+"""Sharded trainer checkpoints (``torch.distributed.checkpoint``) for data-parallel workers.
+
+Layout, inside the checkpoint directory the orchestrator gives:
+- ``trainer_state/``: model and optimizer state, each rank writing its own shards (DCP). DCP reshards on
+  load, so a checkpoint written by N workers resumes on any number of them, or on a single trainer.
+- ``model.safetensors`` (+ ``config.json``): the full weights, written by rank 0, in the single trainer's
+  format (what ``rollflow export``, ``load_policy_weights`` and ``from_pretrained`` read).
+- ``trainer_rng.pt``: rank 0's trainer RNG state.
+
+A checkpoint of a single trainer (``model.safetensors`` + ``optimizer.pt``, no ``trainer_state/``) loads
+here too: its full state dicts are handed to every rank, which keeps its shards.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollflow.errors import CheckpointError
+
+STATE_DIR = "trainer_state"
+RNG_FILE = "trainer_rng.pt"
+
+
+def save_checkpoint(trainer: Any, directory: Path) -> None:
+    """Collective: every rank of ``trainer.parallel`` calls it with the same ``directory``."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    from rollflow.train.trainer import OPTIMIZER_FILE, WEIGHTS_FILE, _untied, _write_atomically
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / STATE_DIR)
+    full = get_model_state_dict(
+        trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if trainer.parallel.rank != 0:
+        return
+    # Tied weights: the full state dict holds one tensor under both names, as the model's own does.
+    weights = {name: tensor.contiguous() for name, tensor in _untied(full).items()}
+    _write_atomically(
+        directory / WEIGHTS_FILE, lambda path: save_file(weights, path, metadata={"format": "pt"})
+    )
+    if (model_config := getattr(trainer.model, "config", None)) is not None:
+        model_config.save_pretrained(directory)
+    _write_atomically(directory / RNG_FILE, lambda path: torch.save(trainer.generator.get_state(), path))
+    (directory / OPTIMIZER_FILE).unlink(missing_ok=True)  # never beside trainer_state/: one source of truth
+
+
+def has_sharded_state(directory: Path) -> bool:
+    return (Path(directory) / STATE_DIR / ".metadata").is_file()
+
+
+def load_checkpoint(trainer: Any, directory: Path) -> None:
+    """Collective like ``save_checkpoint``; also works without a process group (a single trainer).
+
+    Raises:
+        CheckpointError: the directory holds neither format, or its state does not fit this model.
+    """
+    directory = Path(directory)
+    if has_sharded_state(directory):
+        _load_sharded(trainer, directory)
+    elif (directory / "optimizer.pt").is_file() and (directory / "model.safetensors").is_file():
+        _load_full(trainer, directory)
+    else:
+        raise CheckpointError(
+            f"checkpoint {directory} has neither {STATE_DIR}/ nor model.safetensors and optimizer.pt: it is "
+            "incomplete or not a rollflow checkpoint; resume from a checkpoint directory a trainer wrote"
+        )
+
+
+def _load_sharded(trainer: Any, directory: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # Templates: this rank's shards (and, before the first step, the optimizer state DCP creates).
+    model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    try:
+        with warnings.catch_warnings():  # a single trainer loads without a process group, as intended
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, checkpoint_id=directory / STATE_DIR)
+    except Exception as error:
+        raise CheckpointError(
+            f"cannot load {directory / STATE_DIR} into this model: {error}; resume with the model the "
+            "checkpoint was trained from"
+        ) from error
+    set_state_dict(
+        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    rng = directory / RNG_FILE
+    if rng.is_file():
+        trainer.generator.set_state(torch.load(rng, weights_only=True))
+
+
+def _load_full(trainer: Any, directory: Path) -> None:
+    """A single trainer's checkpoint: full weights, and optimizer state keyed by parameter index."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    weights = load_file(directory / "model.safetensors")
+    saved = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
+    names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    optimizer = saved["optimizer"]
+    # torch.optim numbers parameters in the order they were given: the model's named_parameters().
+    by_name = {
+        "state": {names[index]: value for index, value in optimizer["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in optimizer["param_groups"]
+        ],
+    }
+    for name in _tied_names(trainer.model):
+        weights.setdefault(name[0], weights.get(name[1]))
+    set_state_dict(
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=weights,
+        optim_state_dict=by_name,
+        options=StateDictOptions(full_state_dict=True, strict=False),
+    )
+    trainer.generator.set_state(saved["rng_state"])
+
+
+def _tied_names(model: Any) -> list[tuple[str, str]]:
+    """``(name, tied_to)`` for the state-dict names a safetensors file leaves out (tied duplicates)."""
+    pairs = []
+    first: dict[int, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        key = id(parameter)
+        if key in first:
+            pairs.append((name, first[key]))
+        else:
+            first[key] = name
+    return pairs

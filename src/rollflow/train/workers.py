@@ -1,0 +1,430 @@
+"""Data-parallel trainer workers: ``trainer.num_workers`` processes in one torch.distributed group.
+
+Each worker is a spawned process (like ``TrainerProcess``'s child) that joins the group (gloo on CPU; NCCL
+for CUDA tensors, one GPU per worker) and builds the model per ``trainer.parallelism``: ``fsdp2``
+(``fully_shard`` per decoder layer and the root, see ``rollflow.train.distributed``; only rank 0 reads the
+weights, the others start on the meta device and receive their shards) or ``ddp`` (a whole replica per
+worker, gradients summed once per step). It then serves the same calls as a ``Trainer``, each on its own
+share of the step: ``TrainerWorkers`` sends rank ``r`` the ``r``-th ``RankBatch`` of a ``PackedBatch`` and
+returns rank 0's result, whose metrics are already the whole step's (all-reduced).
+
+Rank 0 creates the group's rendezvous store on a free port of its own host and tells the parent, which
+passes it on to the other ranks. A worker that dies ends the call in progress with an error naming its rank;
+the others are stopped with it (they would wait for it in their next collective), so no process is left
+behind. A worker also exits when the parent does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from rollflow.errors import ConfigError, RollflowError
+from rollflow.messages import PackedBatch, StepResult
+from rollflow.train.handle import WeightPush
+from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec
+
+log = structlog.get_logger(__name__)
+
+HOST = "127.0.0.1"
+"""Local workers rendezvous on loopback."""
+CLOSE_TIMEOUT_S = 10.0
+ERROR_GRACE_S = 10.0
+"""After one worker raised, how long the others may take to answer before they are taken as stuck in a
+collective the failed rank never joins (and the group is stopped)."""
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+"""Longest a worker waits in one collective for the others (then it fails instead of hanging)."""
+
+
+class TrainerWorkerError(RollflowError):
+    """A trainer worker did not start, died, or the group was stopped after a failure."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: Any  # multiprocessing.Process
+    conn: Connection
+
+
+class TrainerWorkers:
+    """``spec.config.num_workers`` data-parallel trainer processes behind one handle (``TrainerHandle``).
+
+    Calls block and are serialized; run them from a worker thread. ``close`` stops every worker.
+
+    Raises (from the constructor, before any process starts):
+        ConfigError: more workers than GPUs when training on CUDA, or a KL penalty (no reference model yet).
+    Raises (from the constructor, after):
+        TrainerWorkerError: a worker exited or the group was not ready within ``STARTUP_TIMEOUT_S``.
+        Exception: what building the trainer raised in a worker (e.g. a model that does not load).
+    """
+
+    def __init__(self, spec: TrainerSpec):
+        config = spec.config
+        if config.kl_coef > 0:
+            raise ConfigError(
+                f"trainer.kl_coef = {config.kl_coef} needs a reference model, which trainer workers do not "
+                "support yet; set trainer.kl_coef = 0 or trainer.num_workers = 1"
+            )
+        self.world_size = config.num_workers
+        self.parallelism = config.parallelism
+        device = _check_devices(config)
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // self.world_size)
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
+        self._lock = threading.Lock()
+        self._failure: str | None = None
+        self._workers: list[_Worker] = []
+        try:
+            for rank in range(self.world_size):
+                conn, child_conn = context.Pipe()
+                process = context.Process(
+                    target=_serve_rank,
+                    args=(child_conn, spec, rank, self.world_size, device, threads, os.getpid()),
+                    name=f"rollflow-trainer-{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child_conn.close()
+                self._workers.append(_Worker(rank, process, conn))
+            (port,) = self._gather("start", ranks=[0], timeout=STARTUP_TIMEOUT_S)
+            for worker in self._workers[1:]:
+                worker.conn.send(("rendezvous", port))
+            self._gather("start", timeout=STARTUP_TIMEOUT_S)
+        except BaseException:
+            self._stop()
+            raise
+        log.debug(
+            "trainer workers ready", pids=self.pids, parallelism=self.parallelism, device=device, port=port
+        )
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Worker process ids, in rank order."""
+        return [worker.process.pid for worker in self._workers]
+
+    def train_step(self, batch: PackedBatch, policy_version: int | None = None) -> StepResult:
+        """One optimizer step: rank ``r`` trains ``batch.ranks[r]``; returns the step's result (rank 0's,
+        with the packer's metrics)."""
+        if len(batch.ranks) != self.world_size:
+            raise ValueError(
+                f"step {batch.step} was packed for {len(batch.ranks)} ranks, but trainer.num_workers = "
+                f"{self.world_size}; pack it with num_ranks = trainer.world_size"
+            )
+        results = self._call("train_step", per_rank=[(share, policy_version) for share in batch.ranks])
+        result: StepResult = results[0]
+        result.metrics = {**batch.metrics, **result.metrics}
+        return result
+
+    def named_weights(self) -> Iterator[tuple[str, Any]]:
+        """The full weights (every rank joins each shard's gather; rank 0 sends them here), CPU copies in
+        ``Trainer.named_weights``'s names and order."""
+        yield from self._call("full_weights")[0]
+
+    def push_weights(self, push: WeightPush) -> list[Any]:
+        """Run ``push(named_weights, rank)`` (picklable) in every worker, on its rank's weights (DTensor
+        shards under ``fsdp2``); the results in rank order."""
+        return self._call("push_weights", (push,))
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Every rank writes its shards (``rollflow.train.sharded``); rank 0 also the full weights."""
+        self._call("save_checkpoint", (str(directory),))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Every rank reads its shards, resharded from whatever number of ranks wrote them."""
+        self._call("load_checkpoint", (str(directory),))
+
+    def close(self) -> None:
+        """Ask every worker to exit; kill those that do not within ``CLOSE_TIMEOUT_S``. Idempotent."""
+        with self._lock:
+            for worker in self._workers:
+                if worker.process.exitcode is None:
+                    with contextlib.suppress(OSError, ValueError):
+                        worker.conn.send(("close",))
+            deadline = time.monotonic() + CLOSE_TIMEOUT_S
+            for worker in self._workers:
+                worker.process.join(max(deadline - time.monotonic(), 0.0))
+            self._stop()
+
+    # ---------------------------------------------------------------- calls
+
+    def _call(
+        self, method: str, args: tuple[Any, ...] = (), per_rank: list[tuple[Any, ...]] | None = None
+    ) -> list[Any]:
+        """Send ``method`` to every rank (``per_rank[r]`` as rank r's arguments, else ``args``) and gather
+        the answers in rank order."""
+        with self._lock:
+            if self._failure is not None:
+                raise TrainerWorkerError(f"the trainer workers were stopped: {self._failure}")
+            for worker in self._workers:
+                rank_args = args if per_rank is None else per_rank[worker.rank]
+                with contextlib.suppress(OSError, ValueError):  # it died: the gather below names it
+                    worker.conn.send((method, *rank_args))
+            return self._gather(method)
+
+    def _gather(self, method: str, ranks: list[int] | None = None, timeout: float | None = None) -> list[Any]:
+        """The answer of each of ``ranks`` (default: all). A rank that died, or an error raised in one,
+        ends the call; ranks then stuck (in a collective the failed one never joins) stop the group."""
+        pending = {
+            rank: self._workers[rank] for rank in (ranks if ranks is not None else range(self.world_size))
+        }
+        values: dict[int, Any] = {}
+        errors: dict[int, tuple[BaseException, str]] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready = wait(
+                [w.conn for w in pending.values()] + [w.process.sentinel for w in pending.values()], remaining
+            )
+            if not ready:
+                if errors:
+                    break  # the others are stuck waiting for the failed rank
+                self._fail(f"ranks {sorted(pending)} did not answer {method} within {timeout:.0f} s")
+                raise TrainerWorkerError(f"trainer workers {sorted(pending)} did not answer {method} in time")
+            for rank, worker in list(pending.items()):
+                if worker.conn in ready or worker.conn.poll():
+                    try:
+                        status, value, child_traceback = worker.conn.recv()
+                    except (EOFError, OSError):
+                        self._raise_exited(worker, method)
+                    del pending[rank]
+                    if status == "error":
+                        errors[rank] = (value, child_traceback)
+                        deadline = time.monotonic() + ERROR_GRACE_S
+                    else:
+                        values[rank] = value
+                elif worker.process.sentinel in ready:
+                    self._raise_exited(worker, method)
+        if errors:
+            rank = min(errors)
+            error, child_traceback = errors[rank]
+            if pending:
+                self._fail(f"rank {rank} raised {type(error).__name__} during {method}")
+            error.add_note(f"raised in trainer worker rank {rank}:\n{child_traceback}")
+            raise error
+        return [values[rank] for rank in sorted(values)]
+
+    def _raise_exited(self, worker: _Worker, method: str) -> None:
+        worker.process.join(1.0)
+        message = (
+            f"trainer worker rank {worker.rank} (pid {worker.process.pid}) exited (exit code "
+            f"{worker.process.exitcode}) during {method}; the other workers were stopped. Its error, if it "
+            "printed one, is above in this log"
+        )
+        if method == "start":
+            message += (
+                ' (a script that starts workers must guard its entry point with `if __name__ == "__main__":`,'
+                " since they re-import it)"
+            )
+        self._fail(message)
+        raise TrainerWorkerError(message)
+
+    def _fail(self, reason: str) -> None:
+        self._failure = reason
+        self._stop()
+
+    def _stop(self) -> None:
+        """Kill every worker still running and reap them all."""
+        for worker in self._workers:
+            if worker.process.exitcode is None and worker.process.pid is not None:
+                worker.process.kill()
+        for worker in self._workers:
+            if worker.process.pid is not None:
+                worker.process.join()
+            worker.conn.close()
+
+
+def _check_devices(config: Any) -> str:
+    """``cpu`` or ``cuda`` for the workers; the worker count checked against the devices."""
+    import torch
+
+    setting = getattr(config, "device", "cpu")
+    cuda = setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
+    count = config.num_workers
+    if cuda:
+        gpus = torch.cuda.device_count()
+        if count > gpus:
+            raise ConfigError(
+                f"trainer.num_workers = {count} needs one GPU per worker, but {gpus} are visible; set "
+                f"trainer.num_workers <= {gpus} (or CUDA_VISIBLE_DEVICES)"
+            )
+        return "cuda"
+    cores = os.cpu_count() or 1
+    if count > cores:
+        log.warning(
+            "more trainer workers than CPU cores: they will contend for them",
+            num_workers=count,
+            cpu_count=cores,
+        )
+    return "cpu"
+
+
+# -------------------------------------------------------------------- the worker process
+
+
+def _serve_rank(
+    conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int, parent: int
+) -> None:
+    # Ctrl-C in a terminal reaches the whole process group; the parent decides when the workers end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
+    try:
+        trainer = _start_rank(conn, spec, rank, world_size, device, threads)
+    except Exception as error:
+        conn.send(_error_reply(error))
+        return
+    conn.send(("ok", None, ""))
+    while True:
+        try:
+            method, *args = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if method == "close":
+            _leave_group()
+            return
+        try:
+            reply: tuple[str, Any, str] = ("ok", _run(trainer, method, args), "")
+        except Exception as error:
+            reply = _error_reply(error)
+        conn.send(reply)
+
+
+def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int):
+    import torch
+    import torch.distributed as dist
+
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.train.distributed import DataParallel
+    from rollflow.train.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    if rank == 0:
+        # Port 0: the OS picks a free port on this host, with no window for another process to take it.
+        store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False)
+        conn.send(("ok", store.port, ""))
+    else:
+        _, port = conn.recv()
+        store = dist.TCPStore(HOST, port, world_size, is_master=False)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
+    target = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    if spec.config.parallelism == "fsdp2":
+        model = _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
+    else:
+        model = load_causal_lm(spec.model_dir).to(target)
+    trainer = Trainer(model, **spec.trainer_kwargs())
+    trainer.parallel = DataParallel(spec.config.parallelism)
+    return trainer
+
+
+def _load_sharded_model(model_dir: Path, rank: int, target: Any, param_dtype: Any) -> Any:
+    """The model, sharded, with only rank 0 reading the weights: the others build it on the meta device
+    (no memory), shard it, and receive their shards from rank 0's full state dict."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.train.distributed import shard_model
+
+    if rank == 0:
+        model = load_causal_lm(model_dir).to(target)
+        full = model.state_dict()
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(model_dir), dtype=torch.float32
+            )
+        model.eval()  # as load_causal_lm's: no dropout
+        full = {}
+    shard_model(model, param_dtype=param_dtype)
+    if rank != 0:
+        model.to_empty(device=target)
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    # Buffers left out of state dicts (rotary inv_freq) were never initialised off rank 0: take rank 0's.
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return model
+
+
+def _compute_dtype(config: Any, device: str) -> Any:
+    """The FSDP2 compute dtype: bfloat16 when ``trainer.dtype`` asks for it (``auto``: on CUDA), else the
+    parameters' own (None)."""
+    import torch
+
+    dtype = getattr(config, "dtype", "float32")
+    if dtype == "bfloat16" or (dtype == "auto" and device == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _run(trainer: Any, method: str, args: list[Any]) -> Any:
+    if method == "train_step":
+        return trainer.train_step(*args)
+    if method == "full_weights":
+        return _full_weights(trainer)
+    if method == "push_weights":
+        return trainer.push_weights(args[0])[0]
+    if method in ("save_checkpoint", "load_checkpoint"):
+        from rollflow.train import sharded
+
+        return getattr(sharded, method)(trainer, Path(args[0]))
+    raise ValueError(f"unknown trainer worker call {method!r}")
+
+
+def _full_weights(trainer: Any) -> list[tuple[str, Any]] | None:
+    """Every rank joins each tensor's gather; rank 0 keeps CPU copies to send."""
+    keep = trainer.parallel.rank == 0
+    weights = []
+    for name, tensor in trainer.named_weights():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if keep:
+            weights.append((name, full.detach().to("cpu", copy=True)))
+    return weights if keep else None
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker outlives its parent only by a second: one stuck in a collective never reads its pipe's end."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _error_reply(error: Exception) -> tuple[str, Exception, str]:
+    """The exception itself when it pickles (so the parent raises the same type), else a stand-in."""
+    import pickle
+
+    details = traceback.format_exc()
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        error = TrainerWorkerError(f"{type(error).__name__}: {error}")
+    return ("error", error, details)
