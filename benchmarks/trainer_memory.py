@@ -101,6 +101,7 @@ def measure(chunk_tokens: int, tokens_per_sample: int) -> dict[str, float]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from rollflow.config import TrainerConfig
+    from rollflow.orchestrator.packing import pack_for_trainer
     from rollflow.train.trainer import Trainer
 
     # On a shared machine a variant that runs out of memory should be the process the kernel ends.
@@ -110,8 +111,10 @@ def measure(chunk_tokens: int, tokens_per_sample: int) -> dict[str, float]:
     model = Qwen3ForCausalLM(Qwen3Config(**ARCHITECTURE)).eval()
     config = TrainerConfig(micro_batch_size=BATCH, logprob_chunk_tokens=chunk_tokens, lr=1e-4)
     trainer = Trainer(model, config, pad_token_id=0)
-    trainer.train_step(_batch(0, tokens_per_sample=32))  # warm-up: optimizer state, allocator
-    batch = _batch(1, tokens_per_sample)
+    trainer.train_step(
+        pack_for_trainer(_batch(0, tokens_per_sample=32), config)
+    )  # warm-up: optimizer state, allocator
+    batch = pack_for_trainer(_batch(1, tokens_per_sample), config)
     before = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # reset VmHWM to the current RSS

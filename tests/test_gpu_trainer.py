@@ -15,6 +15,8 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
 
+from .test_train import PackingTrainer
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -64,14 +66,12 @@ def _batch(vocab: int, samples: int = BATCH, tokens: int = TOKENS, prompt: int =
 
 def _peak_step_bytes(model, batch: TrainBatch, **config) -> int:
     """Peak CUDA memory of building a trainer for ``model`` (on the CPU) and one step, above what was there."""
-    from rollflow.train.trainer import Trainer
-
     gc.collect()  # an earlier trainer's reference cycles must not count against this one
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(
+    trainer = PackingTrainer(
         model,
         TrainerConfig(device="cuda", micro_batch_size=BATCH, logprob_chunk_tokens=CHUNK, **config),
         pad_token_id=0,
@@ -119,13 +119,11 @@ def test_bf16_step_with_gradient_checkpointing_peaks_within_the_estimate():
 
 
 def test_float32_step_on_cuda_equals_the_cpu_step():
-    from rollflow.train.trainer import Trainer
-
     model = _model()
     batch = _batch(ARCHITECTURE["vocab_size"], samples=4, tokens=128)
     metrics, weights = {}, {}
     for device in ("cpu", "cuda"):
-        trainer = Trainer(
+        trainer = PackingTrainer(
             copy.deepcopy(model),
             TrainerConfig(device=device, dtype="float32", logprob_chunk_tokens=100),
             pad_token_id=0,

@@ -23,6 +23,8 @@ from rollflow.train import routing_replay
 from rollflow.train.losses import model_token_logprobs
 from rollflow.train.trainer import Trainer
 
+from .test_train import PackingTrainer
+
 
 @pytest.fixture(scope="module")
 def moe_model(tiny_moe_model_dir):
@@ -102,7 +104,7 @@ def batch_of(groups, routes: str = "recorded") -> TrainBatch:
 
 
 def trainer_for(model, **config) -> Trainer:
-    return Trainer(
+    return PackingTrainer(
         copy.deepcopy(model), TrainerConfig(lr=1e-3, **config), pad_token_id=model.config.pad_token_id
     )
 

@@ -19,7 +19,7 @@ from rollflow.config import TrainerConfig, load_config
 from rollflow.errors import ConfigError
 from rollflow.models.loading import check_devices, resolve_device, resolve_dtype
 
-from .test_train import make_batch
+from .test_train import PackingTrainer, make_batch
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 
@@ -30,9 +30,7 @@ def base_model(tiny_model_dir):
 
 
 def make_trainer(model, total_steps: int | None = None, **config):
-    from rollflow.train.trainer import Trainer
-
-    return Trainer(
+    return PackingTrainer(
         model, TrainerConfig(**config), pad_token_id=model.config.pad_token_id, total_steps=total_steps
     )
 
