@@ -398,13 +398,17 @@ class Trainer:
         self.model.load_state_dict(state["model"], strict=False)
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """Write ``model.safetensors`` (+ ``config.json`` when the model has one) and ``optimizer.pt``.
+        """Write ``model.safetensors`` (+ ``config.json`` when the model has one), ``optimizer.pt``, and the
+        Hugging Face model directory ``hf/`` (``rollflow.train.export``: model in the training dtype,
+        tokenizer, ``generation_config.json``) for a ``transformers`` model.
 
         Tied duplicates are dropped from the safetensors file (the first name of each shared tensor is kept,
         as ``save_pretrained`` does), so with ``config.json`` the directory also loads with
         ``from_pretrained``. Each file is written under a temporary name and renamed into place.
         """
         from safetensors.torch import save_file
+
+        from rollflow.train.export import HF_DIR, save_hf_model
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -416,6 +420,8 @@ class Trainer:
             model_config.save_pretrained(directory)
         state = {"optimizer": self.optimizer.state_dict(), "rng_state": self.generator.get_state()}
         _write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
+        if hasattr(self.model, "save_pretrained"):
+            save_hf_model(self.model, directory / HF_DIR)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore weights, optimizer state and RNG state written by ``save_checkpoint``.
