@@ -13,7 +13,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -373,6 +373,12 @@ class Trainer:
         """
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
+
+    def push_weights(self, call: Callable[[int, Iterable[tuple[str, torch.Tensor]]], Any]) -> Any:
+        """Run a weight transport's ``call(rank, named_weights)`` here, as rank 0 of one: the transport half
+        of a weight transfer (``rollflow.weights.TransportCall``), which sends these weights to the inference
+        servers. Blocking: the weight barrier runs it in a worker thread, between training steps."""
+        return call(0, self.named_weights())
 
     def state_dict(self) -> dict[str, Any]:
         """Model weights, optimizer state and the trainer's RNG state (live tensors, not copies)."""
