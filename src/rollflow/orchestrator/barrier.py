@@ -83,10 +83,18 @@ class WeightBarrier:
         except TimeoutError:
             raise
         except Exception as error:
-            # A server died mid-transfer: the client dropped it, and the transfer reconnects with the servers
-            # that are left (a new world size). One retry; a second failure is real.
+            failed_servers = [url for url in getattr(error, "failures", {}) if url in self._server_urls()]
+            if failed_servers:
+                # The same servers would fail the retry, some only after blocking on the dead one until
+                # their own timeout: report them now.
+                raise
+            # A server died mid-transfer and the client dropped it (the transfer reconnects with the servers
+            # that are left, a new world size), or the trainer side failed. One retry; a second failure is real.
             log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
             await self.transfer.push(self.client, trainer, policy_version)
+
+    def _server_urls(self) -> list[str]:
+        return list(getattr(self.client, "server_urls", ()))
 
     async def _phase(self, what: str, policy_version: int, work: Awaitable[Any]) -> None:
         try:

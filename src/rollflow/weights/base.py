@@ -355,7 +355,8 @@ async def run_with_servers(
     trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
 
     When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
-    wins (it names the server); the trainer's is attached as a note.
+    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
+    error is attached as a note.
 
     Raises:
         WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
@@ -403,6 +404,9 @@ async def run_with_servers(
     if "servers" in errors:
         error = errors["servers"]
         if "trainer" in errors:
+            if _blames_the_trainer(error):
+                errors["trainer"].add_note(f"the servers report: {error}")
+                raise errors["trainer"]
             error.add_note(f"the trainer side failed too: {errors['trainer']}")
         raise error
     if "trainer" in errors:
@@ -471,6 +475,12 @@ async def servers_step(what: str, call: Awaitable[Any], timeout_s: float, server
         raise WeightTransferTimeoutError(
             f"{what} took longer than {timeout_s:.3g} s; still waiting on the servers{f' ({urls})' if urls else ''}"
         ) from exc
+
+
+def _blames_the_trainer(error: BaseException) -> bool:
+    """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
+    failures = getattr(error, "failures", None)
+    return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())
 
 
 def is_timeout(exc: BaseException) -> bool:

@@ -524,6 +524,10 @@ class _BroadcastSession:
             self._group.run(lambda group: self._broadcast(group, weights))
         except Exception as exc:
             self.failed = f"a push failed mid-transfer ({type(exc).__name__})"
+            # Leave the group now: the servers blocked on this broadcast fail at once instead of at their
+            # timeout, and the control half hears from them within its grace period.
+            if self._group is not None:
+                self._group.close()
             if is_timeout(exc):
                 raise _timeout_error("broadcasting weights", self.transport.timeout_s, exc) from exc
             raise
