@@ -139,3 +139,27 @@ async def test_keep_barrier_continues_frozen_requests_on_the_new_weights(where, 
     assert output.token_ids[:switch] == undisturbed.token_ids[:switch]
     assert output.token_ids != undisturbed.token_ids  # the new weights took over
     assert output.finish_reason is FinishReason.LENGTH and len(output.token_ids) == 1500
+
+
+async def test_each_phase_is_bounded_and_named(client, monkeypatch):
+    """A pause that never returns fails as the pause phase, within the timeout, and the engines are resumed;
+    the push is never attempted."""
+    pushed = []
+
+    class RecordingTransfer(HungTransfer):
+        async def push(self, client, trainer, policy_version):
+            pushed.append(policy_version)
+
+    async def hung_pause(mode):
+        await anyio.sleep_forever()
+
+    monkeypatch.setattr(client, "pause", hung_pause)
+    barrier = WeightBarrier(client, RecordingTransfer(), timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(
+        WeightSyncTimeoutError, match="pausing the engines took longer than weight_sync.timeout_s"
+    ):
+        await barrier.update(StaticWeights(list), policy_version=1, pause_mode="wait")
+    assert time.monotonic() - started < 2.0
+    assert pushed == []
+    assert not await client.is_paused()

@@ -525,6 +525,19 @@ def test_transport_specs_are_picklable() -> None:
         assert isinstance(copy.transport, kind) and copy == call
 
 
+def test_cuda_ipc_buckets_are_cut_as_the_receivers_plan_them() -> None:
+    """The trainer cuts buckets while it iterates; receivers cut them from the metadata: the same rule."""
+    from rollflow.weights.cuda_ipc import _buckets
+
+    weights = mixed_weights()
+    for bucket_size_bytes in (1, 40, 100, 10**9):
+        streamed = [[name for name, _ in bucket] for bucket in _buckets(iter(weights), bucket_size_bytes)]
+        planned = [
+            [weights[i][0] for i in bucket] for bucket in plan_buckets(specs_of(weights), bucket_size_bytes)
+        ]
+        assert streamed == planned, bucket_size_bytes
+
+
 # ---------------------------------------------------------------- checkpoint
 
 
