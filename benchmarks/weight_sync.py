@@ -2,16 +2,19 @@
 
 Each strategy pushes a model's full state dict to one receiver process that does what an engine server does:
 ``create_receiver`` once, then per push ``receive`` and copy the tensors into its own model
-(``load_state_dict(strict=False)``). A push is timed from the trainer's side, start to the receiver's reply, so
-it includes packing or serializing, the transfer and the receiver's load. The baseline, measured in the same
-run, is ``load_state_dict`` from one in-process model into another. Each figure is the median of ``--repeats``
+(``load_state_dict(strict=False)``). The trainer pushes: the strategy's transport half runs where the weights
+are (``--placement thread``: a worker thread of this process, as ``trainer.placement = "thread"``; ``process``:
+a child process holding the model, as ``trainer.placement = "process"``) while its control half drives the
+receiver from this event loop. A push is timed from the control half, start to the receiver's reply, so it
+includes packing or serializing, the transfer and the receiver's load. The baseline, measured in the same run,
+is ``load_state_dict`` from one in-process model into another. Each figure is the median of ``--repeats``
 pushes after one warm-up push. Models: the tiny model and a randomly initialised ~100M-parameter Qwen3 built
 from a config (nothing is downloaded).
 
-Prints one JSON line per model and strategy:
-{"benchmark": "weight_sync", "model": "qwen3-100m", "params": ..., "bytes": ..., "strategy": "broadcast-gloo",
- "seconds": ..., "bytes_per_s": ..., "baseline": "in_process_load_state_dict", "baseline_bytes_per_s": ...,
- "ratio": ...}
+Prints one JSON line per model, placement and strategy:
+{"benchmark": "weight_sync", "model": "qwen3-100m", "params": ..., "bytes": ..., "placement": "thread",
+ "strategy": "broadcast-gloo", "seconds": ..., "bytes_per_s": ..., "baseline": "in_process_load_state_dict",
+ "baseline_bytes_per_s": ..., "ratio": ...}
 """
 
 from __future__ import annotations
@@ -143,22 +146,70 @@ def time_in_process(source: Any, target: Any, repeats: int) -> float:
     return statistics.median(times)
 
 
-async def time_strategy(strategy_name: str, options: dict[str, Any], source: Any, repeats: int) -> float:
-    from rollflow.weights import connect_sender, create_strategy
+class ModelInProcess:
+    """A trainer handle over ``model`` in a child process: ``push_weights(call)`` runs the transport call
+    there, on the child's own copy of the weights (what ``TrainerProcess`` does, without an optimizer)."""
+
+    def __init__(self, model: Any):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_model, args=(child, model.state_dict()), daemon=True)
+        self._process.start()
+        child.close()
+        self._conn.recv()  # ready
+
+    def push_weights(self, call: Any) -> Any:
+        self._conn.send(call)
+        status, value = self._conn.recv()
+        if status == "error":
+            raise value
+        return value
+
+    def close(self) -> None:
+        self._conn.close()
+        self._process.join(30)
+
+
+def _serve_model(conn: Any, state: dict[str, Any]) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    weights = {name: tensor.clone() for name, tensor in state.items()}  # the child's own memory
+    conn.send("ready")
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", call(0, weights.items())))
+        except Exception as error:
+            conn.send(("error", error))
+
+
+async def time_strategy(
+    strategy_name: str, options: dict[str, Any], source: Any, placement: str, repeats: int
+) -> float:
+    from rollflow.weights import StaticWeights, connect_sender, create_strategy
 
     receiver = ReceiverProcess()
     await receiver.start(source.config.to_dict())
-    sender = await connect_sender(create_strategy(strategy_name, timeout_s=600, **options), receiver)
+    trainer = ModelInProcess(source) if placement == "process" else StaticWeights(source.state_dict().items)
+    sender = await connect_sender(create_strategy(strategy_name, timeout_s=600, **options), receiver, trainer)
     try:
         times = []
         for version in range(repeats + 1):
             start = time.perf_counter()
-            await sender.push(receiver, source.state_dict().items(), policy_version=version)
+            await sender.push(receiver, trainer, policy_version=version)
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
     finally:
         sender.close()
         await receiver.close()
+        if placement == "process":
+            trainer.close()
 
 
 async def main() -> None:
@@ -166,6 +217,13 @@ async def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny", "qwen3-100m"], choices=["tiny", "qwen3-100m"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-size-mb", type=float, default=64.0, help="broadcast bucket size")
+    parser.add_argument(
+        "--placement",
+        nargs="+",
+        default=["thread"],
+        choices=["thread", "process"],
+        help="where the trainer runs",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as shared_dir:
@@ -179,13 +237,16 @@ async def main() -> None:
             params, nbytes = state_bytes(source)
             baseline_s = time_in_process(source, target, args.repeats)
             del target
-            for label, strategy_name, options in strategies:
-                seconds = await time_strategy(strategy_name, options, source, args.repeats)
+            for placement, (label, strategy_name, options) in (
+                (placement, strategy) for placement in args.placement for strategy in strategies
+            ):
+                seconds = await time_strategy(strategy_name, options, source, placement, args.repeats)
                 record = {
                     "benchmark": "weight_sync",
                     "model": model_name,
                     "params": params,
                     "bytes": nbytes,
+                    "placement": placement,
                     "strategy": label,
                     "seconds": round(seconds, 5),
                     "bytes_per_s": round(nbytes / seconds),

@@ -12,7 +12,7 @@ from rollflow.inference.client import LocalInferenceClient
 from rollflow.inference.engine.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 from rollflow.orchestrator.barrier import WeightBarrier, WeightSyncTimeoutError
-from rollflow.weights import WeightTransfer, create_strategy
+from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
 
 
 class HungTransfer:
@@ -20,7 +20,7 @@ class HungTransfer:
 
     closed = False
 
-    async def push(self, client, named_weights, policy_version):
+    async def push(self, client, trainer, policy_version):
         await anyio.sleep_forever()
 
     def close(self):
@@ -39,7 +39,7 @@ async def test_hung_transfer_fails_within_the_timeout_and_resumes(client):
     barrier = WeightBarrier(client, HungTransfer(), timeout_s=0.5)
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError, match=r"weight_sync\.timeout_s = 0\.5"):
-        await barrier.update(lambda: [], policy_version=1, pause_mode="wait")
+        await barrier.update(StaticWeights(list), policy_version=1, pause_mode="wait")
     assert time.monotonic() - started < 2.0
     assert not await client.is_paused()
     output = await client.generate(GenerateRequest([1, 2, 3], SamplingParams(max_tokens=2, temperature=0)))
@@ -52,7 +52,7 @@ async def test_local_transfer_bumps_the_policy_version(client):
     engine = client.engines[0]
     weights = [(name, tensor.clone()) for name, tensor in engine.model.state_dict().items()]
     barrier = WeightBarrier(client, WeightTransfer(create_strategy("local")), timeout_s=30)
-    timings = await barrier.update(lambda: weights, policy_version=7, pause_mode="wait")
+    timings = await barrier.update(StaticWeights(lambda: weights), policy_version=7, pause_mode="wait")
     assert timings["barrier_time_s"] >= timings["transfer_time_s"] >= 0
     output = await client.generate(GenerateRequest([1, 2, 3], SamplingParams(max_tokens=2)))
     assert output.policy_versions == [7, 7]
@@ -129,7 +129,7 @@ async def test_keep_barrier_continues_frozen_requests_on_the_new_weights(where, 
             with anyio.fail_after(30):
                 while not await running():
                     await anyio.sleep(0.002)
-            await barrier.update(lambda: weights, policy_version=1, pause_mode="keep")
+            await barrier.update(StaticWeights(lambda: weights), policy_version=1, pause_mode="keep")
 
     (output,) = outputs
     versions = output.policy_versions
@@ -139,3 +139,27 @@ async def test_keep_barrier_continues_frozen_requests_on_the_new_weights(where, 
     assert output.token_ids[:switch] == undisturbed.token_ids[:switch]
     assert output.token_ids != undisturbed.token_ids  # the new weights took over
     assert output.finish_reason is FinishReason.LENGTH and len(output.token_ids) == 1500
+
+
+async def test_each_phase_is_bounded_and_named(client, monkeypatch):
+    """A pause that never returns fails as the pause phase, within the timeout, and the engines are resumed;
+    the push is never attempted."""
+    pushed = []
+
+    class RecordingTransfer(HungTransfer):
+        async def push(self, client, trainer, policy_version):
+            pushed.append(policy_version)
+
+    async def hung_pause(mode):
+        await anyio.sleep_forever()
+
+    monkeypatch.setattr(client, "pause", hung_pause)
+    barrier = WeightBarrier(client, RecordingTransfer(), timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(
+        WeightSyncTimeoutError, match="pausing the engines took longer than weight_sync.timeout_s"
+    ):
+        await barrier.update(StaticWeights(list), policy_version=1, pause_mode="wait")
+    assert time.monotonic() - started < 2.0
+    assert pushed == []
+    assert not await client.is_paused()

@@ -117,21 +117,27 @@ def test_fsdp2_workers_train_as_one_trainer(fsdp2_workers, base_model):
     )
 
 
-def count_weights(named_weights, rank):
-    """A transport half's shape: every rank gathers every tensor; rank 0 would send them."""
+def count_weights(rank, named_weights):
+    """A transport half's shape: every rank gathers every tensor; rank 0 would send them. Returns the rank,
+    the sum of the full weights and the ranks that took part (gathered from all of them)."""
+    import torch.distributed as dist
+
     total = 0.0
     for _, tensor in named_weights:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         total += float(full.double().sum())
-    return rank, total
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (rank, total))
+    return rank, total, ranks
 
 
 def test_push_weights_runs_on_every_rank_with_its_shards(fsdp2_workers):
     expected = sum(float(t.double().sum()) for _, t in fsdp2_workers.named_weights())
-    results = fsdp2_workers.push_weights(count_weights)
-    assert [rank for rank, _ in results] == [0, 1]
-    for _, total in results:
-        assert total == pytest.approx(expected, rel=1e-9)
+    rank, total, every_rank = fsdp2_workers.push_weights(count_weights)
+    assert (rank, total) == every_rank[0], "the handle returns rank 0's result"
+    assert [r for r, _ in every_rank] == [0, 1]
+    for _, rank_total in every_rank:
+        assert rank_total == pytest.approx(expected, rel=1e-9)
 
 
 def test_sharded_checkpoints_resume_on_another_number_of_workers(fsdp2_workers, base_model, tmp_path):
@@ -166,11 +172,11 @@ def test_a_bad_checkpoint_fails_on_every_rank_and_the_group_serves_on(fsdp2_work
     )
 
 
-def fail_on_rank_1(named_weights, rank):
+def fail_on_rank_1(rank, named_weights):
     """Rank 1 raises; rank 0 goes on into the gathers rank 1 never joins."""
     if rank == 1:
         raise RuntimeError("out of memory on rank 1")
-    return count_weights(named_weights, rank)
+    return count_weights(rank, named_weights)
 
 
 def test_an_error_on_one_rank_while_another_waits_in_a_collective_stops_the_group(fsdp2_workers, monkeypatch):

@@ -15,6 +15,7 @@ import torch
 
 from rollflow.weights import (
     InvalidTransferInfoError,
+    StaticWeights,
     WeightTransfer,
     WeightTransferError,
     WeightTransferTimeoutError,
@@ -68,7 +69,22 @@ def test_create_strategy_rejects_unknown_names_and_options() -> None:
         create_strategy("checkpoint", bucket_size_mb=1)
     # cuda_ipc takes the inference world size and ignores it.
     strategy = create_strategy("cuda_ipc")
-    assert strategy.create_init_info(1) == strategy.create_init_info(8)
+    assert strategy.create_sender(1).init_info == strategy.create_sender(8).init_info
+    with pytest.raises(ValueError, match="weight_sync.dtype must be one of auto, float32"):
+        create_strategy("broadcast", dtype="fp8")
+
+
+def test_weight_sync_dtype_is_checked_and_reaches_every_strategy() -> None:
+    from rollflow.config import load_config
+    from rollflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"weight_sync\.dtype"):
+        load_config([], ["weight_sync.dtype='fp8'"])
+    config = load_config([], ["inference.mode='http'", "weight_sync.dtype='bfloat16'"])
+    for strategy in ("broadcast", "checkpoint", "cuda_ipc"):
+        options = config.weight_sync.strategy_options(strategy)
+        assert options["dtype"] == "bfloat16"
+        assert create_strategy(strategy, **options).dtype == "bfloat16"
 
 
 # ---------------------------------------------------------------- packing
@@ -295,92 +311,139 @@ class ThreadClient:
 # ---------------------------------------------------------------- broadcast
 
 
+class Holder:
+    """Weights a test changes between pushes, behind a ``StaticWeights`` trainer handle."""
+
+    def __init__(self, weights: list[tuple[str, torch.Tensor]]):
+        self.weights = weights
+        self.source = StaticWeights(lambda: self.weights)
+
+
 async def test_broadcast_gloo_round_trip_to_receiver_processes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     client = ProcessClient(2, tmp_path)
     await client.start()
+    holder = Holder(mixed_weights())
     # A 100-byte bucket splits the weights into several broadcasts.
     sender = await connect_sender(
-        create_strategy("broadcast", backend="gloo", bucket_size_mb=100 / 2**20, timeout_s=30), client
+        create_strategy("broadcast", backend="gloo", bucket_size_mb=100 / 2**20, timeout_s=30),
+        client,
+        holder.source,
     )
     try:
         assert sender.init_info["world_size"] == 3
         for version in (1, 2):
-            weights = [(n, t if t.dtype == torch.bool else t * version) for n, t in mixed_weights()]
-            await sender.push(client, weights, policy_version=version)
+            holder.weights = [(n, t if t.dtype == torch.bool else t * version) for n, t in mixed_weights()]
+            await sender.push(client, holder.source, policy_version=version)
             for server in range(2):
-                assert_same_weights(weights, list(load_file(client.received_path(server)).items()))
+                assert_same_weights(holder.weights, list(load_file(client.received_path(server)).items()))
     finally:
         sender.close()
         await client.close()
 
 
+async def test_broadcast_casts_floating_weights_to_the_transfer_dtype() -> None:
+    client = ThreadClient(1)
+    holder = Holder(mixed_weights())
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=30, dtype="bfloat16"))
+    try:
+        await transfer.push(client, holder.source, policy_version=1)
+        expected = [(n, t.to(torch.bfloat16) if t.is_floating_point() else t) for n, t in mixed_weights()]
+        assert_same_weights(expected, client.received[0])
+    finally:
+        transfer.close()
+        client.close()
+
+
 async def test_broadcast_world_size_mismatch_is_a_clear_error() -> None:
     strategy = create_strategy("broadcast", backend="gloo", timeout_s=5)
-    sender = strategy.create_sender(strategy.create_init_info(inference_world_size=1))
+    sender = strategy.create_sender(inference_world_size=1)
+    source = StaticWeights(mixed_weights)
     try:
-        with pytest.raises(WeightTransferError, match="report 2 workers but this init_info was made for 1"):
-            await sender.setup(ThreadClient(2))
+        with pytest.raises(WeightTransferError, match="report 2 workers but this sender was made for 1"):
+            await sender.setup(ThreadClient(2), source)
         with pytest.raises(WeightTransferError, match="unusable"):
-            await sender.push(ThreadClient(2), mixed_weights(), 1)
+            await sender.push(ThreadClient(2), source, 1)
     finally:
         sender.close()
 
 
 async def test_broadcast_receiver_rejects_a_rank_taken_twice() -> None:
-    strategy = create_strategy("broadcast", backend="gloo", timeout_s=2)
-    info = strategy.create_init_info(inference_world_size=2)
-    sender = strategy.create_sender(info)
-    first = asyncio.create_task(asyncio.to_thread(create_receiver, info, 0))
-    await asyncio.sleep(0.3)
-    # The same payload for a second server (rank_offset not advanced) claims rank 1 again.
+    class SameRanks(ThreadClient):
+        """Gives both servers the first server's payload (rank_offset not advanced)."""
+
+        async def init_weight_update_communicator(self, init_info: Any) -> None:
+            info = init_info[0] if isinstance(init_info, list) else init_info
+            first = asyncio.create_task(asyncio.to_thread(create_receiver, info, 0))
+            await asyncio.sleep(0.3)
+            try:
+                await asyncio.to_thread(create_receiver, info, 0)
+            finally:
+                first.cancel()
+
     with pytest.raises(InvalidTransferInfoError, match="rank 1 was already taken"):
-        await asyncio.to_thread(create_receiver, info, 0)
-    with pytest.raises(WeightTransferTimeoutError):
-        await first  # the group never completes: it times out instead of hanging
-    sender.close()
+        await connect_sender(
+            create_strategy("broadcast", backend="gloo", timeout_s=2),
+            SameRanks(2),
+            StaticWeights(mixed_weights),
+        )
 
 
-async def test_broadcast_hung_receiver_ends_in_a_timeout_error() -> None:
+async def test_broadcast_hung_receiver_ends_in_a_timeout_error_naming_what_is_pending() -> None:
     timeout_s = 1.5
     # The servers accept /update_weights, then never receive: the push must end, not hang.
     client = ThreadClient(1, hang_update=True)
-    sender = await connect_sender(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s), client)
+    source = StaticWeights(lambda: [("w", torch.ones(1_000_000))])
+    sender = await connect_sender(
+        create_strategy("broadcast", backend="gloo", timeout_s=timeout_s), client, source
+    )
     try:
         started = time.perf_counter()
-        with pytest.raises(WeightTransferTimeoutError, match=r"policy version 7 .* longer than 1.5 s"):
-            await sender.push(client, [("w", torch.ones(1_000_000))], policy_version=7)
+        with pytest.raises(
+            WeightTransferTimeoutError, match=r"policy version 7 .* longer than 1.5 s.*fake://server0"
+        ):
+            await sender.push(client, source, policy_version=7)
         assert time.perf_counter() - started < timeout_s + 2
         assert isinstance(WeightTransferTimeoutError("x"), TimeoutError)  # what the barrier catches
         with pytest.raises(WeightTransferError, match="unusable"):
-            await sender.push(client, [("w", torch.ones(3))], policy_version=8)
+            await sender.push(client, source, policy_version=8)
     finally:
         sender.close()
         client.close()
 
 
 async def test_weight_transfer_reconnects_after_a_failed_push() -> None:
+    from rollflow.weights import transport
+
     client = ThreadClient(1, hang_update=True)
     transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=1))
+    holder = Holder([("w", torch.ones(1_000_000))])
     try:
         with pytest.raises(WeightTransferTimeoutError):
-            await transfer.push(client, [("w", torch.ones(1_000_000))], policy_version=1)
+            await transfer.push(client, holder.source, policy_version=1)
         assert transfer.sender is None
         client.close()
         client.hang_update = False
-        weights = mixed_weights()
-        await transfer.push(client, weights, policy_version=2)  # a new group, new receivers
-        assert_same_weights(weights, client.received[0])
+        holder.weights = mixed_weights()  # a new connection reads the weights' metadata afresh
+        await transfer.push(client, holder.source, policy_version=2)  # a new group, new receivers
+        assert_same_weights(holder.weights, client.received[0])
+        # The failed connection's trainer-side session was released by the new one's open.
+        assert [key[0] for key in transport._sessions] == [transfer.sender.transfer_id]
     finally:
         transfer.close()
         client.close()
+    assert not transport._sessions
 
 
 async def test_broadcast_receiver_times_out_when_the_trainer_never_sends() -> None:
     timeout_s = 1.5
     client = ThreadClient(1)
-    sender = await connect_sender(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s), client)
+    sender = await connect_sender(
+        create_strategy("broadcast", backend="gloo", timeout_s=timeout_s),
+        client,
+        StaticWeights(mixed_weights),
+    )
     try:
         started = time.perf_counter()
         with pytest.raises(WeightTransferTimeoutError, match="receiving a weight bucket"):
@@ -395,11 +458,84 @@ async def test_broadcast_receiver_times_out_when_the_trainer_never_sends() -> No
         client.close()
 
 
-async def test_broadcast_setup_times_out_when_servers_never_join() -> None:
-    with pytest.raises(WeightTransferTimeoutError, match="forming the weight-transfer group"):
+async def test_broadcast_setup_times_out_naming_the_servers_that_never_joined() -> None:
+    started = time.perf_counter()
+    with pytest.raises(
+        WeightTransferTimeoutError,
+        match=r"forming the weight-transfer group .* the servers \(fake://server0\)",
+    ):
         await connect_sender(
-            create_strategy("broadcast", backend="gloo", timeout_s=1), ThreadClient(1, join=False)
+            create_strategy("broadcast", backend="gloo", timeout_s=1),
+            ThreadClient(1, join=False),
+            StaticWeights(mixed_weights),
         )
+    assert time.perf_counter() - started < 3
+
+
+async def test_a_trainer_side_failure_names_the_rank_and_the_next_push_reconnects() -> None:
+    """The trainer's weights raise mid-iteration: the push fails within the timeout naming trainer rank 0
+    (the servers blocked on the broadcast are given up on), and the next push works on a new group."""
+    client = ThreadClient(1)
+    fail = [True]
+
+    def weights() -> Any:
+        for index, item in enumerate(mixed_weights()):
+            if fail[0] and index == 3:
+                raise RuntimeError("the gather of layer 3 failed")
+            yield item
+
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", bucket_size_mb=1e-5, timeout_s=20))
+    source = StaticWeights(weights)
+    try:
+        started = time.perf_counter()
+        with pytest.raises(
+            WeightTransferError, match=r"trainer rank 0: .*RuntimeError: the gather of layer 3"
+        ):
+            await transfer.push(client, source, policy_version=1)
+        assert time.perf_counter() - started < 10
+        fail[0] = False
+        client.close()
+        await transfer.push(client, source, policy_version=2)
+        assert_same_weights(mixed_weights(), client.received[0])
+    finally:
+        transfer.close()
+        client.close()
+
+
+def test_transport_specs_are_picklable() -> None:
+    """Transport halves are shipped by value to a trainer process or rank."""
+    import pickle
+
+    from rollflow.weights import TransportCall
+    from rollflow.weights.broadcast import BroadcastTransport
+    from rollflow.weights.checkpoint import CheckpointTransport
+    from rollflow.weights.cuda_ipc import CudaIpcTransport
+    from rollflow.weights.vllm_nccl import VllmNcclTransport
+
+    transports = [
+        create_strategy("broadcast", backend="gloo").create_sender(2).transport,
+        create_strategy("checkpoint").create_sender(2).transport,
+        create_strategy("cuda_ipc").create_sender(2).transport,
+        create_strategy("broadcast", engine="vllm").create_sender(2).transport,
+    ]
+    kinds = (BroadcastTransport, CheckpointTransport, CudaIpcTransport, VllmNcclTransport)
+    for transport, kind in zip(transports, kinds, strict=True):
+        call = TransportCall(transport, "open", {"release": ["x"]})
+        copy = pickle.loads(pickle.dumps(call))
+        assert isinstance(copy.transport, kind) and copy == call
+
+
+def test_cuda_ipc_buckets_are_cut_as_the_receivers_plan_them() -> None:
+    """The trainer cuts buckets while it iterates; receivers cut them from the metadata: the same rule."""
+    from rollflow.weights.cuda_ipc import _buckets
+
+    weights = mixed_weights()
+    for bucket_size_bytes in (1, 40, 100, 10**9):
+        streamed = [[name for name, _ in bucket] for bucket in _buckets(iter(weights), bucket_size_bytes)]
+        planned = [
+            [weights[i][0] for i in bucket] for bucket in plan_buckets(specs_of(weights), bucket_size_bytes)
+        ]
+        assert streamed == planned, bucket_size_bytes
 
 
 # ---------------------------------------------------------------- checkpoint
@@ -409,17 +545,18 @@ async def test_broadcast_setup_times_out_when_servers_never_join() -> None:
 async def test_checkpoint_round_trip(tmp_path: Path, transport: str) -> None:
     checkpoint_dir = tmp_path / "ckpt" if transport == "file" else None
     client = ThreadClient(2)
+    holder = Holder([])
     sender = await connect_sender(
-        create_strategy("checkpoint", checkpoint_dir=checkpoint_dir, timeout_s=30), client
+        create_strategy("checkpoint", checkpoint_dir=checkpoint_dir, timeout_s=30), client, holder.source
     )
     try:
         embed = torch.randn(6, 4)
         for version in (1, 2):
             # Tied weights share memory, which safetensors refuses unless the sender copes.
-            weights = [*mixed_weights(), ("lm_head.weight", embed), ("model.tied.weight", embed)]
-            await sender.push(client, weights, policy_version=version)
+            holder.weights = [*mixed_weights(), ("lm_head.weight", embed), ("model.tied.weight", embed)]
+            await sender.push(client, holder.source, policy_version=version)
             for received in client.received:
-                assert_same_weights(weights, received)
+                assert_same_weights(holder.weights, received)
         if checkpoint_dir is not None:  # only the newest checkpoint is kept
             assert [p.name for p in checkpoint_dir.iterdir()] == ["policy-00000002.safetensors"]
     finally:
@@ -448,11 +585,12 @@ async def test_local_strategy_loads_weights_into_in_process_engines(tiny_model_d
     client = LocalInferenceClient(
         [TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=2, max_model_len=64)]
     )
-    sender = await connect_sender(create_strategy("local"), client)
     state = client.engines[0].model.state_dict()
     # lm_head.weight is tied to the embeddings: leave it out, or it would overwrite them.
     new_weights = {name: torch.randn_like(t) for name, t in state.items() if name != "lm_head.weight"}
-    await sender.push(client, new_weights.items(), policy_version=3)
+    source = StaticWeights(new_weights.items)
+    sender = await connect_sender(create_strategy("local"), client, source)
+    await sender.push(client, source, policy_version=3)
     assert all(torch.equal(state[name], tensor) for name, tensor in new_weights.items())
     await client.close()
 
@@ -464,13 +602,18 @@ async def test_cuda_ipc_round_trip_to_receiver_process(tmp_path: Path) -> None:
 
     client = ProcessClient(1, tmp_path)
     await client.start()
+    weights = [(name, tensor.cuda()) for name, tensor in mixed_weights()]
+    source = StaticWeights(lambda: weights)
     sender = await connect_sender(
-        create_strategy("cuda_ipc", bucket_size_mb=100 / 2**20, timeout_s=60), client
+        create_strategy("cuda_ipc", bucket_size_mb=100 / 2**20, timeout_s=60), client, source
     )
     try:
-        weights = [(name, tensor.cuda()) for name, tensor in mixed_weights()]
-        await sender.push(client, weights, policy_version=1)
-        received = [(name, t) for name, t in load_file(client.received_path(0), device="cuda").items()]
+        await sender.push(client, source, policy_version=1)
+        assert client.updates > 1  # one /update_weights per bucket
+        received = []
+        for update in range(1, client.updates + 1):
+            client.updates = update
+            received += list(load_file(client.received_path(0), device="cuda").items())
         assert_same_weights(weights, received)
     finally:
         sender.close()
@@ -484,77 +627,14 @@ async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> 
 
     client = ProcessClient(1, tmp_path)
     await client.start()
+    weights = [(name, tensor.cuda()) for name, tensor in mixed_weights() if tensor.dtype != torch.bool]
+    source = StaticWeights(lambda: weights)
     sender = await connect_sender(
-        create_strategy("broadcast", backend="nccl", bucket_size_mb=100 / 2**20, timeout_s=60), client
+        create_strategy("broadcast", backend="nccl", bucket_size_mb=100 / 2**20, timeout_s=60), client, source
     )
     try:
-        weights = [(name, tensor.cuda()) for name, tensor in mixed_weights() if tensor.dtype != torch.bool]
-        await sender.push(client, weights, policy_version=1)
+        await sender.push(client, source, policy_version=1)
         assert_same_weights(weights, list(load_file(client.received_path(0), device="cuda").items()))
     finally:
         sender.close()
         await client.close()
-
-
-# ---------------------------------------------------------------- end to end through `rollflow serve`
-
-
-async def test_weights_pushed_to_two_servers_generate_like_an_in_process_engine(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    """Two real ``rollflow serve`` processes get new weights by ``broadcast`` and then by ``checkpoint``;
-    greedy generation on each then equals an in-process engine holding the same weights."""
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.server_group import ServerGroup
-    from rollflow.messages import GenerateRequest, SamplingParams
-    from rollflow.models.loading import load_causal_lm
-
-    prompts = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12]]
-    greedy = SamplingParams(max_tokens=10, temperature=0.0)
-
-    def perturbed(seed: int) -> torch.nn.Module:
-        model = load_causal_lm(tiny_model_dir)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for parameter in model.parameters():  # the tied lm_head moves with the embeddings
-                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-        return model
-
-    async def generate_all(generate) -> list[list[int]]:
-        outputs = [await generate(GenerateRequest(list(p), greedy)) for p in prompts]
-        return [output.token_ids for output in outputs]
-
-    async with ServerGroup("rollflow:tiny", 2, tmp_path / "logs", startup_timeout_s=120) as servers:
-        client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
-        per_server = [RemoteInferenceClient(url, control_timeout_s=60) for url in servers.urls]
-        try:
-            before = await generate_all(per_server[0].generate)
-            strategies = [
-                create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=60),
-                create_strategy("checkpoint", timeout_s=60),  # over the trainer's HTTP endpoint
-                create_strategy("checkpoint", checkpoint_dir=tmp_path / "ckpt", timeout_s=60),
-            ]
-            for version, strategy in enumerate(strategies, start=1):
-                model = perturbed(seed=version)
-                engine = TorchEngine(perturbed(seed=version), max_batch_size=4, max_model_len=64)
-                expected = await generate_all(engine.generate)
-                await engine.shutdown()
-                assert expected != before  # the new weights change what greedy decoding says
-
-                sender = await connect_sender(strategy, client)
-                try:
-                    await client.pause("keep")
-                    try:
-                        await sender.push(client, model.state_dict().items(), policy_version=version)
-                    finally:
-                        await client.resume()
-                finally:
-                    sender.close()
-                for server in per_server:
-                    outputs = [await server.generate(GenerateRequest(list(p), greedy)) for p in prompts]
-                    assert [o.token_ids for o in outputs] == expected, strategy.name
-                    assert {v for o in outputs for v in o.policy_versions} == {version}
-        finally:
-            for remote in [client, *per_server]:
-                await remote.close()

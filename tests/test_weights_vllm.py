@@ -14,7 +14,7 @@ import torch
 
 from rollflow.config import build_config
 from rollflow.errors import ConfigError, MissingExtraError
-from rollflow.weights import connect_sender, create_strategy, init_info_for_servers
+from rollflow.weights import StaticWeights, connect_sender, create_strategy, init_info_for_servers
 from rollflow.weights.cuda_ipc import ipc_update_info
 from rollflow.weights.packing import specs_of
 from rollflow.weights.receiver import create_receiver
@@ -88,19 +88,27 @@ def fake_api(sent: list[Any]) -> VllmTrainerApi:
 # ---------------------------------------------------------------- payload shapes
 
 
-def test_vllm_broadcast_init_info_has_exactly_vllm_keys() -> None:
-    strategy = create_strategy("broadcast", engine="vllm", bucket_size_mb=1, master_address="127.0.0.1")
-    info = strategy.create_init_info(inference_world_size=3)
+def vllm_sender(
+    inference_world_size: int, sent: list[Any] | None, bucket_size_bytes: int = 2**20
+) -> VllmNcclSender:
+    api = None if sent is None else fake_api(sent)
+    return VllmNcclSender(inference_world_size, bucket_size_bytes=bucket_size_bytes, timeout_s=10, api=api)
+
+
+async def test_vllm_broadcast_init_info_has_exactly_vllm_keys() -> None:
+    sender = vllm_sender(2, [])
+    client = RecordingClient()
+    await sender.setup(client, StaticWeights(weights))
+    sender.close()
+    info = sender.init_info
     assert set(info) == VLLM_INIT_KEYS == VLLM_NCCL_INIT_KEYS
-    assert info["rank_offset"] == 1 and info["world_size"] == 4 and info["packed"] is True
+    assert info["rank_offset"] == 1 and info["world_size"] == 3 and info["packed"] is True
     assert info["packed_buffer_size_bytes"] == 2**20 and isinstance(info["master_port"], int)
     # Per-server payloads advance rank_offset and keep the key set.
-    payloads = init_info_for_servers(info, num_servers=3, workers_per_server=1)
-    assert [p["rank_offset"] for p in payloads] == [1, 2, 3]
+    payloads = init_info_for_servers(info, num_servers=2, workers_per_server=1)
+    assert [p["rank_offset"] for p in payloads] == [1, 2]
     assert all(set(p) == VLLM_INIT_KEYS for p in payloads)
-    # rollflow's own servers keep their extra keys.
-    torch_info = create_strategy("broadcast", backend="gloo").create_init_info(1)
-    assert {"backend", "group_name", "timeout_s"} <= set(torch_info)
+    assert client.calls[0] == ("init", payloads)
 
 
 def test_vllm_broadcast_rejects_what_vllm_cannot_do() -> None:
@@ -110,20 +118,16 @@ def test_vllm_broadcast_rejects_what_vllm_cannot_do() -> None:
         create_strategy("broadcast", engine="sglang")
     with pytest.raises(ValueError, match="cuda_ipc engine must be 'torch' or 'vllm'"):
         create_strategy("cuda_ipc", engine="")
-    info = create_strategy("broadcast", engine="vllm").create_init_info(1)
-    with pytest.raises(ValueError, match=r"takes no \['policy_version'\]"):
-        VllmNcclSender({**info, "policy_version": 1}, timeout_s=5)
 
 
 async def test_vllm_sender_sends_exactly_vllm_payloads_and_the_version_at_finish() -> None:
-    strategy = create_strategy("broadcast", engine="vllm", bucket_size_mb=2, timeout_s=10)
-    info = strategy.create_init_info(inference_world_size=2)
     sent: list[Any] = []
-    sender = VllmNcclSender(info, timeout_s=10, api=fake_api(sent))
+    sender = vllm_sender(2, sent, bucket_size_bytes=2 * 2**20)
     client = RecordingClient()
-    await sender.setup(client)
-    await sender.push(client, weights(), policy_version=7)
-    await sender.push(client, weights(), policy_version=8)
+    source = StaticWeights(weights)
+    await sender.setup(client, source)
+    await sender.push(client, source, policy_version=7)
+    await sender.push(client, source, policy_version=8)
     sender.close()
 
     kinds = [kind for kind, _ in client.calls]
@@ -139,32 +143,34 @@ async def test_vllm_sender_sends_exactly_vllm_payloads_and_the_version_at_finish
         "shapes": [[5, 4], [4], [3]],
     }
     assert [version for kind, version in client.calls if kind == "finish"] == [7, 8]
-    assert sent[0] == ("join", "127.0.0.1", info["master_port"], 3)
+    # Trainer rank 0 picked the rendezvous port, hosted vLLM's group there, and sent with vLLM's producer.
+    assert sent[0] == ("join", "127.0.0.1", sender.init_info["master_port"], 3)
     assert sent[1] == ("send", update_info["names"], "group", 2 * 2**20, 2)
 
 
 async def test_vllm_sender_world_size_mismatch_and_missing_vllm_are_clear() -> None:
-    info = create_strategy("broadcast", engine="vllm").create_init_info(inference_world_size=1)
-    sender = VllmNcclSender(info, timeout_s=5, api=fake_api([]))
-    with pytest.raises(Exception, match="report 2 workers but this init_info was made for 1"):
-        await sender.setup(RecordingClient())
+    sender = vllm_sender(1, [])
+    source = StaticWeights(weights)
+    with pytest.raises(Exception, match="report 2 workers but this sender was made for 1"):
+        await sender.setup(RecordingClient(), source)
     with pytest.raises(Exception, match="unusable"):
-        await sender.push(RecordingClient(), weights(), 1)
+        await sender.push(RecordingClient(), source, 1)
     if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(MissingExtraError, match=r"pip install 'rollflow\[vllm\]'"):
-            await VllmNcclSender(info, timeout_s=5).setup(RecordingClient())
+        with pytest.raises(MissingExtraError, match=r"pip install 'rollflow\[vllm\]'") as raised:
+            await vllm_sender(2, None).setup(RecordingClient(), source)
+        assert any("trainer rank 0" in note for note in raised.value.__notes__)
 
 
 def test_vllm_cuda_ipc_payloads_have_exactly_vllm_keys() -> None:
     strategy = create_strategy("cuda_ipc", engine="vllm")
-    assert strategy.create_init_info(4) == {"packed": True}
+    assert strategy.create_sender(4).init_info == {"packed": True}
     specs = specs_of(weights())
     info = ipc_update_info(specs, {"GPU-uuid": ("rebuild", ())}, policy_version=None)
     assert set(info) == VLLM_IPC_UPDATE_KEYS
     assert info["tensor_sizes"] == [80, 8, 6]
     # rollflow servers also get the version per update.
     assert ipc_update_info(specs, {}, policy_version=3)["policy_version"] == 3
-    assert create_strategy("cuda_ipc").create_init_info(1)["backend"] == "ipc"
+    assert create_strategy("cuda_ipc").create_sender(1).init_info["backend"] == "ipc"
 
 
 # ---------------------------------------------------------------- config
@@ -187,12 +193,8 @@ def test_config_passes_the_engine_to_the_strategy_and_rejects_what_vllm_cannot_r
 # ---------------------------------------------------------------- rollflow receivers accept vLLM's shapes
 
 
-async def test_rollflow_receiver_accepts_an_init_info_without_backend_group_name_or_timeout() -> None:
-    strategy = create_strategy("broadcast", backend="gloo", timeout_s=30)
-    info = strategy.create_init_info(inference_world_size=1)
-    for key in ("backend", "group_name", "timeout_s"):
-        del info[key]  # before the sender reads it: both sides fall back to the same defaults
-    sender = strategy.create_sender(info)
+async def test_rollflow_receiver_accepts_an_init_info_without_backend_or_timeout() -> None:
+    """vLLM's payload shape names no backend and no timeout: the receiver defaults them (gloo on CPU)."""
     receivers: list[Any] = []
     received: list[Any] = []
 
@@ -203,15 +205,19 @@ async def test_rollflow_receiver_accepts_an_init_info_without_backend_group_name
             return 1
 
         async def init_weight_update_communicator(self, init_info: Any) -> None:
-            receivers.append(await asyncio.to_thread(create_receiver, init_info, 0))
+            stripped = {k: v for k, v in init_info.items() if k not in ("backend", "timeout_s")}
+            receivers.append(await asyncio.to_thread(create_receiver, stripped, 0))
 
         async def update_named_weights(self, update_info: Any) -> None:
             received.extend(await asyncio.to_thread(receivers[0].receive, update_info))
 
+    sent = weights()
+    source = StaticWeights(lambda: sent)
+    sender = await connect_sender(
+        create_strategy("broadcast", backend="gloo", timeout_s=30), OneServer(), source
+    )
     try:
-        await sender.setup(OneServer())
-        sent = weights()
-        await sender.push(OneServer(), sent, policy_version=1)
+        await sender.push(OneServer(), source, policy_version=1)
         assert [name for name, _ in received] == [name for name, _ in sent]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent, received, strict=True))
     finally:
@@ -254,11 +260,14 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
         request = GenerateRequest([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0))
         before = await client.generate(request)
         state = load_causal_lm(resolve_model_path(model)).state_dict()
-        sender = await connect_sender(create_strategy("broadcast", engine="vllm", timeout_s=300), client)
+        source = StaticWeights(state.items)
+        sender = await connect_sender(
+            create_strategy("broadcast", engine="vllm", timeout_s=300), client, source
+        )
         try:
             for version in (1, 2):
                 await client.pause("keep")
-                await sender.push(client, state.items(), policy_version=version)
+                await sender.push(client, source, policy_version=version)
                 await client.resume()
         finally:
             sender.close()

@@ -267,9 +267,14 @@ class WeightSyncConfig(Section):
     backend: Literal["gloo", "nccl"] | None = None
     """Broadcast backend; unset picks NCCL when CUDA is available, else gloo."""
     master_address: str = "127.0.0.1"
-    """Address the inference servers use to reach this process (broadcast store, checkpoint HTTP server)."""
+    """Address trainer rank 0 binds its rendezvous on (broadcast store, checkpoint HTTP server), which the
+    inference servers connect to; ``0.0.0.0`` binds every interface and advertises the trainer host's address."""
     checkpoint_dir: str | None = None
     """Directory shared with the servers for the checkpoint strategy; unset sends the file over HTTP."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """What the trainer casts floating weights to before they travel (broadcast, checkpoint, cuda_ipc): the
+    inference engines' dtype halves the bytes of an fp32 trainer feeding bf16 engines. ``auto``: as the
+    trainer holds them (the engines cast on load)."""
 
     def resolved_strategy(self, inference_mode: str) -> str:
         if self.strategy != "auto":
@@ -286,13 +291,19 @@ class WeightSyncConfig(Section):
                 master_address=self.master_address,
                 timeout_s=self.timeout_s,
                 engine=engine,
+                dtype=self.dtype,
             )
         if strategy == "checkpoint":
             return dict(
-                checkpoint_dir=self.checkpoint_dir, host=self.master_address, timeout_s=self.timeout_s
+                checkpoint_dir=self.checkpoint_dir,
+                host=self.master_address,
+                timeout_s=self.timeout_s,
+                dtype=self.dtype,
             )
         if strategy == "cuda_ipc":
-            return dict(bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine)
+            return dict(
+                bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine, dtype=self.dtype
+            )
         return {}
 
 

@@ -1,9 +1,9 @@
-"""The weight-update barrier: pause engines ▸ push weights ▸ policy version += 1 ▸ resume."""
+"""The weight-update barrier: pause engines ▸ the trainer pushes its weights ▸ policy version += 1 ▸ resume."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable
 from typing import Any
 
 import anyio
@@ -21,11 +21,13 @@ class WeightSyncTimeoutError(RollflowError, TimeoutError):
 
 
 class WeightBarrier:
-    """Moves new weights into the inference engines between generation phases.
+    """Moves new weights into the inference engines between generation phases: pause ▸ the trainer pushes ▸
+    resume, each phase bounded by ``timeout_s``.
 
-    The weights travel by a ``rollflow.weights.WeightTransfer`` (in-process copy, broadcast, checkpoint…).
-    The engines are resumed whatever happens during the transfer (timeout, error, cancellation), so a
-    failed update never leaves them paused.
+    The weights travel by a ``rollflow.weights.WeightTransfer`` (in-process copy, broadcast, checkpoint…)
+    whose control half runs here while its transport half runs where the weights are (the trainer's
+    ``push_weights``). The engines are resumed whatever happens during the transfer (timeout, error,
+    cancellation), so a failed update never leaves them paused.
     """
 
     def __init__(self, client: InferenceClient, transfer: Any, *, timeout_s: float):
@@ -43,44 +45,30 @@ class WeightBarrier:
         options = sync.strategy_options(strategy, config.inference.engine)
         return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
 
-    async def update(
-        self,
-        named_weights: Callable[[], Iterable[tuple[str, Any]]],
-        policy_version: int,
-        pause_mode: PauseMode,
-    ) -> dict[str, float]:
-        """Push ``named_weights()`` stamped as ``policy_version``; returns the barrier's timings in seconds
-        (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``).
+    async def update(self, trainer: Any, policy_version: int, pause_mode: PauseMode) -> dict[str, float]:
+        """Have ``trainer`` (a handle with ``push_weights``, e.g. ``Trainer``, ``TrainerProcess``,
+        ``rollflow.weights.StaticWeights``) push its weights as ``policy_version``; returns the barrier's
+        timings in seconds (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``).
 
         Raises:
-            WeightSyncTimeoutError: the pause and transfer took longer than ``timeout_s``.
-            Exception: what the transfer raised when it failed twice (the next update reconnects).
+            WeightSyncTimeoutError: pausing, the push or resuming took longer than ``timeout_s`` (the message
+                names the phase, and the servers or trainer rank still pending).
+            Exception: what the transfer raised when it failed twice, naming the server or trainer rank (the
+                next update reconnects).
         """
         started = time.perf_counter()
-        paused_at = started
         try:
-            with anyio.fail_after(self.timeout_s):
-                await self.client.pause(pause_mode)
-                paused_at = time.perf_counter()
-                try:
-                    await self.transfer.push(self.client, named_weights(), policy_version)
-                except TimeoutError:
-                    raise
-                except Exception as error:
-                    # A server died mid-transfer: the client dropped it, and the transfer reconnects with
-                    # the servers that are left (a new world size). One retry; a second failure is real.
-                    log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
-                    await self.transfer.push(self.client, named_weights(), policy_version)
-                transferred_at = time.perf_counter()
-        except TimeoutError as error:
-            raise WeightSyncTimeoutError(
-                f"weight update to policy version {policy_version} took longer than "
-                f"weight_sync.timeout_s = {self.timeout_s} s ({error or 'no reply'}); the engines were resumed"
-            ) from None
-        finally:
-            # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
-            with anyio.move_on_after(self.timeout_s, shield=True):
-                await self.client.resume()
+            await self._phase("pausing the engines", policy_version, self.client.pause(pause_mode))
+            paused_at = time.perf_counter()
+            await self._phase("the trainer's push", policy_version, self._push(trainer, policy_version))
+            transferred_at = time.perf_counter()
+        except BaseException:
+            try:
+                await self._resume(policy_version, raise_on_timeout=False)
+            except Exception as error:  # the push's error is the one to report
+                log.warning("resuming the engines after a failed weight update failed", error=str(error))
+            raise
+        await self._resume(policy_version, raise_on_timeout=True)
         timings = {
             "barrier_time_s": time.perf_counter() - started,
             "pause_time_s": paused_at - started,
@@ -88,6 +76,45 @@ class WeightBarrier:
         }
         log.debug("weights updated", policy_version=policy_version, **timings)
         return timings
+
+    async def _push(self, trainer: Any, policy_version: int) -> None:
+        try:
+            await self.transfer.push(self.client, trainer, policy_version)
+        except TimeoutError:
+            raise
+        except Exception as error:
+            failed_servers = [url for url in getattr(error, "failures", {}) if url in self._server_urls()]
+            if failed_servers:
+                # The same servers would fail the retry, some only after blocking on the dead one until
+                # their own timeout: report them now.
+                raise
+            # A server died mid-transfer and the client dropped it (the transfer reconnects with the servers
+            # that are left, a new world size), or the trainer side failed. One retry; a second failure is real.
+            log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
+            await self.transfer.push(self.client, trainer, policy_version)
+
+    def _server_urls(self) -> list[str]:
+        return list(getattr(self.client, "server_urls", ()))
+
+    async def _phase(self, what: str, policy_version: int, work: Awaitable[Any]) -> None:
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await work
+        except TimeoutError as error:
+            raise WeightSyncTimeoutError(
+                f"weight update to policy version {policy_version}: {what} took longer than "
+                f"weight_sync.timeout_s = {self.timeout_s} s ({error or 'no reply'}); the engines were resumed"
+            ) from None
+
+    async def _resume(self, policy_version: int, *, raise_on_timeout: bool) -> None:
+        # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s) as scope:
+            await self.client.resume()
+        if scope.cancelled_caught and raise_on_timeout:
+            raise WeightSyncTimeoutError(
+                f"weight update to policy version {policy_version}: resuming the engines took longer than "
+                f"weight_sync.timeout_s = {self.timeout_s} s; they may still be paused"
+            )
 
     def close(self) -> None:
         self.transfer.close()

@@ -1,9 +1,10 @@
 """Checkpoints: trainer weights and optimizer, plus the orchestrator state that makes a resume exact.
 
-Layout: ``{run_dir}/checkpoints/step_000050/`` with ``model.safetensors`` and ``optimizer.pt`` (written by the
-trainer) and ``state.json`` (written here, last). A checkpoint is built in a ``.tmp`` directory and renamed
-into place, so a run killed mid-save never leaves a checkpoint that looks complete; older checkpoints are
-pruned only after that rename, so a save that fails (a full disk) leaves the last complete one in place.
+Layout: ``{run_dir}/checkpoints/step_000050/`` with ``model.safetensors``, ``optimizer.pt`` and the Hugging Face
+model directory ``hf/`` (written by the trainer) and ``state.json`` (written here, last). A checkpoint is built
+in a ``.tmp`` directory and renamed into place, so a run killed mid-save never leaves a checkpoint that looks
+complete; older checkpoints are pruned only after that rename, so a save that fails (a full disk) leaves the
+last complete one in place.
 """
 
 from __future__ import annotations
@@ -163,18 +164,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def load_policy_weights(checkpoint: Path) -> tuple[dict[str, Any], int]:
-    """The model weights of a checkpoint (Hugging Face names, on CPU) and the policy version they are.
+    """The model weights of a checkpoint (Hugging Face names, on CPU) and the policy version they are: from
+    its Hugging Face directory ``hf/`` when it has one (all its safetensors shards), else from the trainer's
+    ``model.safetensors``.
 
     Raises:
         CheckpointError: the state or weights file is missing or unreadable.
     """
     from safetensors.torch import load_file
 
+    from rollflow.train.export import HF_DIR
     from rollflow.train.trainer import WEIGHTS_FILE
 
     state = load_state(checkpoint)
-    try:
-        weights = load_file(checkpoint / WEIGHTS_FILE)
-    except Exception as error:  # OSError, or safetensors' own SafetensorError for a corrupt file
-        raise CheckpointError(f"checkpoint {checkpoint} has no readable {WEIGHTS_FILE}: {error}") from None
+    shards = sorted((checkpoint / HF_DIR).glob("*.safetensors"))
+    files = shards or [checkpoint / WEIGHTS_FILE]
+    weights: dict[str, Any] = {}
+    for path in files:
+        try:
+            weights.update(load_file(path))
+        except Exception as error:  # OSError, or safetensors' own SafetensorError for a corrupt file
+            name = path.relative_to(checkpoint)
+            raise CheckpointError(f"checkpoint {checkpoint} has no readable {name}: {error}") from None
     return weights, state.policy_version

@@ -6,7 +6,7 @@ Each component has one job and never references the orchestrator:
 - Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
   (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
   own (``trainer.placement``), or ``trainer.num_workers`` data-parallel ``TrainerWorkers``.
-- ``WeightBarrier``: pause engines ▸ push weights ▸ policy version += 1 ▸ resume.
+- ``WeightBarrier``: pause engines ▸ the trainer pushes its weights ▸ policy version += 1 ▸ resume.
 - ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
   pauses.
 
@@ -202,7 +202,7 @@ class Orchestrator:
                 # The engines may hold other weights than the trainer's (servers that served an earlier run
                 # keep its last ones): start them on the trainer's, as policy version 0, so that every
                 # sample's version says which weights sampled it.
-                await self.barrier.update(self.trainer.named_weights, 0, self.schedule.pause_mode)
+                await self.barrier.update(self.trainer, 0, self.schedule.pause_mode)
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
                         truncate_jsonl_after_step(self.run_dir / name, 0)
@@ -319,9 +319,7 @@ class Orchestrator:
     async def _restore(self, checkpoint: Path) -> None:
         self.state = load_state(checkpoint)
         await anyio.to_thread.run_sync(self.trainer.load_checkpoint, checkpoint)
-        await self.barrier.update(
-            self.trainer.named_weights, self.state.policy_version, self.schedule.pause_mode
-        )
+        await self.barrier.update(self.trainer, self.state.policy_version, self.schedule.pause_mode)
         # Work done after the checkpoint is redone; drop its records so each step is logged once.
         for name in (METRICS_FILE, ROLLOUTS_FILE):
             truncate_jsonl_after_step(self.run_dir / name, self.state.step)
@@ -514,7 +512,7 @@ class Orchestrator:
         barrier: dict[str, float] = {}
         if result.updated:
             barrier = await self.barrier.update(
-                self.trainer.named_weights, self.state.policy_version + 1, self.schedule.pause_mode
+                self.trainer, self.state.policy_version + 1, self.schedule.pause_mode
             )
             self.state.policy_version += 1
         self.state.step = step

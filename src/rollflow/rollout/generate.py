@@ -86,10 +86,11 @@ async def push_policy(config: RunConfig, client: Any, weights: dict[str, Any], p
     """Push checkpoint ``weights`` into the engines behind ``client`` by the run's ``weight_sync`` strategy;
     the engines then stamp ``policy_version`` on their tokens."""
     from rollflow.orchestrator.barrier import WeightBarrier
+    from rollflow.weights import StaticWeights
 
     barrier = WeightBarrier.from_config(config, client)
     try:
-        await barrier.update(lambda: weights.items(), policy_version, "wait")
+        await barrier.update(StaticWeights(weights.items), policy_version, "wait")
     finally:
         barrier.close()
 

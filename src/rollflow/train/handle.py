@@ -14,8 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 from rollflow.messages import PackedBatch, StepResult
 
 NamedWeights = Iterator[tuple[str, Any]]
-WeightPush = Callable[[NamedWeights, int], Any]
-"""``push(named_weights, rank)``, run on every rank with that rank's named weights (DTensor shards under
+WeightPush = Callable[[int, NamedWeights], Any]
+"""``push(rank, named_weights)`` (e.g. a ``rollflow.weights.TransportCall``), run on every rank with that rank's named weights (DTensor shards under
 FSDP2: every rank iterates them, so that every ``full_tensor()`` gather has all ranks; rank 0 sends)."""
 
 
@@ -35,9 +35,9 @@ class TrainerHandle(Protocol):
         weight barrier; read them before the next ``train_step``."""
         ...
 
-    def push_weights(self, push: WeightPush) -> list[Any]:
-        """Run ``push`` on every rank (see ``WeightPush``); the results in rank order. Over a process
-        boundary ``push`` must pickle (a module-level function or a ``functools.partial`` of one)."""
+    def push_weights(self, push: WeightPush) -> Any:
+        """Run ``push`` on every rank (see ``WeightPush``); rank 0's result (the one that sent). Over a
+        process boundary ``push`` must pickle (a module-level function or a ``functools.partial`` of one)."""
         ...
 
     def save_checkpoint(self, directory: str | Path) -> None: ...

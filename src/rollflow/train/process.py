@@ -6,10 +6,12 @@ modes that costs the step a fifth of its speed on a small model (each lock hand-
 Python to yield). In a child process the step has an interpreter of its own.
 
 The child builds the same ``Trainer`` the thread placement would (same model files, config and seed, so the
-same updates) and moves its weights to shared memory once. The parent maps those tensors: ``named_weights``
-reads the child's live weights without a copy, between steps, as the weight barrier needs them. Batches and
-step results travel pickled over a pipe; an exception raised in the child is raised again in the parent,
-with the child's traceback attached as a note.
+same updates). Weights leave it by ``push_weights``: the weight transfer's transport half runs in the child,
+which sends them to the inference servers itself (broadcast, checkpoint, CUDA IPC), so the parent never holds
+them. Only in-process engines (the ``local`` strategy) need them here: the first ``named_weights`` call moves
+the child's weights to shared memory and maps them, live and without a copy. Batches, transport calls and
+results travel pickled over a pipe; an exception raised in the child is raised again in the parent, with the
+child's traceback attached as a note.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import multiprocessing
 import signal
 import threading
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -92,12 +94,13 @@ class TrainerProcess:
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would
         # SIGTERM the child (ignored) and wait for it forever if this object was never closed.
         atexit.register(self.close)
+        self._weights: dict[str, Any] | None = None
         try:
-            self._weights: dict[str, Any] = self._receive("start", timeout=STARTUP_TIMEOUT_S)
+            self._receive("start", timeout=STARTUP_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
-        log.debug("trainer process ready", pid=self._process.pid, tensors=len(self._weights))
+        log.debug("trainer process ready", pid=self._process.pid)
 
     @property
     def pid(self) -> int | None:
@@ -110,13 +113,17 @@ class TrainerProcess:
         """``Trainer.train_step`` in the child."""
         return self._call("train_step", batch, policy_version)
 
-    def push_weights(self, push: Callable[[Iterator[tuple[str, Any]], int], Any]) -> list[Any]:
-        """``Trainer.push_weights`` in the child: ``push`` (picklable) runs there, next to the weights."""
-        return self._call("push_weights", push)
-
     def named_weights(self) -> Iterator[tuple[str, Any]]:
-        """The child's live weights (shared memory, no copy): ``Trainer.named_weights``'s names and order."""
+        """The child's live weights (shared memory, no copy): ``Trainer.named_weights``'s names and order.
+        The first call moves them to shared memory."""
+        if self._weights is None:
+            self._weights = self._call("share_weights")
         yield from self._weights.items()
+
+    def push_weights(self, call: Any) -> Any:
+        """``Trainer.push_weights`` in the child: ``call`` (a picklable ``rollflow.weights.TransportCall``) runs
+        there on the child's weights; returns its result."""
+        return self._call("push_weights", call)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """``Trainer.save_checkpoint`` in the child."""
@@ -181,12 +188,10 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         trainer = _build(spec)
-        trainer.model.share_memory()
-        reply: tuple[str, Any, str] = ("ok", dict(trainer.named_weights()), "")
     except Exception as error:
         conn.send(_error_reply(error))
         return
-    conn.send(reply)
+    conn.send(("ok", None, ""))
     while True:
         try:
             method, *args = conn.recv()
@@ -195,7 +200,11 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
         if method == "close":
             return
         try:
-            reply = ("ok", getattr(trainer, method)(*args), "")
+            if method == "share_weights":
+                trainer.model.share_memory()  # in place: the optimizer keeps the same parameters
+                reply: tuple[str, Any, str] = ("ok", dict(trainer.named_weights()), "")
+            else:
+                reply = ("ok", getattr(trainer, method)(*args), "")
         except Exception as error:
             reply = _error_reply(error)
         try:

@@ -15,7 +15,7 @@ import copy
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -446,14 +446,13 @@ class Trainer:
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
-    def push_weights(self, push: Callable[[Iterator[tuple[str, torch.Tensor]], int], Any]) -> list[Any]:
-        """Run ``push(named_weights, rank)`` on every rank (here: this one, rank 0) with the rank's
-        ``named_weights()``; returns the result of each rank, in rank order.
-
-        A worker group runs it in each worker, where the tensors may be shards (DTensors): every rank must
-        iterate them (each ``full_tensor()`` is a collective) and rank 0 sends.
-        """
-        return [push(self.named_weights(), self.parallel.rank)]
+    def push_weights(self, call: Callable[[int, Iterable[tuple[str, torch.Tensor]]], Any]) -> Any:
+        """Run a weight transport's ``call(rank, named_weights)`` on this rank's weights and return its result:
+        the transport half of a weight transfer (``rollflow.weights.TransportCall``), which sends them to the
+        inference servers. A worker group runs it in each worker, where the tensors may be shards (DTensors):
+        every rank must iterate them (each ``full_tensor()`` is a collective) and rank 0 sends. Blocking: the
+        weight barrier runs it in a worker thread, between training steps."""
+        return call(self.parallel.rank, self.named_weights())
 
     def close(self) -> None:
         """Nothing to release in this process (the handle protocol's ``close``)."""
@@ -486,13 +485,17 @@ class Trainer:
         self.model.load_state_dict(state["model"], strict=False)
 
     def save_checkpoint(self, directory: str | Path) -> None:
-        """Write ``model.safetensors`` (+ ``config.json`` when the model has one) and ``optimizer.pt``.
+        """Write ``model.safetensors`` (+ ``config.json`` when the model has one), ``optimizer.pt``, and the
+        Hugging Face model directory ``hf/`` (``rollflow.train.export``: model in the training dtype,
+        tokenizer, ``generation_config.json``) for a ``transformers`` model.
 
         Tied duplicates are dropped from the safetensors file (the first name of each shared tensor is kept,
         as ``save_pretrained`` does), so with ``config.json`` the directory also loads with
         ``from_pretrained``. Each file is written under a temporary name and renamed into place.
         """
         from safetensors.torch import save_file
+
+        from rollflow.train.export import HF_DIR, save_hf_model
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -508,6 +511,8 @@ class Trainer:
             "rng_state": self.generator.get_state(),
         }
         _write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
+        if hasattr(self.model, "save_pretrained"):
+            save_hf_model(self.model, directory / HF_DIR)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore weights, optimizer state and RNG state written by ``save_checkpoint``.

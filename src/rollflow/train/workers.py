@@ -133,10 +133,10 @@ class TrainerWorkers:
         ``Trainer.named_weights``'s names and order."""
         yield from self._call("full_weights")[0]
 
-    def push_weights(self, push: WeightPush) -> list[Any]:
-        """Run ``push(named_weights, rank)`` (picklable) in every worker, on its rank's weights (DTensor
-        shards under ``fsdp2``); the results in rank order."""
-        return self._call("push_weights", (push,))
+    def push_weights(self, push: WeightPush) -> Any:
+        """Run ``push(rank, named_weights)`` (picklable) in every worker, on its rank's weights (DTensor
+        shards under ``fsdp2``); rank 0's result."""
+        return self._call("push_weights", (push,))[0]
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its shards (``rollflow.train.sharded``); rank 0 also the full weights."""
@@ -384,7 +384,7 @@ def _run(trainer: Any, method: str, args: list[Any]) -> Any:
     if method == "full_weights":
         return _full_weights(trainer)
     if method == "push_weights":
-        return trainer.push_weights(args[0])[0]
+        return trainer.push_weights(args[0])
     if method in ("save_checkpoint", "load_checkpoint"):
         from rollflow.train import sharded
 

@@ -1,19 +1,26 @@
 """Weight transfer from the trainer into inference engines: ``local``, ``broadcast``, ``checkpoint``, ``cuda_ipc``.
 
-``rollflow.weights.base`` holds the interface (and imports no torch); each strategy lives in its own module,
-and ``rollflow.weights.receiver.create_receiver`` is the engine server's side. Typical trainer-side use::
+``rollflow.weights.base`` holds the interface (and imports no torch); each strategy lives in its own module as a
+control half (HTTP to the servers, in the orchestrator) and a transport half (a picklable spec run where the
+weights are: the trainer thread, the trainer process, each trainer rank), and
+``rollflow.weights.receiver.create_receiver`` is the engine server's side. Typical use from the orchestrator::
 
     transfer = WeightTransfer(create_strategy("broadcast", bucket_size_mb=256, timeout_s=300))
-    # Engines paused around this; the first push connects (asks client.get_world_size(), sends init_info),
-    # and a push after a failure reconnects.
-    await transfer.push(client, model.state_dict().items(), policy_version)
+    # Engines paused around this; the first push connects (asks client.get_world_size(), opens the transport
+    # on the trainer, sends init_info), and a push after a failure reconnects. ``trainer`` is any handle with
+    # ``push_weights(call)`` (``Trainer``, ``TrainerProcess``, ``StaticWeights``).
+    await transfer.push(client, trainer, policy_version)
     transfer.close()
 """
 
 from rollflow.weights.base import (
     STRATEGIES,
+    TRANSFER_DTYPES,
     InvalidTransferInfoError,
+    StaticWeights,
+    TransportCall,
     WeightSender,
+    WeightSource,
     WeightTransfer,
     WeightTransferError,
     WeightTransferStrategy,
@@ -26,8 +33,12 @@ from rollflow.weights.base import (
 
 __all__ = [
     "STRATEGIES",
+    "TRANSFER_DTYPES",
     "InvalidTransferInfoError",
+    "StaticWeights",
+    "TransportCall",
     "WeightSender",
+    "WeightSource",
     "WeightTransfer",
     "WeightTransferError",
     "WeightTransferStrategy",

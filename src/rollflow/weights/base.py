@@ -1,12 +1,21 @@
-"""The weight-transfer strategy interface, its errors, and the strategy registry.
+"""The weight-transfer interface, its errors, the strategy registry, and the helpers both halves share.
 
-A strategy moves the trainer's weights into inference engines. It has two halves:
-- the sender (trainer side, this package): ``create_init_info`` once, ``setup(client)`` once, then one
-  ``push`` per policy version, each doing ``start_weight_update`` → ``update_named_weights(update_info)`` →
-  ``finish_weight_update`` over the client. The caller (the weight barrier) pauses and resumes the engines
-  around ``push``; a strategy never pauses or resumes.
-- the receiver (engine-server side, ``rollflow.weights.receiver``): built from ``init_info`` by the server's
+A strategy moves the trainer's weights into inference engines in three parts:
+- the **control half** (``WeightSender``, in the orchestrator, async): asks the servers for their world size,
+  sends ``init_info`` (``/init_weight_transfer_engine``), and per policy version ``/start_weight_update`` →
+  ``/update_weights`` → ``/finish_weight_update``, each bounded by the strategy's timeout. It never touches a
+  tensor: it drives the transport half through a ``WeightSource``.
+- the **transport half** (a picklable spec, e.g. ``BroadcastTransport``): shipped by value to wherever the
+  weights are (the trainer thread, the trainer process, each data-parallel rank) and run there as
+  ``TransportCall(spec, op)(rank, named_weights)``. Every rank iterates its named weights (a DTensor joins its
+  ``full_tensor()`` gather), casts them to the transfer dtype, and only rank 0 sends; rank 0 also picks the
+  rendezvous (address, port) on its own host and reports it back as the call's result. State that must outlive
+  one call (a process group, a TCP store, an HTTP server) lives in that process's session registry
+  (``rollflow.weights.transport``), keyed by the spec's ``transfer_id``.
+- the **receiver** (engine-server side, ``rollflow.weights.receiver``): built from ``init_info`` by
   ``/init_weight_transfer_engine``; each ``/update_weights`` turns one ``update_info`` into named tensors.
+
+The caller (the weight barrier) pauses and resumes the engines around a push; a strategy never does.
 
 ``init_info`` and ``update_info`` are plain JSON dicts using vLLM's field names where vLLM has them
 (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``names``, ``dtype_names``, ``shapes``),
@@ -21,10 +30,18 @@ from __future__ import annotations
 
 import abc
 import copy
-from collections.abc import Iterable
-from typing import Any, ClassVar, Protocol
+import inspect
+import secrets
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol
+
+import anyio
+import structlog
 
 from rollflow.errors import RollflowError
+
+log = structlog.get_logger(__name__)
 
 #: Strategy names accepted by ``create_strategy`` (and proposed for ``weight_sync.strategy``).
 STRATEGIES: tuple[str, ...] = ("local", "broadcast", "checkpoint", "cuda_ipc")
@@ -32,9 +49,16 @@ STRATEGIES: tuple[str, ...] = ("local", "broadcast", "checkpoint", "cuda_ipc")
 #: The receiver backends an ``init_info["backend"]`` may name.
 RECEIVER_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "checkpoint", "ipc")
 
+#: Dtypes weights may be cast to on the trainer side before they travel (``weight_sync.dtype``).
+TRANSFER_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+
+#: How long the control half waits, after the trainer side failed, for the servers' side to report its own
+#: error (which names the server) before cancelling it.
+SERVER_ERROR_GRACE_S = 2.0
+
 
 class WeightTransferError(RollflowError):
-    """A weight transfer failed; the message says which side and why."""
+    """A weight transfer failed; the message says which side (a server's URL, or a trainer rank) and why."""
 
 
 class InvalidTransferInfoError(WeightTransferError, ValueError):
@@ -59,40 +83,144 @@ class WeightUpdateClient(Protocol):
     async def finish_weight_update(self, weight_version: int | None = None) -> Any: ...
 
 
-class WeightSender(abc.ABC):
-    """Trainer side of one strategy, bound to one ``init_info``.
+# ---------------------------------------------------------------- the trainer side, as the control half sees it
 
-    Lifecycle: ``await setup(client)`` once, ``await push(...)`` per policy version, ``close()`` at the end.
-    After a failed or cancelled push the transfer state is unknown (a half-done broadcast), so the sender
-    refuses further pushes; close it and build a new one (``connect_sender``).
+
+@dataclass(frozen=True)
+class TransportCall:
+    """One operation of a transport half, picklable: ``call(rank, named_weights)`` runs
+    ``transport.<op>(rank, named_weights, **arguments)`` on a trainer rank and returns its result (rank 0's is
+    the one the control half reads; other ranks return None).
+
+    Any exception is re-raised as a ``WeightTransferError`` (``WeightTransferTimeoutError`` for a timeout)
+    whose message names the rank.
     """
 
-    def __init__(self, init_info: dict[str, Any]):
-        self.init_info = init_info
+    transport: Any
+    op: Literal["open", "join", "push", "next", "close"]
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+    def __call__(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> Any:
+        try:
+            return getattr(self.transport, self.op)(rank, named_weights, **self.arguments)
+        except WeightTransferError as error:
+            if f"trainer rank {rank}" in str(error):
+                raise
+            raise type(error)(f"trainer rank {rank}: {error}") from error
+        except RollflowError as error:  # e.g. a missing extra: its type tells the caller what to do
+            error.add_note(f"raised on trainer rank {rank} by the weight transport's {self.op}")
+            raise
+        except Exception as error:
+            kind = WeightTransferTimeoutError if is_timeout(error) else WeightTransferError
+            raise kind(
+                f"trainer rank {rank}: weight transport {self.op} failed: {type(error).__name__}: {error}"
+            ) from error
+
+
+class WeightSource:
+    """Where the weights are, for the control half: a trainer handle (``Trainer``, ``TrainerProcess``, a worker
+    group) with ``push_weights(call)``, which runs ``call(rank, named_weights)`` on every trainer rank and
+    returns rank 0's result, and ``named_weights()`` for the in-process ``local`` strategy.
+
+    A blocking ``push_weights`` runs in a worker thread (abandoned on cancellation: a collective stuck on a
+    dead peer ends at its own timeout); an async one is awaited.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    async def run(self, call: TransportCall) -> Any:
+        """``call`` on every trainer rank; rank 0's result."""
+        push = self.trainer.push_weights
+        if inspect.iscoroutinefunction(push):
+            return await push(call)
+        return await anyio.to_thread.run_sync(push, call, abandon_on_cancel=True)
+
+    def named_weights(self) -> Iterable[tuple[str, Any]]:
+        """The weights themselves, in this process (the ``local`` strategy only)."""
+        return self.trainer.named_weights()
+
+
+class StaticWeights:
+    """A trainer handle over weights held in this process (a checkpoint's, a test's): rank 0 of one.
+
+    Args:
+        named_weights: called for every push; returns ``(name, tensor)`` pairs.
+    """
+
+    def __init__(self, named_weights: Callable[[], Iterable[tuple[str, Any]]]):
+        self._named_weights = named_weights
+
+    def named_weights(self) -> Iterable[tuple[str, Any]]:
+        return self._named_weights()
+
+    def push_weights(self, call: Callable[[int, Iterable[tuple[str, Any]]], Any]) -> Any:
+        return call(0, self._named_weights())
+
+
+def as_source(trainer: Any) -> WeightSource:
+    """``trainer`` itself when it is a ``WeightSource``, else a ``WeightSource`` over the trainer handle."""
+    return trainer if isinstance(trainer, WeightSource) else WeightSource(trainer)
+
+
+def new_transfer_id() -> str:
+    """A fresh key for one connection's trainer-side session (and its store prefix)."""
+    return f"rollflow-weights-{secrets.token_hex(8)}"
+
+
+# ---------------------------------------------------------------- the control half
+
+
+class WeightSender(abc.ABC):
+    """Control half of one strategy, for one connection to the servers.
+
+    Lifecycle: ``await setup(client, source)`` once, ``await push(client, source, version)`` per policy
+    version, ``close()`` at the end. After a failed or cancelled push the transfer state is unknown (a
+    half-done broadcast), so the sender refuses further pushes; close it and build a new one
+    (``connect_sender``).
+    """
+
+    def __init__(self, inference_world_size: int):
+        self.inference_world_size = inference_world_size
+        #: What every server was sent on ``/init_weight_transfer_engine`` (set by ``setup``).
+        self.init_info: dict[str, Any] = {}
         #: Why this sender can no longer push (None while it can); ``WeightTransfer`` then reconnects.
         self.broken: str | None = None
+        #: The trainer-side session this sender opened, if any; released by the next connection's open.
+        self.transfer_id: str | None = None
 
     @abc.abstractmethod
-    async def setup(self, client: Any) -> None:
-        """Connect the receivers: check the inference world size and send ``init_info`` to every server.
+    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+        """Connect: open the transport on the trainer (which reports its rendezvous) and send ``init_info`` to
+        every server. ``release`` names earlier trainer-side sessions to free first.
 
         Raises:
-            WeightTransferError: the servers report another world size than ``init_info`` was made for.
+            WeightTransferError: the servers report another world size, or a server or a trainer rank failed
+                (the message names it).
             WeightTransferTimeoutError: the receivers did not join within the strategy's timeout.
         """
 
     @abc.abstractmethod
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
-        """Send ``named_weights`` (Hugging Face state-dict names) to every engine as ``policy_version``:
-        start → update → finish over ``client``. The caller pauses the engines before and resumes after.
+    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+        """Have the trainer send its weights (Hugging Face state-dict names) to every engine as
+        ``policy_version``: start → update (with the trainer's push) → finish over ``client``. The caller
+        pauses the engines before and resumes after.
 
         Raises:
-            WeightTransferError: the transfer failed, or the sender is broken by an earlier failure.
+            WeightTransferError: the transfer failed (naming the server or trainer rank), or the sender is
+                broken by an earlier failure.
             WeightTransferTimeoutError: the transfer took longer than the strategy's timeout.
         """
 
-    def close(self) -> None:  # noqa: B027 - a no-op default is the right behaviour for stateless senders
-        """Release sockets, process groups and files. Idempotent."""
+    def close(self) -> None:
+        """Refuse further pushes, and release the trainer-side session if it lives in this process (an
+        in-thread trainer's); one in a trainer process or worker is released by the next connection's open,
+        or when that process exits. Idempotent."""
+        self.broken = self.broken or "it was closed"
+        if self.transfer_id is not None:
+            from rollflow.weights.transport import release_sessions
+
+            release_sessions([self.transfer_id])
 
 
 class WeightTransferStrategy(abc.ABC):
@@ -101,20 +229,16 @@ class WeightTransferStrategy(abc.ABC):
     name: ClassVar[str]
 
     @abc.abstractmethod
-    def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
-        """The ``init_info`` every server receives, for ``inference_world_size`` workers in all (ask the
-        servers with ``client.get_world_size()``; never take it from config)."""
-
-    @abc.abstractmethod
-    def create_sender(self, init_info: dict[str, Any]) -> WeightSender:
-        """A sender for ``init_info`` (from ``create_init_info`` of this strategy)."""
+    def create_sender(self, inference_world_size: int) -> WeightSender:
+        """A control half for ``inference_world_size`` workers in all (ask the servers with
+        ``client.get_world_size()``; never take it from config)."""
 
 
 def create_strategy(name: str, **options: Any) -> WeightTransferStrategy:
     """Build the strategy called ``name`` (one of ``STRATEGIES``) with its keyword options.
 
     Raises:
-        ValueError: an unknown strategy name.
+        ValueError: an unknown strategy name, or a bad option value.
         TypeError: an option the strategy does not take.
     """
     if name == "local":
@@ -136,6 +260,17 @@ def create_strategy(name: str, **options: Any) -> WeightTransferStrategy:
     raise ValueError(f"unknown weight transfer strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
 
+def check_transfer_dtype(dtype: str) -> str:
+    """``dtype`` when it is one of ``TRANSFER_DTYPES``.
+
+    Raises:
+        ValueError: naming ``weight_sync.dtype`` and the choices.
+    """
+    if dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"weight_sync.dtype must be one of {', '.join(TRANSFER_DTYPES)}, got {dtype!r}")
+    return dtype
+
+
 class WeightTransfer:
     """A strategy plus its current sender, for the weight barrier: ``push`` connects on first use, and again
     after any failed push (a timed-out broadcast, a server that died and was dropped, so the world size
@@ -148,47 +283,210 @@ class WeightTransfer:
     def __init__(self, strategy: WeightTransferStrategy):
         self.strategy = strategy
         self.sender: WeightSender | None = None
+        # Trainer-side sessions of closed senders, released by the next connection's open (or by close()
+        # when they live in this process).
+        self._released: list[str] = []
 
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
-        """Send ``named_weights`` as ``policy_version`` (engines paused by the caller).
+    async def push(self, client: Any, source: Any, policy_version: int) -> None:
+        """Have the trainer behind ``source`` (a ``WeightSource``, or a trainer handle) push its weights as
+        ``policy_version`` (engines paused by the caller).
 
         Raises:
             WeightTransferError, WeightTransferTimeoutError: as ``WeightSender.setup`` and ``push``; the next
                 call reconnects.
         """
+        source = as_source(source)
         if self.sender is not None and self.sender.broken is not None:
-            self.close()
+            self._close_sender()
         if self.sender is None:
-            self.sender = await connect_sender(self.strategy, client)
+            release, self._released = self._released, []
+            self.sender = await connect_sender(self.strategy, client, source, release=release)
         try:
-            await self.sender.push(client, named_weights, policy_version)
+            await self.sender.push(client, source, policy_version)
         except BaseException:
             # Whatever failed (a timeout, a server error, cancellation), the servers may hold a half-done
             # update: the next push starts over from init_weight_transfer_engine.
-            self.close()
+            self._close_sender()
             raise
 
-    def close(self) -> None:
-        """Close the current sender. Idempotent."""
+    def _close_sender(self) -> None:
         sender, self.sender = self.sender, None
         if sender is not None:
             sender.close()
+            if sender.transfer_id is not None:
+                self._released.append(sender.transfer_id)
+
+    def close(self) -> None:
+        """Close the current sender (and its trainer-side session when it lives in this process; a trainer
+        process or worker releases its own when it exits). Idempotent."""
+        self._close_sender()
+        self._released = []
 
 
-async def connect_sender(strategy: WeightTransferStrategy, client: Any) -> WeightSender:
-    """Ask the servers for their world size, build ``init_info`` and a sender, and set it up.
+async def connect_sender(
+    strategy: WeightTransferStrategy, client: Any, source: Any, *, release: Iterable[str] = ()
+) -> WeightSender:
+    """Ask the servers for their world size, build a sender, and set it up with the trainer behind
+    ``source`` (a ``WeightSource``, or a trainer handle).
 
     Raises:
         WeightTransferError, WeightTransferTimeoutError: as ``WeightSender.setup``.
     """
+    source = as_source(source)
     world_size = await client.get_world_size() if hasattr(client, "get_world_size") else 1
-    sender = strategy.create_sender(strategy.create_init_info(world_size))
+    sender = strategy.create_sender(world_size)
     try:
-        await sender.setup(client)
+        await sender.setup(client, source, release=release)
     except BaseException:
         sender.close()
         raise
     return sender
+
+
+async def run_with_servers(
+    what: str,
+    trainer_side: Callable[[], Awaitable[Any]],
+    servers_side: Callable[[], Awaitable[Any]],
+    timeout_s: float,
+    *,
+    servers: Iterable[str] = (),
+) -> Any:
+    """Run the trainer's side of a transfer and the servers' HTTP call (which blocks on the servers until the
+    trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
+
+    When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
+    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
+    error is attached as a note.
+
+    Raises:
+        WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
+            were still pending, naming ``servers``).
+        Exception: the servers' error, else the trainer side's.
+    """
+    results: dict[str, Any] = {}
+    errors: dict[str, BaseException] = {}
+    servers_done = anyio.Event()
+
+    async def run_servers(tg: Any) -> None:
+        try:
+            await servers_side()
+            results["servers"] = True
+        except Exception as error:
+            errors["servers"] = error
+            tg.cancel_scope.cancel()
+        finally:
+            servers_done.set()
+
+    async def run_trainer(tg: Any) -> None:
+        try:
+            results["trainer"] = await trainer_side()
+        except Exception as error:
+            errors["trainer"] = error
+            with anyio.move_on_after(SERVER_ERROR_GRACE_S):
+                await servers_done.wait()
+            tg.cancel_scope.cancel()
+
+    try:
+        with anyio.fail_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_servers, tg)
+                tg.start_soon(run_trainer, tg)
+    except TimeoutError as error:
+        pending = []
+        if "trainer" not in results and "trainer" not in errors:
+            pending.append("trainer rank 0")
+        if "servers" not in results and "servers" not in errors:
+            urls = ", ".join(servers)
+            pending.append(f"the servers ({urls})" if urls else "the servers")
+        raise WeightTransferTimeoutError(
+            f"{what} took longer than {timeout_s:.3g} s; still waiting on {' and '.join(pending) or 'nothing'}"
+        ) from error
+    if "servers" in errors:
+        error = errors["servers"]
+        if "trainer" in errors:
+            if _blames_the_trainer(error):
+                errors["trainer"].add_note(f"the servers report: {error}")
+                raise errors["trainer"]
+            error.add_note(f"the trainer side failed too: {errors['trainer']}")
+        raise error
+    if "trainer" in errors:
+        raise errors["trainer"]
+    return results["trainer"]
+
+
+async def run_update_round(
+    sender: WeightSender,
+    client: Any,
+    how: str,
+    trainer_push: Callable[[], Awaitable[Any]],
+    update_info: Any,
+    policy_version: int,
+    timeout_s: float,
+) -> Any:
+    """One update of a collective transfer: ``/start_weight_update``, then ``/update_weights`` together with
+    the trainer's push, then ``/finish_weight_update`` labelling ``policy_version``; all within ``timeout_s``.
+    Any failure marks ``sender`` broken: the group may be mid-bucket. Returns the trainer side's result.
+
+    Raises:
+        WeightTransferTimeoutError: the round took longer than ``timeout_s`` (naming the step, and the servers
+            or trainer rank it was waiting on).
+        WeightTransferError, ControlPlaneError: a trainer rank or a server failed (named).
+    """
+    servers = getattr(client, "server_urls", ())
+    what = f"pushing policy version {policy_version} ({how})"
+    deadline = anyio.current_time() + timeout_s
+
+    def remaining() -> float:
+        return max(0.0, deadline - anyio.current_time())
+
+    try:
+        await servers_step(
+            f"{what}: /start_weight_update", client.start_weight_update(), remaining(), servers
+        )
+        result = await run_with_servers(
+            what, trainer_push, lambda: client.update_named_weights(update_info), remaining(), servers=servers
+        )
+        await servers_step(
+            f"{what}: /finish_weight_update",
+            client.finish_weight_update(weight_version=policy_version),
+            remaining(),
+            servers,
+        )
+    except TimeoutError:
+        sender.broken = f"policy version {policy_version} timed out mid-transfer"
+        raise
+    except BaseException as exc:
+        sender.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+        raise
+    return result
+
+
+async def servers_step(what: str, call: Awaitable[Any], timeout_s: float, servers: Iterable[str] = ()) -> Any:
+    """``await call`` (an HTTP fan-out to the servers) within ``timeout_s``.
+
+    Raises:
+        WeightTransferTimeoutError: naming ``what`` and ``servers``.
+    """
+    try:
+        with anyio.fail_after(timeout_s):
+            return await call
+    except TimeoutError as exc:
+        urls = ", ".join(servers)
+        raise WeightTransferTimeoutError(
+            f"{what} took longer than {timeout_s:.3g} s; still waiting on the servers{f' ({urls})' if urls else ''}"
+        ) from exc
+
+
+def _blames_the_trainer(error: BaseException) -> bool:
+    """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
+    failures = getattr(error, "failures", None)
+    return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether ``exc`` is (or reads as) a timeout: torch.distributed raises several kinds."""
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def uses_process_group(init_info: dict[str, Any]) -> bool:

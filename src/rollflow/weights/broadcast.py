@@ -1,13 +1,21 @@
-"""``broadcast``: the trainer (rank 0) broadcasts packed weight buckets to every inference worker.
+"""``broadcast``: trainer rank 0 broadcasts packed weight buckets to every inference worker.
 
 The group is a standalone one built from its own ``TCPStore`` (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL``
 on GPU), never ``init_process_group``: it does not touch the default group a trainer may already have (FSDP),
-and two transfers never collide because each ``init_info`` names a fresh store prefix (``group_name``).
+and two transfers never collide because each connection names a fresh store prefix (``group_name``).
 
-The trainer hosts the store: ``create_init_info`` binds it on a free port right away (so no other process can
-take the port between picking and binding). ``/init_weight_transfer_engine`` and ``/update_weights`` block on
-the servers until the broadcast happens, so the sender runs those HTTP calls as tasks while its own side of the
-collective runs in a thread. Both sides use the group's timeout, so a missing peer ends as an error on each.
+Three parts (see ``rollflow.weights.base``):
+- ``BroadcastSender``, the control half in the orchestrator: asks the servers' world size, has the trainer
+  open the transport, sends ``init_info`` with the rendezvous the trainer reported, and per push runs
+  ``/update_weights`` as a task while the trainer pushes.
+- ``BroadcastTransport``, the transport half on every trainer rank: ``open`` (rank 0 binds the store on a free
+  port of its own host and reports it with the weights' metadata), ``join`` (rank 0 forms the group with the
+  servers), ``push`` (every rank iterates and gathers, rank 0 packs and broadcasts).
+- ``BroadcastReceiver`` on each inference worker.
+
+``/init_weight_transfer_engine`` and ``/update_weights`` block on the servers until the collective happens, so
+they run concurrently with the trainer's side; both sides use the group's timeout, so a missing peer ends as an
+error on each.
 
 With ``engine="vllm"`` the payloads are exactly vLLM 0.33's (``NCCLWeightTransferInitInfo`` and
 ``NCCLWeightTransferUpdateInfo`` reject unknown keys) and the trainer side is vLLM's own NCCL rendezvous
@@ -17,10 +25,10 @@ With ``engine="vllm"`` the payloads are exactly vLLM 0.33's (``NCCLWeightTransfe
 from __future__ import annotations
 
 import datetime
-import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -30,10 +38,18 @@ import torch.distributed as dist
 
 from rollflow.weights.base import (
     InvalidTransferInfoError,
+    TransportCall,
     WeightSender,
+    WeightSource,
     WeightTransferError,
     WeightTransferStrategy,
     WeightTransferTimeoutError,
+    as_source,
+    check_transfer_dtype,
+    is_timeout,
+    new_transfer_id,
+    run_update_round,
+    run_with_servers,
     server_init_infos,
 )
 from rollflow.weights.packing import (
@@ -41,8 +57,6 @@ from rollflow.weights.packing import (
     pack,
     plan_buckets,
     specs_from_info,
-    specs_of,
-    specs_to_info,
     unpack,
 )
 
@@ -55,6 +69,8 @@ TRAINER_RANK = 0
 #: Buffers vLLM's packed broadcast keeps in flight (its ``packed_num_buffers``).
 VLLM_PACKED_NUM_BUFFERS = 2
 ENGINES = ("torch", "vllm")
+#: Keys of an ``update_info`` that describe the tensors.
+SPEC_KEYS = ("names", "dtype_names", "shapes")
 
 
 def default_backend() -> str:
@@ -134,28 +150,6 @@ def _timeout_error(what: str, timeout_s: float, exc: BaseException) -> WeightTra
     )
 
 
-def _is_timeout(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first non-cancellation error in a task group's exception group: the one worth reporting (the
-    other task was cancelled because of it)."""
-    leaves: list[BaseException] = []
-
-    def collect(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                collect(inner)
-        else:
-            leaves.append(exc)
-
-    collect(group)
-    cancelled = anyio.get_cancelled_exc_class()
-    return next((exc for exc in leaves if not isinstance(exc, cancelled)), leaves[0])
-
-
 class BroadcastReceiver:
     """Inference-worker side: joins the group as rank ``rank_offset + worker_rank`` and receives buckets."""
 
@@ -206,7 +200,7 @@ class BroadcastReceiver:
         except InvalidTransferInfoError:
             raise
         except Exception as exc:
-            if _is_timeout(exc):
+            if is_timeout(exc):
                 raise _timeout_error("joining the weight-transfer group", self.timeout_s, exc) from exc
             raise WeightTransferError(f"joining the weight-transfer group failed: {exc}") from exc
         log.debug("weight receiver joined", rank=self.rank, world_size=self.world_size, backend=self.backend)
@@ -242,7 +236,7 @@ class BroadcastReceiver:
                 raise
             except Exception as exc:
                 self._failed = f"{type(exc).__name__}: {exc}"
-                if _is_timeout(exc):
+                if is_timeout(exc):
                     raise _timeout_error("receiving a weight bucket", self.timeout_s, exc) from exc
                 raise WeightTransferError(f"receiving a weight bucket failed: {exc}") from exc
             received.extend(unpack(buffer, bucket_specs))
@@ -259,10 +253,14 @@ class BroadcastStrategy(WeightTransferStrategy):
     Args:
         backend: ``"gloo"`` or ``"nccl"``; None picks nccl when CUDA is available (always for vLLM), else gloo.
         bucket_size_mb: bytes per broadcast (MiB); bigger buckets mean fewer collectives, more memory.
-        master_address: address the workers reach the trainer's store at; 127.0.0.1 unless they run elsewhere.
+        master_address: address trainer rank 0 binds its rendezvous on and the workers reach it at;
+            127.0.0.1 unless they run elsewhere (``0.0.0.0`` binds every interface and advertises the host's
+            address).
         timeout_s: longest a group formation or one update may take, on both sides.
         engine: the servers' kind: ``"torch"`` (``rollflow serve``: our group and payloads) or ``"vllm"``
             (vLLM 0.33's payload keys only, and vLLM's own NCCL rendezvous on the trainer side).
+        dtype: what floating weights are cast to before they travel (``weight_sync.dtype``; ``auto``: as the
+            trainer holds them).
     """
 
     name = "broadcast"
@@ -275,6 +273,7 @@ class BroadcastStrategy(WeightTransferStrategy):
         master_address: str = "127.0.0.1",
         timeout_s: float = DEFAULT_TIMEOUT_S,
         engine: str = "torch",
+        dtype: str = "auto",
     ):
         if engine not in ENGINES:
             raise ValueError(
@@ -297,62 +296,22 @@ class BroadcastStrategy(WeightTransferStrategy):
         self.master_address = master_address
         self.timeout_s = timeout_s
         self.engine = engine
-        self._stores: dict[int, dist.TCPStore] = {}
+        self.dtype = check_transfer_dtype(dtype)
 
-    def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
+    def create_sender(self, inference_world_size: int) -> WeightSender:
         if inference_world_size < 1:
             raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
         if self.engine == "vllm":
-            return self._vllm_init_info(inference_world_size)
-        # Port 0: the OS picks a free port and the store holds it from now on.
-        store = dist.TCPStore(
-            self.master_address,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
-        self._stores[store.port] = store
-        return {
-            "backend": self.backend,
-            "master_address": self.master_address,
-            "master_port": store.port,
-            "rank_offset": 1,
-            "world_size": inference_world_size + 1,
-            "packed": True,
-            "packed_buffer_size_bytes": self.bucket_size_bytes,
-            "group_name": f"rollflow-weights-{secrets.token_hex(8)}",
-            "timeout_s": self.timeout_s,
-        }
-
-    def _vllm_init_info(self, inference_world_size: int) -> dict[str, Any]:
-        """Exactly ``NCCLWeightTransferInitInfo``'s fields (vLLM rejects any other key)."""
-        # vLLM's rendezvous binds its own store on this port when the sender sets up, so it can only be
-        # picked here, not held (a small window in which another process could take it).
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((self.master_address, 0))
-            port = probe.getsockname()[1]
-        return {
-            "master_address": self.master_address,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": inference_world_size + 1,
-            "packed": True,
-            "packed_buffer_size_bytes": self.bucket_size_bytes,
-            "packed_num_buffers": VLLM_PACKED_NUM_BUFFERS,
-        }
-
-    def create_sender(self, init_info: dict[str, Any]) -> WeightSender:
-        if self.engine == "vllm":
             from rollflow.weights.vllm_nccl import VllmNcclSender
 
-            return VllmNcclSender(init_info, timeout_s=self.timeout_s)
-        store = self._stores.pop(int(init_info["master_port"]), None)
-        if store is None:
-            raise ValueError(
-                "init_info was not created by this BroadcastStrategy (or its sender exists already)"
+            return VllmNcclSender(
+                inference_world_size,
+                master_address=self.master_address,
+                bucket_size_bytes=self.bucket_size_bytes,
+                timeout_s=self.timeout_s,
+                dtype=self.dtype,
             )
-        return BroadcastSender(init_info, store)
+        return BroadcastSender(inference_world_size, self)
 
 
 async def check_world_size(sender: WeightSender, client: Any, world_size: int) -> None:
@@ -363,149 +322,257 @@ async def check_world_size(sender: WeightSender, client: Any, world_size: int) -
     """
     inference_world_size = await client.get_world_size()
     if inference_world_size + 1 != world_size:
-        sender.broken = "its init_info does not match the servers' world size"
+        sender.broken = "its world size does not match the servers'"
         raise WeightTransferError(
-            f"the inference servers report {inference_world_size} workers but this init_info was made for "
+            f"the inference servers report {inference_world_size} workers but this sender was made for "
             f"{world_size - 1} (world_size {world_size} includes the trainer); "
             "create it from client.get_world_size()"
         )
 
 
-async def run_with_http(what: str, collective: Callable[[], None], http_call: Any, timeout_s: float) -> None:
-    """Run the blocking ``collective`` in a thread while ``http_call`` (which blocks on the servers until the
-    collective happens) runs as a task; fail when either fails, within ``timeout_s``.
+async def open_transport(
+    sender: WeightSender, source: WeightSource, call: TransportCall, timeout_s: float
+) -> Any:
+    """Run ``call`` (an ``open``) on the trainer within ``timeout_s``; rank 0's report.
 
     Raises:
-        WeightTransferTimeoutError: either side took longer than ``timeout_s``.
-        Exception: the first failure of either side.
-    """
-
-    async def call_servers() -> None:
-        await http_call
-
-    try:
-        with anyio.fail_after(timeout_s):
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(call_servers)
-                    # abandon_on_cancel: a hung collective must not keep the caller; its thread ends at the
-                    # group timeout on its own.
-                    await anyio.to_thread.run_sync(collective, abandon_on_cancel=True)
-            except BaseExceptionGroup as group:
-                raise _first_error(group) from None
-    except TimeoutError as exc:
-        raise WeightTransferTimeoutError(f"{what} took longer than {timeout_s:g} s") from exc
-    except Exception as exc:
-        if _is_timeout(exc):
-            raise _timeout_error(what, timeout_s, exc) from exc
-        raise
-
-
-async def run_update_round(
-    sender: WeightSender,
-    client: Any,
-    how: str,
-    collective: Callable[[], None],
-    update_info: dict[str, Any],
-    policy_version: int,
-    timeout_s: float,
-) -> None:
-    """One update of a collective transfer: ``/start_weight_update``, then ``/update_weights`` together with
-    the trainer's side of the ``collective``, then ``/finish_weight_update`` labelling ``policy_version``; all
-    within ``timeout_s``. Any failure marks ``sender`` broken: the group may be mid-bucket.
-
-    Raises:
-        WeightTransferTimeoutError: the round took longer than ``timeout_s``.
+        WeightTransferTimeoutError: the trainer did not answer in time.
+        WeightTransferError: a trainer rank failed (named).
     """
     try:
         with anyio.fail_after(timeout_s):
-            await client.start_weight_update()
-            await run_with_http(
-                f"broadcasting weights ({how})",
-                collective,
-                client.update_named_weights(update_info),
-                timeout_s,
-            )
-            await client.finish_weight_update(weight_version=policy_version)
+            return await source.run(call)
     except TimeoutError as exc:
-        sender.broken = f"policy version {policy_version} timed out mid-transfer"
+        sender.broken = "its transport never opened"
         raise WeightTransferTimeoutError(
-            f"pushing policy version {policy_version} by {how} took longer than {timeout_s:g} s"
+            f"opening the weight transport on trainer rank 0 took longer than {timeout_s:g} s"
         ) from exc
-    except BaseException as exc:
-        sender.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+    except BaseException:
+        sender.broken = "its transport never opened"
         raise
+
+
+def advertised_address(address: str) -> str:
+    """The address peers reach a listener bound to ``address`` at: the host's own for the wildcard."""
+    if address in ("", "0.0.0.0"):
+        return socket.gethostbyname(socket.gethostname())
+    return address
 
 
 class BroadcastSender(WeightSender):
-    """Trainer side of ``broadcast``: rank 0 of the group, and host of its store."""
+    """Control half of ``broadcast`` into ``rollflow serve`` servers."""
 
-    def __init__(self, init_info: dict[str, Any], store: dist.TCPStore):
-        super().__init__(init_info)
-        self.backend = init_info.get("backend") or default_backend()
-        self.world_size = int(init_info["world_size"])
-        self.bucket_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_BUCKET_SIZE_BYTES))
-        self.timeout_s = float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S))
-        self._tcp_store: dist.TCPStore | None = store
-        self._store = dist.PrefixStore(init_info.get("group_name", DEFAULT_GROUP_NAME), store)
-        self._group: _Group | None = None
+    def __init__(self, inference_world_size: int, strategy: BroadcastStrategy):
+        super().__init__(inference_world_size)
+        self.world_size = inference_world_size + 1
+        self.timeout_s = strategy.timeout_s
+        self.transfer_id = new_transfer_id()
+        self.transport = BroadcastTransport(
+            transfer_id=self.transfer_id,
+            backend=strategy.backend,
+            master_address=strategy.master_address,
+            world_size=self.world_size,
+            bucket_size_bytes=strategy.bucket_size_bytes,
+            timeout_s=strategy.timeout_s,
+            dtype=strategy.dtype,
+        )
+        self._specs: dict[str, list] = {}
 
-    async def setup(self, client: Any) -> None:
+    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+        source = as_source(source)
         await check_world_size(self, client, self.world_size)
-        group: list[Any] = []
-
-        def join() -> None:
-            group.append(
-                _create_group(self.backend, self._store, TRAINER_RANK, self.world_size, self.timeout_s)
-            )
-
+        transport = self.transport
+        opened = await open_transport(
+            self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
+        )
+        self._specs = {key: opened[key] for key in SPEC_KEYS}
+        self.init_info = {
+            "backend": transport.backend,
+            "master_address": opened["master_address"],
+            "master_port": opened["master_port"],
+            "rank_offset": 1,
+            "world_size": self.world_size,
+            "packed": True,
+            "packed_buffer_size_bytes": transport.bucket_size_bytes,
+            "group_name": transport.transfer_id,
+            "timeout_s": transport.timeout_s,
+        }
         try:
             payload = await server_init_infos(self.init_info, client)
-            await run_with_http(
+            await run_with_servers(
                 "forming the weight-transfer group",
-                join,
-                client.init_weight_update_communicator(payload),
+                lambda: source.run(TransportCall(transport, "join")),
+                lambda: client.init_weight_update_communicator(payload),
                 self.timeout_s,
+                servers=getattr(client, "server_urls", ()),
             )
         except BaseException:
             self.broken = "its process group never formed"
             raise
-        self._group = _Group(group[0])
-        log.debug("weight sender ready", world_size=self.world_size, backend=self.backend)
+        log.debug("weight sender ready", world_size=self.world_size, backend=transport.backend)
 
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
+    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+        source = as_source(source)
         if self.broken is not None:
             raise WeightTransferError(
                 f"this broadcast sender is unusable: {self.broken}; close it and reconnect"
             )
-        if self._group is None:
-            raise WeightTransferError("call setup(client) before push")
-        group = self._group
-        tensors = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
-        specs = specs_of(tensors)
-        update_info = {**specs_to_info(specs), "policy_version": policy_version}
+        if not self._specs:
+            raise WeightTransferError("call setup(client, source) before push")
         await run_update_round(
             self,
             client,
             "broadcast",
-            lambda: group.run(lambda pg: self._broadcast(pg, tensors, specs)),
-            update_info,
+            lambda: source.run(TransportCall(self.transport, "push")),
+            {**self._specs, "policy_version": policy_version},
             policy_version,
             self.timeout_s,
         )
 
-    def _broadcast(
-        self, group: Any, tensors: list[tuple[str, torch.Tensor]], specs: list[TensorSpec]
-    ) -> None:
-        device = _device_for(self.backend)
+
+@dataclass(frozen=True)
+class BroadcastTransport:
+    """Transport half of ``broadcast`` (picklable; see the module docstring). Each method runs on one trainer
+    rank with that rank's named weights; rank 0 owns the store and the group (a ``_BroadcastSession``)."""
+
+    transfer_id: str
+    backend: str
+    master_address: str
+    world_size: int
+    bucket_size_bytes: int
+    timeout_s: float
+    dtype: str = "auto"
+
+    def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
+        """Release ``release``'s sessions; rank 0 binds the store and reports
+        ``{master_address, master_port, names, dtype_names, shapes}``."""
+        from rollflow.weights.transport import open_session, release_sessions, transfer_dtype, weight_specs
+
+        release_sessions(release)
+        if rank != TRAINER_RANK:
+            return None
+        session = open_session(self.transfer_id, rank, lambda: _BroadcastSession(self))
+        specs = weight_specs(named_weights, transfer_dtype(self.dtype))
+        session.specs = specs_from_info(specs)
+        return {"master_address": session.address, "master_port": session.port, **specs}
+
+    def join(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        """Rank 0 forms the group with every inference worker (blocks until they joined, or the timeout)."""
+        from rollflow.weights.transport import get_session
+
+        if rank == TRAINER_RANK:
+            get_session(self.transfer_id, rank).join()
+
+    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        """Every rank iterates (joining each gather); rank 0 broadcasts the buckets."""
+        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+
+        weights = full_weights(named_weights, transfer_dtype(self.dtype))
+        if rank != TRAINER_RANK:
+            for _ in weights:
+                pass
+            return
+        get_session(self.transfer_id, rank).send(weights)
+
+    def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import release_sessions
+
+        release_sessions([self.transfer_id])
+
+
+class _BroadcastSession:
+    """Rank 0's side of one connection: the store (bound on a free port at once, so no other process can take
+    the port between picking and binding) and, once joined, the group."""
+
+    def __init__(self, transport: BroadcastTransport):
+        self.transport = transport
+        self.address = advertised_address(transport.master_address)
+        # Port 0: the OS picks a free port and the store holds it from now on.
+        self._tcp_store: dist.TCPStore | None = dist.TCPStore(
+            transport.master_address,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=transport.timeout_s),
+        )
+        self.port = self._tcp_store.port
+        self._store = dist.PrefixStore(transport.transfer_id, self._tcp_store)
+        self._group: _Group | None = None
+        self.specs: list[TensorSpec] = []
+        self.failed: str | None = None
+
+    def join(self) -> None:
+        if self._group is not None:
+            return
+        t = self.transport
+        try:
+            group = _create_group(t.backend, self._store, TRAINER_RANK, t.world_size, t.timeout_s)
+        except Exception as exc:
+            self.failed = f"its group never formed ({type(exc).__name__})"
+            if is_timeout(exc):
+                raise _timeout_error("forming the weight-transfer group", t.timeout_s, exc) from exc
+            raise
+        self._group = _Group(group)
+        log.debug("weight transport joined", world_size=t.world_size, backend=t.backend)
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.failed is not None:
+            raise WeightTransferError(f"this weight transport is unusable: {self.failed}; reconnect")
+        if self._group is None:
+            raise WeightTransferError("the weight transport must join its group before a push")
+        try:
+            self._group.run(lambda group: self._broadcast(group, weights))
+        except Exception as exc:
+            self.failed = f"a push failed mid-transfer ({type(exc).__name__})"
+            # Leave the group now: the servers blocked on this broadcast fail at once instead of at their
+            # timeout, and the control half hears from them within its grace period.
+            if self._group is not None:
+                self._group.close()
+            if is_timeout(exc):
+                raise _timeout_error("broadcasting weights", self.transport.timeout_s, exc) from exc
+            raise
+
+    def _broadcast(self, group: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Buckets filled in iteration order until they hold ``bucket_size_bytes`` (``plan_buckets``'s rule,
+        which the receivers follow from the metadata); each checked against the metadata sent at open."""
+        device = _device_for(self.transport.backend)
         pending = None
-        for bucket in plan_buckets(specs, self.bucket_size_bytes):
+        bucket: list[torch.Tensor] = []
+        size = index = 0
+
+        def flush() -> None:
+            nonlocal pending
             # Pack the next bucket while the previous one is on the wire (two buffers in flight).
-            buffer = pack([tensors[i][1] for i in bucket], device)
+            buffer = pack(bucket, device)
             work = group.broadcast(buffer, TRAINER_RANK)
             if pending is not None:
                 pending[0].wait()
             pending = (work, buffer)  # the buffer must outlive its broadcast
+
+        for name, tensor in weights:
+            spec = self.specs[index] if index < len(self.specs) else None
+            if (
+                spec is None
+                or spec.name != name
+                or spec.shape != tuple(tensor.shape)
+                or spec.dtype != tensor.dtype
+            ):
+                raise WeightTransferError(
+                    f"weight {index} is {name!r} {tuple(tensor.shape)} {tensor.dtype}, but the transport was "
+                    f"opened for {spec}: the model changed since; reconnect"
+                )
+            index += 1
+            bucket.append(tensor)
+            size += spec.nbytes
+            if size >= self.transport.bucket_size_bytes:
+                flush()
+                bucket, size = [], 0
+        if index != len(self.specs):
+            raise WeightTransferError(
+                f"the trainer yielded {index} weights but the transport was opened for {len(self.specs)}"
+            )
+        if bucket:
+            flush()
         if pending is not None:
             pending[0].wait()
 
@@ -513,4 +580,4 @@ class BroadcastSender(WeightSender):
         if self._group is not None:
             self._group.close()
         self._tcp_store = None
-        self.broken = self.broken or "it was closed"
+        self.failed = self.failed or "it was closed"

@@ -8,7 +8,9 @@ Two transports:
   process and ``update_info["url"]`` names it (with an unguessable token); each server fetches it. Pulling
   rather than posting keeps the bytes out of ``/update_weights`` bodies (and their size limits).
 
-Only the newest checkpoint is kept: the previous one is deleted once a push of the next one succeeded.
+The trainer side (``CheckpointTransport``, rank 0) writes or serves the file and reports where; the control half
+(``CheckpointSender``) then has the servers read it. Only the newest file is kept: each push retires the files
+of earlier ones (each push ends, the servers having loaded its file, before the next begins).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +35,15 @@ from safetensors.torch import load_file, save
 
 from rollflow.weights.base import (
     InvalidTransferInfoError,
+    TransportCall,
     WeightSender,
+    WeightSource,
     WeightTransferError,
     WeightTransferStrategy,
     WeightTransferTimeoutError,
+    as_source,
+    check_transfer_dtype,
+    new_transfer_id,
 )
 
 log = structlog.get_logger(__name__)
@@ -93,6 +101,7 @@ class CheckpointStrategy(WeightTransferStrategy):
         checkpoint_dir: a directory every server can read; None serves the file over HTTP instead.
         host: address the HTTP endpoint binds and advertises (when ``checkpoint_dir`` is None).
         timeout_s: longest one push, or one server's read, may take.
+        dtype: what floating weights are cast to before they are written (``weight_sync.dtype``).
     """
 
     name = "checkpoint"
@@ -103,88 +112,158 @@ class CheckpointStrategy(WeightTransferStrategy):
         checkpoint_dir: str | os.PathLike | None = None,
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
+        dtype: str = "auto",
     ):
         if timeout_s <= 0:
             raise ValueError(f"weight_sync.timeout_s must be positive, got {timeout_s}")
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.host = host
         self.timeout_s = timeout_s
+        self.dtype = check_transfer_dtype(dtype)
 
-    def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
+    def create_sender(self, inference_world_size: int) -> CheckpointSender:
         # Every server reads the same file, so the number of workers does not change the payload.
-        return {"backend": "checkpoint", "timeout_s": self.timeout_s}
-
-    def create_sender(self, init_info: dict[str, Any]) -> CheckpointSender:
-        return CheckpointSender(init_info, checkpoint_dir=self.checkpoint_dir, host=self.host)
+        return CheckpointSender(inference_world_size, self)
 
 
 class CheckpointSender(WeightSender):
-    """Trainer side of ``checkpoint``."""
+    """Control half of ``checkpoint``: the trainer writes (or serves) the file, then the servers read it."""
 
-    def __init__(self, init_info: dict[str, Any], *, checkpoint_dir: Path | None, host: str):
-        super().__init__(init_info)
-        self.timeout_s = float(init_info["timeout_s"])
-        self.checkpoint_dir = checkpoint_dir
-        self.host = host
-        self._blob = _Blob()
-        self._server: http.server.ThreadingHTTPServer | None = None
-        self._previous: Path | str | None = None
+    def __init__(self, inference_world_size: int, strategy: CheckpointStrategy):
+        super().__init__(inference_world_size)
+        self.timeout_s = strategy.timeout_s
+        self.transfer_id = new_transfer_id()
+        directory = strategy.checkpoint_dir
+        self.transport = CheckpointTransport(
+            transfer_id=self.transfer_id,
+            checkpoint_dir=None if directory is None else str(directory.resolve()),
+            host=strategy.host,
+            timeout_s=strategy.timeout_s,
+            dtype=strategy.dtype,
+        )
 
-    async def setup(self, client: Any) -> None:
-        if self.checkpoint_dir is not None:
-            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            handler = type("_BlobHandler", (_Handler,), {"blob": self._blob})
-            self._server = http.server.ThreadingHTTPServer((self.host, 0), handler)
-            self._server.daemon_threads = True
-            threading.Thread(
-                target=self._server.serve_forever, name="rollflow-weights-http", daemon=True
-            ).start()
-        with anyio.fail_after(self.timeout_s):
-            await client.init_weight_update_communicator(self.init_info)
+    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+        source = as_source(source)
+        from rollflow.weights.broadcast import open_transport
 
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
-        named = list(named_weights)
+        await open_transport(
+            self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
+        )
+        self.init_info = {"backend": "checkpoint", "timeout_s": self.timeout_s}
         try:
             with anyio.fail_after(self.timeout_s):
-                data = await anyio.to_thread.run_sync(serialize, named)
-                location = await anyio.to_thread.run_sync(self._publish, data, policy_version)
+                await client.init_weight_update_communicator(self.init_info)
+        except TimeoutError as exc:
+            self.broken = "the servers never initialized"
+            raise WeightTransferTimeoutError(
+                f"initializing the checkpoint transfer on the servers took longer than {self.timeout_s:g} s"
+            ) from exc
+
+    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+        source = as_source(source)
+        if self.broken is not None:
+            raise WeightTransferError(f"this checkpoint sender is unusable: {self.broken}; reconnect")
+        call = TransportCall(self.transport, "push", {"policy_version": policy_version})
+        try:
+            with anyio.fail_after(self.timeout_s):
+                location = await source.run(call)
                 await client.start_weight_update()
                 await client.update_named_weights({**location, "policy_version": policy_version})
                 await client.finish_weight_update(weight_version=policy_version)
         except TimeoutError as exc:
+            self.broken = f"policy version {policy_version} timed out"
             raise WeightTransferTimeoutError(
                 f"pushing policy version {policy_version} as a checkpoint took longer than {self.timeout_s:g} s"
             ) from exc
-        self._retire_previous(location)
+        except BaseException as exc:
+            # A server may hold a started update; the next push starts over from init.
+            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+            raise
 
-    def _publish(self, data: bytes, policy_version: int) -> dict[str, str]:
+
+@dataclass(frozen=True)
+class CheckpointTransport:
+    """Transport half of ``checkpoint`` (picklable): every rank iterates and gathers; rank 0 writes the file
+    (or serves it from an HTTP endpoint in its own process) and reports where it is."""
+
+    transfer_id: str
+    checkpoint_dir: str | None
+    host: str
+    timeout_s: float
+    dtype: str = "auto"
+
+    def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
+        from rollflow.weights.transport import open_session, release_sessions
+
+        release_sessions(release)
+        if rank == 0:
+            open_session(self.transfer_id, rank, lambda: _CheckpointSession(self))
+
+    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
+        """Rank 0 returns ``{"path": …}`` or ``{"url": …}``, and retires the files of earlier pushes (the
+        servers have loaded them: each push ends before the next starts)."""
+        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+
+        weights = full_weights(named_weights, transfer_dtype(self.dtype))
+        if rank != 0:
+            for _ in weights:
+                pass
+            return None
+        session = get_session(self.transfer_id, rank)
+        return session.publish(serialize(weights), policy_version)
+
+    def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import release_sessions
+
+        release_sessions([self.transfer_id])
+
+
+class _CheckpointSession:
+    """Rank 0's files (or HTTP endpoint) of one connection."""
+
+    def __init__(self, transport: CheckpointTransport):
+        self.directory = Path(transport.checkpoint_dir) if transport.checkpoint_dir is not None else None
+        self._blob = _Blob()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._published: list[str] = []  # paths, or URL keys
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        else:
+            handler = type("_BlobHandler", (_Handler,), {"blob": self._blob})
+            self._server = http.server.ThreadingHTTPServer((transport.host, 0), handler)
+            self._server.daemon_threads = True
+            threading.Thread(
+                target=self._server.serve_forever, name="rollflow-weights-http", daemon=True
+            ).start()
+
+    def publish(self, data: bytes, policy_version: int) -> dict[str, str]:
         filename = f"policy-{policy_version:08d}.safetensors"
-        if self.checkpoint_dir is not None:
-            fd, staging = tempfile.mkstemp(prefix=".staging-", dir=self.checkpoint_dir)
+        if self.directory is not None:
+            fd, staging = tempfile.mkstemp(prefix=".staging-", dir=self.directory)
             with os.fdopen(fd, "wb") as file:
                 file.write(data)
-            path = self.checkpoint_dir / filename
+            path = self.directory / filename
             os.replace(staging, path)
-            return {"path": str(path.resolve())}
+            self._retire(keep=str(path))
+            return {"path": str(path)}
         if self._server is None:
-            raise WeightTransferError("call setup(client) before push")
+            raise WeightTransferError("this checkpoint transport was closed")
         key = f"{secrets.token_urlsafe(16)}/{filename}"
         with self._blob.lock:
             self._blob.files[key] = data
+        self._retire(keep=key)
         host, port = self._server.server_address[:2]
         return {"url": f"http://{host}:{port}/{key}"}
 
-    def _retire_previous(self, location: dict[str, str]) -> None:
-        previous, self._previous = self._previous, location.get("path") or location["url"].rsplit("/", 2)[-2]
-        if previous is None or previous == self._previous:
-            return
-        if self.checkpoint_dir is not None:
-            Path(previous).unlink(missing_ok=True)
-        else:
-            with self._blob.lock:
-                for key in [k for k in self._blob.files if k.startswith(f"{previous}/")]:
-                    del self._blob.files[key]
+    def _retire(self, keep: str) -> None:
+        retired = [name for name in self._published if name != keep]
+        self._published = [keep]
+        for name in retired:
+            if self.directory is not None:
+                Path(name).unlink(missing_ok=True)
+            else:
+                with self._blob.lock:
+                    self._blob.files.pop(name, None)
 
     def close(self) -> None:
         server, self._server = self._server, None

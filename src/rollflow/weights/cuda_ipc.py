@@ -1,9 +1,10 @@
 """``cuda_ipc``: trainer and engine share a GPU; the engine maps the trainer's packed buffers by CUDA IPC handle.
 
-Per bucket the sender packs tensors into one CUDA ``uint8`` buffer, exports its IPC handle
-(``torch.multiprocessing.reductions.reduce_tensor``) keyed by the GPU's UUID, and sends it in one
-``/update_weights`` call (vLLM's ``ipc_handles_pickled`` and ``tensor_sizes``). The buffer stays alive until
-that call returned, and the receiver copies out of it before returning, so the trainer may then free it.
+Per bucket the trainer side (``CudaIpcTransport``, rank 0) packs tensors into one CUDA ``uint8`` buffer, exports
+its IPC handle (``torch.multiprocessing.reductions.reduce_tensor``) keyed by the GPU's UUID, and reports it; the
+control half (``CudaIpcSender``) sends it in one ``/update_weights`` call (vLLM's ``ipc_handles_pickled`` and
+``tensor_sizes``). The buffer stays alive until that call returned (the trainer frees it when asked for the next
+bucket), and the receiver copies out of it before returning.
 
 The handle is pickled (base64) like vLLM's; the receiver unpickles with an allow-list of torch names only,
 since the payload comes over HTTP. Needs CUDA on both sides; the inference world size is accepted and ignored
@@ -19,7 +20,8 @@ from __future__ import annotations
 import base64
 import io
 import pickle
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -27,15 +29,19 @@ import torch
 
 from rollflow.weights.base import (
     InvalidTransferInfoError,
+    TransportCall,
     WeightSender,
+    WeightSource,
     WeightTransferError,
     WeightTransferStrategy,
     WeightTransferTimeoutError,
+    as_source,
+    check_transfer_dtype,
+    new_transfer_id,
 )
 from rollflow.weights.packing import (
     TensorSpec,
     pack,
-    plan_buckets,
     specs_from_info,
     specs_of,
     specs_to_info,
@@ -64,6 +70,8 @@ class CudaIpcStrategy(WeightTransferStrategy):
     Args:
         bucket_size_mb: size of each packed buffer (MiB); each costs that much extra GPU memory while sent.
         timeout_s: longest one push may take.
+        engine: ``"torch"`` (rollflow servers) or ``"vllm"`` (vLLM 0.33's payload keys only).
+        dtype: what floating weights are cast to before they are packed (``weight_sync.dtype``).
     """
 
     name = "cuda_ipc"
@@ -74,6 +82,7 @@ class CudaIpcStrategy(WeightTransferStrategy):
         bucket_size_mb: float = DEFAULT_BUCKET_SIZE_BYTES / 2**20,
         timeout_s: float = 300.0,
         engine: str = "torch",
+        dtype: str = "auto",
     ):
         if bucket_size_mb <= 0:
             raise ValueError(f"weight_sync.bucket_size_mb must be positive, got {bucket_size_mb}")
@@ -82,9 +91,10 @@ class CudaIpcStrategy(WeightTransferStrategy):
         self.bucket_size_bytes = max(1, int(bucket_size_mb * 2**20))
         self.timeout_s = timeout_s
         self.engine = engine
+        self.dtype = check_transfer_dtype(dtype)
 
-    def create_init_info(self, inference_world_size: int) -> dict[str, Any]:
-        # Every colocated worker maps the same buffers, so the world size plays no part.
+    def init_info(self) -> dict[str, Any]:
+        """What every server gets: the world size plays no part (colocated workers map the same buffers)."""
         if self.engine == "vllm":
             return {"packed": True}  # vLLM's IPCWeightTransferInitInfo has no other field
         return {
@@ -94,13 +104,8 @@ class CudaIpcStrategy(WeightTransferStrategy):
             "timeout_s": self.timeout_s,
         }
 
-    def create_sender(self, init_info: dict[str, Any]) -> CudaIpcSender:
-        return CudaIpcSender(
-            init_info,
-            bucket_size_bytes=self.bucket_size_bytes,
-            timeout_s=self.timeout_s,
-            stamp_version=self.engine == "torch",
-        )
+    def create_sender(self, inference_world_size: int) -> CudaIpcSender:
+        return CudaIpcSender(inference_world_size, self)
 
 
 def ipc_update_info(
@@ -119,60 +124,151 @@ def ipc_update_info(
 
 
 class CudaIpcSender(WeightSender):
-    """Trainer side of ``cuda_ipc``.
+    """Control half of ``cuda_ipc``: per bucket, the trainer packs and exports a handle (keeping the buffer
+    alive) and the servers map and copy it, before the trainer packs the next."""
 
-    Args:
-        init_info: from ``CudaIpcStrategy.create_init_info``.
-        bucket_size_bytes: size of each packed buffer.
-        timeout_s: longest one push may take.
-        stamp_version: put ``policy_version`` in each ``update_info`` (rollflow servers; vLLM rejects it).
-    """
+    def __init__(self, inference_world_size: int, strategy: CudaIpcStrategy):
+        super().__init__(inference_world_size)
+        self.timeout_s = strategy.timeout_s
+        self.init_info = strategy.init_info()
+        self.transfer_id = new_transfer_id()
+        self.transport = CudaIpcTransport(
+            transfer_id=self.transfer_id,
+            bucket_size_bytes=strategy.bucket_size_bytes,
+            stamp_version=strategy.engine == "torch",
+            dtype=strategy.dtype,
+        )
 
-    def __init__(
-        self,
-        init_info: dict[str, Any],
-        *,
-        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
-        timeout_s: float = 300.0,
-        stamp_version: bool = True,
-    ):
-        super().__init__(init_info)
-        self.bucket_size_bytes = bucket_size_bytes
-        self.timeout_s = timeout_s
-        self.stamp_version = stamp_version
+    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+        source = as_source(source)
+        from rollflow.weights.broadcast import open_transport
 
-    async def setup(self, client: Any) -> None:
+        await open_transport(
+            self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
+        )
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await client.init_weight_update_communicator(self.init_info)
+        except TimeoutError as exc:
+            self.broken = "the servers never initialized"
+            raise WeightTransferTimeoutError(
+                f"initializing the CUDA IPC transfer on the servers took longer than {self.timeout_s:g} s"
+            ) from exc
+
+    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+        source = as_source(source)
+        if self.broken is not None:
+            raise WeightTransferError(f"this CUDA IPC sender is unusable: {self.broken}; reconnect")
+        try:
+            with anyio.fail_after(self.timeout_s):
+                await client.start_weight_update()
+                bucket = await source.run(
+                    TransportCall(self.transport, "push", {"policy_version": policy_version})
+                )
+                while bucket is not None:
+                    await client.update_named_weights(bucket)
+                    # Only now may the trainer free the buffer: the servers have copied out of it.
+                    bucket = await source.run(TransportCall(self.transport, "next"))
+                await client.finish_weight_update(weight_version=policy_version)
+        except TimeoutError as exc:
+            self.broken = f"policy version {policy_version} timed out"
+            raise WeightTransferTimeoutError(
+                f"pushing policy version {policy_version} by CUDA IPC took longer than {self.timeout_s:g} s"
+            ) from exc
+        except BaseException as exc:
+            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+            raise
+
+
+@dataclass(frozen=True)
+class CudaIpcTransport:
+    """Transport half of ``cuda_ipc`` (picklable). ``push`` starts a pass over the weights and returns the
+    first bucket's ``update_info``; each ``next`` frees the previous bucket's buffer and returns the next one's,
+    or None at the end. Every rank walks the same buckets (joining each gather); rank 0 packs and exports."""
+
+    transfer_id: str
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    stamp_version: bool = True
+    dtype: str = "auto"
+
+    def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
+        from rollflow.weights.transport import open_session, release_sessions
+
+        release_sessions(release)
         if not torch.cuda.is_available():
             raise WeightTransferError(
                 "the cuda_ipc weight transfer needs CUDA; use 'broadcast' or 'checkpoint'"
             )
-        with anyio.fail_after(self.timeout_s):
-            await client.init_weight_update_communicator(self.init_info)
+        open_session(self.transfer_id, rank, _IpcSession)
 
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
+    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
+        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+
+        session = get_session(self.transfer_id, rank)
+        weights = full_weights(named_weights, transfer_dtype(self.dtype))
+        session.start(
+            _buckets(weights, self.bucket_size_bytes), policy_version if self.stamp_version else None
+        )
+        return session.next(rank)
+
+    def next(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> Any:
+        from rollflow.weights.transport import get_session
+
+        return get_session(self.transfer_id, rank).next(rank)
+
+    def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import release_sessions
+
+        release_sessions([self.transfer_id])
+
+
+def _buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], bucket_size_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive weights, cut as ``plan_buckets`` cuts them."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_size_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+class _IpcSession:
+    """One rank's pass over the buckets, and rank 0's buffer of the bucket the servers are reading."""
+
+    def __init__(self) -> None:
+        self._buckets: Iterator[list[tuple[str, torch.Tensor]]] = iter(())
+        self._version: int | None = None
+        self._buffer: torch.Tensor | None = None
+
+    def start(self, buckets: Iterator[list[tuple[str, torch.Tensor]]], policy_version: int | None) -> None:
+        self._buckets, self._version, self._buffer = buckets, policy_version, None
+
+    def next(self, rank: int) -> dict[str, Any] | None:
         from torch.multiprocessing.reductions import reduce_tensor
 
+        self._buffer = None  # the servers copied the previous bucket out
+        bucket = next(self._buckets, None)
+        if bucket is None:
+            if rank == 0:
+                torch.cuda.ipc_collect()
+            return None
+        if rank != 0:
+            return None
         device = torch.device("cuda", torch.cuda.current_device())
-        tensors = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
-        specs = specs_of(tensors)
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await client.start_weight_update()
-                for bucket in plan_buckets(specs, self.bucket_size_bytes):
-                    bucket_specs = [specs[i] for i in bucket]
-                    buffer = pack([tensors[i][1] for i in bucket], device)
-                    torch.cuda.synchronize(device)  # the receiver reads on another process's stream
-                    handles = {_gpu_uuid(device): reduce_tensor(buffer)}
-                    version = policy_version if self.stamp_version else None
-                    await client.update_named_weights(ipc_update_info(bucket_specs, handles, version))
-                    del buffer  # only now: the receiver has copied out of it
-                await client.finish_weight_update(weight_version=policy_version)
-        except TimeoutError as exc:
-            raise WeightTransferTimeoutError(
-                f"pushing policy version {policy_version} by CUDA IPC took longer than {self.timeout_s:g} s"
-            ) from exc
-        finally:
-            torch.cuda.ipc_collect()
+        self._buffer = pack([tensor for _, tensor in bucket], device)
+        torch.cuda.synchronize(device)  # the receiver reads on another process's stream
+        handles = {_gpu_uuid(device): reduce_tensor(self._buffer)}
+        return ipc_update_info(specs_of(bucket), handles, self._version)
+
+    def close(self) -> None:
+        self._buffer = None
+        self._buckets = iter(())
 
 
 class CudaIpcReceiver:

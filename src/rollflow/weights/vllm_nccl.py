@@ -1,9 +1,9 @@
-"""Trainer side of a broadcast into vLLM 0.33 servers (``broadcast`` with ``engine="vllm"``).
+"""Both halves of a broadcast into vLLM 0.33 servers (``broadcast`` with ``engine="vllm"``).
 
-vLLM workers join the trainer through vLLM's own rendezvous (a ``StatelessProcessGroup`` hosted by rank 0 on
-``master_port``, then a PyNccl communicator), and unpack buckets with vLLM's packed format, whose bucket
-boundaries both sides must agree on. So this sender uses vLLM's own pieces for both: the same rendezvous as
-vLLM's ``trainer_init`` and ``packed_nccl_broadcast_producer``. The HTTP side stays ours (the client's fan-out,
+vLLM workers join the trainer through vLLM's own rendezvous (a ``StatelessProcessGroup`` hosted by trainer rank 0
+on a port it picks on its own host, then a PyNccl communicator), and unpack buckets with vLLM's packed format,
+whose bucket boundaries both sides must agree on. So the transport half (``VllmNcclTransport``) uses vLLM's own
+pieces for both: the same rendezvous as vLLM's ``trainer_init`` and ``packed_nccl_broadcast_producer``. The HTTP side stays ours (the client's fan-out,
 a per-server ``rank_offset``, the policy version as ``/finish_weight_update``'s ``weight_version``): vLLM's
 ``NCCLTrainerWeightTransferEngine`` drives the HTTP calls itself through a synchronous one-URL client with a
 fixed ``rank_offset`` of 1, which cannot address several servers.
@@ -14,6 +14,7 @@ Payloads carry exactly vLLM's keys: ``init_info`` = ``NCCLWeightTransferInitInfo
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,12 +24,24 @@ import torch
 
 from rollflow.errors import MissingExtraError
 from rollflow.weights.base import (
+    TransportCall,
     WeightSender,
+    WeightSource,
     WeightTransferError,
+    as_source,
+    new_transfer_id,
+    run_update_round,
+    run_with_servers,
     server_init_infos,
 )
-from rollflow.weights.broadcast import TRAINER_RANK, check_world_size, run_update_round, run_with_http
-from rollflow.weights.packing import dtype_name
+from rollflow.weights.broadcast import (
+    SPEC_KEYS,
+    TRAINER_RANK,
+    VLLM_PACKED_NUM_BUFFERS,
+    advertised_address,
+    check_world_size,
+    open_transport,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -100,75 +113,160 @@ def load_vllm_trainer_api() -> VllmTrainerApi:
     return VllmTrainerApi(join=join, send=send)
 
 
-def vllm_update_info(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, list]:
-    """``NCCLWeightTransferUpdateInfo`` of ``named_tensors``, in their order (the order they are sent)."""
-    named = list(named_tensors)
-    return {
-        "names": [name for name, _ in named],
-        "dtype_names": [dtype_name(tensor.dtype) for _, tensor in named],
-        "shapes": [list(tensor.shape) for _, tensor in named],
-    }
-
-
 class VllmNcclSender(WeightSender):
-    """Rank 0 of a vLLM weight-transfer group (see the module docstring).
+    """Control half of a broadcast into vLLM servers (see the module docstring).
 
     Args:
-        init_info: from ``BroadcastStrategy(engine="vllm").create_init_info``.
+        inference_world_size: the servers' workers in all.
+        master_address: where trainer rank 0 hosts vLLM's rendezvous.
+        bucket_size_bytes: vLLM's ``packed_buffer_size_bytes``.
         timeout_s: longest the group formation or one push may take.
-        api: vLLM's trainer calls; None loads them on ``setup``.
+        dtype: what floating weights are cast to before they travel (``weight_sync.dtype``).
+        api: vLLM's trainer calls (a fake in tests; not picklable then, so in-process trainers only); None
+            loads vLLM's on the trainer side.
     """
 
-    def __init__(self, init_info: dict[str, Any], *, timeout_s: float, api: VllmTrainerApi | None = None):
-        super().__init__(init_info)
-        unknown = set(init_info) - VLLM_NCCL_INIT_KEYS
-        if unknown:
-            raise ValueError(f"vLLM's init_info takes no {sorted(unknown)} (it rejects unknown keys)")
-        self.world_size = int(init_info["world_size"])
+    def __init__(
+        self,
+        inference_world_size: int,
+        *,
+        master_address: str = "127.0.0.1",
+        bucket_size_bytes: int,
+        timeout_s: float,
+        dtype: str = "auto",
+        api: VllmTrainerApi | None = None,
+    ):
+        super().__init__(inference_world_size)
+        self.world_size = inference_world_size + 1
         self.timeout_s = timeout_s
-        self._api = api
-        self._group: Any = None
+        self.transfer_id = new_transfer_id()
+        self.transport = VllmNcclTransport(
+            transfer_id=self.transfer_id,
+            master_address=master_address,
+            world_size=self.world_size,
+            buffer_size_bytes=bucket_size_bytes,
+            num_buffers=VLLM_PACKED_NUM_BUFFERS,
+            dtype=dtype,
+            api=api,
+        )
+        self._update_info: dict[str, list] = {}
 
-    async def setup(self, client: Any) -> None:
-        api = self._api = self._api or load_vllm_trainer_api()
+    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+        source = as_source(source)
         await check_world_size(self, client, self.world_size)
-        groups: list[Any] = []
-        address, port = str(self.init_info["master_address"]), int(self.init_info["master_port"])
+        transport = self.transport
+        opened = await open_transport(
+            self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
+        )
+        self._update_info = {key: opened[key] for key in SPEC_KEYS}
+        self.init_info = {
+            "master_address": opened["master_address"],
+            "master_port": opened["master_port"],
+            "rank_offset": 1,
+            "world_size": self.world_size,
+            "packed": True,
+            "packed_buffer_size_bytes": transport.buffer_size_bytes,
+            "packed_num_buffers": transport.num_buffers,
+        }
         try:
             payload = await server_init_infos(self.init_info, client)
-            await run_with_http(
+            await run_with_servers(
                 "forming the vLLM weight-transfer group",
-                lambda: groups.append(api.join(address, port, self.world_size)),
-                client.init_weight_update_communicator(payload),
+                lambda: source.run(TransportCall(transport, "join")),
+                lambda: client.init_weight_update_communicator(payload),
                 self.timeout_s,
+                servers=getattr(client, "server_urls", ()),
             )
         except BaseException:
             self.broken = "its process group never formed"
             raise
-        self._group = groups[0]
         log.debug("vllm weight sender ready", world_size=self.world_size)
 
-    async def push(self, client: Any, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> None:
+    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+        source = as_source(source)
         if self.broken is not None:
             raise WeightTransferError(f"this vLLM broadcast sender is unusable: {self.broken}; reconnect")
-        if self._group is None or self._api is None:
-            raise WeightTransferError("call setup(client) before push")
-        api, group = self._api, self._group
-        named = [(name, torch.as_tensor(value).detach()) for name, value in named_weights]
-        buffer_size = int(self.init_info["packed_buffer_size_bytes"])
-        num_buffers = int(self.init_info["packed_num_buffers"])
+        if not self._update_info:
+            raise WeightTransferError("call setup(client, source) before push")
         # vLLM labels the weights with finish's weight_version; its update_info has no field for it.
         await run_update_round(
             self,
             client,
             "vLLM NCCL broadcast",
-            lambda: api.send(named, group, buffer_size, num_buffers),
-            vllm_update_info(named),
+            lambda: source.run(TransportCall(self.transport, "push")),
+            self._update_info,
             policy_version,
             self.timeout_s,
         )
 
+
+@dataclass(frozen=True)
+class VllmNcclTransport:
+    """Transport half of a broadcast into vLLM servers (picklable unless ``api`` is a fake): rank 0 picks a
+    free port on its host, hosts vLLM's rendezvous there and sends with vLLM's packed producer; every rank
+    iterates (joining each gather)."""
+
+    transfer_id: str
+    master_address: str
+    world_size: int
+    buffer_size_bytes: int
+    num_buffers: int
+    dtype: str = "auto"
+    api: Any = None
+
+    def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
+        """Rank 0 reports ``{master_address, master_port, names, dtype_names, shapes}``."""
+        from rollflow.weights.transport import open_session, release_sessions, transfer_dtype, weight_specs
+
+        release_sessions(release)
+        if rank != TRAINER_RANK:
+            return None
+        session = open_session(self.transfer_id, rank, lambda: _VllmSession(self))
+        specs = weight_specs(named_weights, transfer_dtype(self.dtype))
+        return {
+            "master_address": advertised_address(self.master_address),
+            "master_port": session.port,
+            **specs,
+        }
+
+    def join(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import get_session
+
+        if rank == TRAINER_RANK:
+            session = get_session(self.transfer_id, rank)
+            session.group = session.api.join(self.master_address, session.port, self.world_size)
+
+    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+
+        weights = full_weights(named_weights, transfer_dtype(self.dtype))
+        if rank != TRAINER_RANK:
+            for _ in weights:
+                pass
+            return
+        session = get_session(self.transfer_id, rank)
+        if session.group is None:
+            raise WeightTransferError("the vLLM weight transport must join its group before a push")
+        session.api.send(weights, session.group, self.buffer_size_bytes, self.num_buffers)
+
+    def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
+        from rollflow.weights.transport import release_sessions
+
+        release_sessions([self.transfer_id])
+
+
+class _VllmSession:
+    """Rank 0's vLLM calls, its rendezvous port and, once joined, the communicator."""
+
+    def __init__(self, transport: VllmNcclTransport):
+        self.api: VllmTrainerApi = transport.api or load_vllm_trainer_api()
+        # vLLM's rendezvous binds its own store on this port when the group forms, so it can only be picked
+        # here, not held (a small window in which another process could take it).
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((transport.master_address, 0))
+            self.port = probe.getsockname()[1]
+        self.group: Any = None
+
     def close(self) -> None:
         # PyNccl has no explicit teardown; dropping the communicator releases it (as vLLM's own shutdown).
-        self._group = None
-        self.broken = self.broken or "it was closed"
+        self.group = None

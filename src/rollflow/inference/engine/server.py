@@ -168,6 +168,7 @@ class EngineServer:
         self._receiver: Any = None
         self._init_info: dict[str, Any] = {}
         self._update_active = False
+        self._update_epoch = 0  # the transfer session (_epoch) the active update was started in
         self._pending_version = 0
         # The newest version loaded since init_weight_transfer_engine: older ones are refused.
         self._version_floor: int | None = None
@@ -613,11 +614,14 @@ class EngineServer:
     async def start_weight_update(self, request: web.Request) -> web.Response:
         await self._read(request, StartWeightUpdateBody, empty_ok=True)
         async with self._weights_lock:
-            if self._update_active:
+            # An update started before the latest init_weight_transfer_engine was abandoned by the trainer
+            # (it failed on another server, or on the trainer's side, and the trainer reconnected).
+            if self._update_active and self._update_epoch == self._epoch:
                 raise bad_request(
                     "start_weight_update was already called; call finish_weight_update before starting another"
                 )
             self._update_active = True
+            self._update_epoch = self._epoch
             self._pending_version = self.engine.policy_version + 1
         return json_response({"message": "Weight update started"})
 

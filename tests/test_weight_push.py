@@ -1,0 +1,335 @@
+"""Weights pushed from the trainer (in a thread, or in a process of its own) into real ``rollflow serve`` servers
+through the weight barrier: outputs, versions, and every failure ending in a named error within the timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from rollflow.config import TrainerConfig
+from rollflow.inference.remote import RemoteInferenceClient
+from rollflow.messages import GenerateRequest, SamplingParams
+from rollflow.orchestrator.barrier import WeightBarrier
+from rollflow.weights import WeightTransfer, WeightTransferError, create_strategy
+
+from .test_train import make_batch
+
+PROMPTS = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12]]
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Two ``rollflow serve`` servers of this module's own (pushes change their weights)."""
+    from .inference_servers import BackgroundServerGroup
+
+    group = BackgroundServerGroup(2, tmp_path_factory.mktemp("push-servers"))
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def trainers(tiny_model_dir):
+    """One trainer per placement, shared by this module's tests (a trainer process takes seconds to start)."""
+    built = {placement: build_trainer(placement, tiny_model_dir) for placement in ("thread", "process")}
+    yield built
+    built["process"].close()
+
+
+def build_trainer(placement: str, model_dir) -> Any:
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.train.process import TrainerProcess, TrainerSpec
+    from rollflow.train.trainer import Trainer
+
+    # A large learning rate: one step moves the tiny model far enough that greedy decoding changes.
+    config = TrainerConfig(lr=0.01)
+    if placement == "process":
+        spec = TrainerSpec(
+            model_dir=model_dir, config=config, temperature=1.0, pad_token_id=0, seed=0, off_policy="none"
+        )
+        return TrainerProcess(spec)
+    return Trainer(load_causal_lm(model_dir), config, pad_token_id=0)
+
+
+@torch.no_grad()
+def argmax_continuations(model_dir, named_weights) -> list[list[int]]:
+    """Greedy continuations of ``PROMPTS`` by plain argmax over a Hugging Face forward of the trainer's weights."""
+    from rollflow.models.loading import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    model.load_state_dict({name: tensor.clone() for name, tensor in named_weights}, strict=False)
+    outputs = []
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        for _ in range(GREEDY.max_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+async def server_outputs(url: str) -> tuple[list[list[int]], set[int]]:
+    client = RemoteInferenceClient(url, control_timeout_s=60)
+    try:
+        outputs = [await client.generate(GenerateRequest(list(p), GREEDY)) for p in PROMPTS]
+    finally:
+        await client.close()
+    return [o.token_ids for o in outputs], {v for o in outputs for v in o.policy_versions}
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+async def test_pushes_from_the_trainer_reach_both_servers(
+    placement, servers, trainers, tiny_model_dir, tmp_path
+):
+    """After each push (broadcast over gloo, checkpoint over HTTP, checkpoint through a directory) both
+    servers decode greedily exactly as the trainer's model does by argmax, and report the pushed version."""
+    import anyio
+
+    trainer = trainers[placement]
+    client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+    strategies = [
+        create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S),
+        create_strategy("checkpoint", timeout_s=TIMEOUT_S),
+        create_strategy("checkpoint", checkpoint_dir=tmp_path / "ckpt", timeout_s=TIMEOUT_S),
+    ]
+    try:
+        base = (await client.weight_info())[servers.urls[0]]["weight_version"]
+        for offset, strategy in enumerate(strategies, start=1):
+            version = int(base) + offset
+            before, _ = await server_outputs(servers.urls[0])
+            seed = offset + (10 if placement == "process" else 0)
+            batch = make_batch(_reference_model(tiny_model_dir), seed=seed)
+            assert (await anyio.to_thread.run_sync(trainer.train_step, batch)).updated
+            barrier = WeightBarrier(client, WeightTransfer(strategy), timeout_s=TIMEOUT_S)
+            try:
+                # Twice: the first connects, the second reuses the connection.
+                await barrier.update(trainer, version, "keep")
+                await barrier.update(trainer, version, "keep")
+            finally:
+                barrier.close()
+            expected = argmax_continuations(tiny_model_dir, trainer.named_weights())
+            assert expected != before  # the trained weights change what greedy decoding says
+            for url in servers.urls:
+                outputs, versions = await server_outputs(url)
+                assert outputs == expected, (strategy.name, url)
+                assert versions == {version}
+            answers = await client.weight_info()
+            assert [body["weight_version"] for body in answers.values()] == [str(version)] * 2
+    finally:
+        await client.close()
+
+
+_REFERENCE: dict[str, Any] = {}
+
+
+def _reference_model(model_dir) -> Any:
+    """The untrained model, for building batches (its logprobs make the behaviour policy)."""
+    if "model" not in _REFERENCE:
+        from rollflow.models.loading import load_causal_lm
+
+        _REFERENCE["model"] = load_causal_lm(model_dir)
+    return _REFERENCE["model"]
+
+
+@dataclass(frozen=True)
+class FailingPush:
+    """Wraps a transport call (picklable, so it runs in a trainer process too): the weights raise after two
+    tensors, as a gather that fails mid-push would."""
+
+    call: Any
+
+    def __call__(self, rank: int, named_weights: Any) -> Any:
+        if self.call.op != "push":
+            return self.call(rank, named_weights)
+
+        def failing() -> Any:
+            for index, item in enumerate(named_weights):
+                if index == 2:
+                    raise RuntimeError("gathering layer 2 failed")
+                yield item
+
+        return self.call(rank, failing())
+
+
+class FailOnce:
+    """A trainer handle whose next push fails in the trainer (see ``FailingPush``)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.fail = True
+
+    def named_weights(self) -> Any:
+        return self.trainer.named_weights()
+
+    def push_weights(self, call: Any) -> Any:
+        if self.fail and call.op == "push":
+            self.fail = False
+            return self.trainer.push_weights(FailingPush(call))
+        return self.trainer.push_weights(call)
+
+
+@pytest.mark.parametrize("placement", ["thread", "process"])
+async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(placement, servers, trainers):
+    trainer = trainers[placement]
+    client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S))
+    barrier = WeightBarrier(client, transfer, timeout_s=TIMEOUT_S)
+    failing = FailOnce(trainer)
+    try:
+        base = int((await client.weight_info())[servers.urls[0]]["weight_version"])
+        await barrier.update(trainer, base + 1, "keep")  # connected
+        started = time.perf_counter()
+        with pytest.raises(WeightTransferError, match=r"trainer rank 0: .*gathering layer 2 failed"):
+            await transfer.push(client, failing, base + 2)  # no retry here, unlike the barrier
+        assert time.perf_counter() - started < TIMEOUT_S
+        assert not failing.fail
+        # The servers were left mid-update; the next push reconnects and lands the version everywhere.
+        await barrier.update(trainer, base + 2, "keep")
+        for url in servers.urls:
+            _, versions = await server_outputs(url)
+            assert versions == {base + 2}
+        # Through the barrier, a failed push is retried once on a new connection.
+        failing.fail = True
+        await barrier.update(failing, base + 3, "keep")
+        assert not failing.fail
+        for url in servers.urls:
+            _, versions = await server_outputs(url)
+            assert versions == {base + 3}
+    finally:
+        barrier.close()
+        await client.close()
+
+
+async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights(tiny_model_dir, tmp_path):
+    """A server killed while the trainer pushes: without dropping, the barrier fails at once naming it (no
+    retry against the same servers, which would block on the dead one); a client that drops unreachable
+    servers (as runs use) carries on with the survivor."""
+    from rollflow.inference.server_group import ServerGroup
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.weights import StaticWeights
+
+    weights = list(load_causal_lm(tiny_model_dir).state_dict().items())
+
+    class KillsServerOnPush(StaticWeights):
+        def __init__(self, pid: int):
+            super().__init__(lambda: weights)
+            self.pid: int | None = pid
+
+        def push_weights(self, call: Any) -> Any:
+            if call.op == "push" and self.pid is not None:
+                os.kill(self.pid, signal.SIGKILL)
+                _wait_dead(self.pid)
+                self.pid = None
+            return super().push_weights(call)
+
+    async with ServerGroup("rollflow:tiny", 2, tmp_path / "logs", startup_timeout_s=120) as group:
+        victim_url = group.urls[1]
+        strict = RemoteInferenceClient(group.urls[0], group.urls, control_timeout_s=60)
+        barrier = WeightBarrier(
+            strict,
+            WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S)),
+            timeout_s=TIMEOUT_S,
+        )
+        trainer = KillsServerOnPush(group.pids[1])
+        try:
+            started = time.perf_counter()
+            with pytest.raises(Exception, match=victim_url) as raised:
+                await barrier.update(trainer, 1, "wait")
+            assert time.perf_counter() - started < TIMEOUT_S
+            assert trainer.pid is None  # it died mid-push, not before
+            assert "update_weights" in str(raised.value) or "get_world_size" in str(raised.value)
+        finally:
+            barrier.close()
+            await strict.close()
+
+        dropping = RemoteInferenceClient(
+            group.urls[0], group.urls, control_timeout_s=60, drop_unreachable_servers=True
+        )
+        barrier = WeightBarrier(
+            dropping,
+            WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S)),
+            timeout_s=TIMEOUT_S,
+        )
+        try:
+            await barrier.update(StaticWeights(lambda: weights), 2, "wait")
+            assert dropping.server_urls == [group.urls[0]]
+            _, versions = await server_outputs(group.urls[0])
+            assert versions == {2}
+        finally:
+            barrier.close()
+            await dropping.close()
+
+
+@dataclass(frozen=True)
+class DiesMidPush:
+    """Runs in the trainer process: it kills that process after two tensors of the push."""
+
+    call: Any
+
+    def __call__(self, rank: int, named_weights: Any) -> Any:
+        if self.call.op != "push":
+            return self.call(rank, named_weights)
+
+        def dying() -> Any:
+            for index, item in enumerate(named_weights):
+                if index == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield item
+
+        return self.call(rank, dying())
+
+
+async def test_a_trainer_process_that_dies_mid_push_fails_the_barrier_and_the_servers_serve_on(
+    servers, tiny_model_dir
+):
+    from rollflow.train.process import TrainerProcessError
+    from rollflow.weights import StaticWeights
+
+    trainer = build_trainer("process", tiny_model_dir)
+
+    class Dying:
+        def push_weights(self, call: Any) -> Any:
+            return trainer.push_weights(DiesMidPush(call))
+
+    client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+    barrier = WeightBarrier(
+        client,
+        WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S)),
+        timeout_s=TIMEOUT_S,
+    )
+    try:
+        base = int((await client.weight_info())[servers.urls[0]]["weight_version"])
+        started = time.perf_counter()
+        with pytest.raises(TrainerProcessError, match=r"exited \(exit code -9\) during push_weights"):
+            await barrier.update(Dying(), base + 1, "keep")
+        assert time.perf_counter() - started < TIMEOUT_S
+        assert not await client.is_paused()
+        # The servers were left mid-update by a dead peer; another trainer's push lands.
+        weights = [(n, t.clone()) for n, t in _reference_model(tiny_model_dir).state_dict().items()]
+        await barrier.update(StaticWeights(lambda: weights), base + 2, "keep")
+        for url in servers.urls:
+            _, versions = await server_outputs(url)
+            assert versions == {base + 2}
+    finally:
+        barrier.close()
+        await client.close()
+        trainer.close()
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"server {pid} did not die")
