@@ -16,6 +16,7 @@ from rollflow.config import TrainerConfig
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.orchestrator.barrier import WeightBarrier
+from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.weights import WeightTransfer, WeightTransferError, create_strategy
 
 from .test_train import make_batch
@@ -104,7 +105,7 @@ async def test_pushes_from_the_trainer_reach_both_servers(
             version = int(base) + offset
             before, _ = await server_outputs(servers.urls[0])
             seed = offset + (10 if placement == "process" else 0)
-            batch = make_batch(_reference_model(tiny_model_dir), seed=seed)
+            batch = pack_for_trainer(make_batch(_reference_model(tiny_model_dir), seed=seed), TrainerConfig())
             assert (await anyio.to_thread.run_sync(trainer.train_step, batch)).updated
             barrier = WeightBarrier(client, WeightTransfer(strategy), timeout_s=TIMEOUT_S)
             try:
