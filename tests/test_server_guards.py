@@ -325,6 +325,10 @@ async def test_router_takes_a_dead_engine_out_within_one_health_interval_and_mov
             statuses.append(status)
             assert worker == survivor.url, (session, worker)
             assert out["choices"][0]["token_ids"] == before[0]
+        print(
+            f"{len(moved)} sessions were pinned to the dead engine; answers after it was taken out: "
+            f"{statuses.count(503)} x 503, {statuses.count(200)} x 200"
+        )
         assert statuses.count(503) == 0 and set(statuses) == {200}
         table = {row["url"]: row for row in router.worker_table()}
         assert table[victim.url]["engine_dead"] and table[victim.url]["sessions"] == 0

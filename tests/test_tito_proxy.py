@@ -300,3 +300,21 @@ async def test_the_runs_sampling_settings_win_when_enforced(tiny_chat, enforce):
     else:
         assert asked == [(0.9, 0.95), (0.9, 0.95), (0.3, 0.5)]
         assert session.trace.stats.sampling_overridden == 0
+
+
+async def test_sampling_values_the_engines_cannot_honour_are_a_400_naming_the_field(tiny_chat):
+    """With enforcement off an agent's own values reach the engines, which every session shares: one the
+    float32 sampler cannot represent is refused before anything is rendered or sampled."""
+    scripted = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(
+        scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, enforce_sampling=False
+    ) as proxy:
+        session = await proxy.open_session()
+        async with openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0) as client:
+            messages = [_user("hi")]
+            for fields, param in [({"temperature": 1e-300}, "temperature"), ({"top_p": 1e-300}, "top_p")]:
+                with pytest.raises(openai.BadRequestError) as info:
+                    await client.chat.completions.create(model=MODEL, messages=messages, **fields)
+                assert info.value.body["param"] == param, info.value.body
+            await client.chat.completions.create(model=MODEL, messages=messages, temperature=1e-5)
+    assert [r.sampling.temperature for r in scripted.requests] == [1e-5]
