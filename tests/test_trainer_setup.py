@@ -285,3 +285,16 @@ def test_servers_rollflow_starts_get_the_engine_device():
     command, _ = build_torch_server_command("rollflow:tiny", device="cuda")
     assert command[command.index("--device") + 1] == "cuda"
     assert "--device" not in build_torch_server_command("rollflow:tiny")[0]  # auto: each server decides
+
+
+def test_bfloat16_on_a_gpu_without_it_is_a_config_error(monkeypatch):
+    """resolve_dtype's own decision, on what torch reports for an older GPU (no such GPU is needed)."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+    cuda = torch.device("cuda")
+    with pytest.raises(
+        ConfigError, match=r"trainer\.dtype = 'bfloat16' is not supported by Tesla V100.*7\.0"
+    ):
+        resolve_dtype("bfloat16", cuda, "trainer.dtype")
+    assert resolve_dtype("auto", cuda, "trainer.dtype") == torch.float32

@@ -238,10 +238,10 @@ def model_token_logprobs(
     # Drop the last position: it predicts a token after the sequence, which has no target.
     logits = output.logits[:, :-1]
     logprobs = token_logprobs(logits, targets, temperature)
-    entropy = entropy_from_logits(logits.detach(), temperature)
-    if positions is not None:
-        logprobs = torch.where(positions, logprobs, torch.zeros_like(logprobs))
-        entropy = torch.where(positions, entropy, torch.zeros_like(entropy))
+    if positions is None:
+        return TokenLogprobs(logprobs=logprobs, entropy=entropy_from_logits(logits.detach(), temperature))
+    logprobs = torch.where(positions, logprobs, torch.zeros_like(logprobs))
+    entropy = _scatter(entropy_from_logits(logits.detach()[positions], temperature), positions)
     return TokenLogprobs(logprobs=logprobs, entropy=entropy)
 
 
