@@ -15,9 +15,8 @@ from rollflow.train.losses import (
     model_token_logprobs,
     token_logprobs,
 )
-from rollflow.train.trainer import Trainer
 
-from .test_train import make_batch
+from .test_train import PackingTrainer, make_batch
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +134,7 @@ def test_a_training_step_is_the_same_with_and_without_chunks(base_model):
     batch = make_batch(base_model, seed=3)
     states, metrics = [], []
     for chunk_tokens in (0, 7):
-        trainer = Trainer(
+        trainer = PackingTrainer(
             copy.deepcopy(base_model),
             TrainerConfig(logprob_chunk_tokens=chunk_tokens, micro_batch_size=5),
             pad_token_id=base_model.config.pad_token_id,

@@ -12,13 +12,12 @@ from rollflow.config import TrainerConfig
 from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.checkpoint import load_policy_weights
 from rollflow.train.export import HF_DIR, save_hf_model
-from rollflow.train.trainer import Trainer
 
-from .test_train import make_batch
+from .test_train import PackingTrainer, make_batch
 
 
 def test_checkpoint_hf_directory_loads_as_is_with_the_trained_logits(tiny_model_dir, tmp_path):
-    trainer = Trainer(load_causal_lm(tiny_model_dir), TrainerConfig(lr=1e-2), pad_token_id=0)
+    trainer = PackingTrainer(load_causal_lm(tiny_model_dir), TrainerConfig(lr=1e-2), pad_token_id=0)
     initial = {name: tensor.clone() for name, tensor in trainer.named_weights()}
     assert trainer.train_step(make_batch(trainer.model)).updated
     trainer.save_checkpoint(tmp_path / "step")

@@ -255,7 +255,8 @@ def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
 
 async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
     """The trainer's HTTP endpoint of ``weight_sync.strategy = "checkpoint"``: a silent client is dropped."""
-    from rollflow.weights import checkpoint
+    from rollflow.weights import StaticWeights, checkpoint
+    from rollflow.weights.transport import get_session
 
     class Client:
         async def init_weight_update_communicator(self, init_info: dict) -> None:
@@ -263,9 +264,10 @@ async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
 
     monkeypatch.setattr(checkpoint._Handler, "timeout", TIMEOUT_S)
     sender = checkpoint.CheckpointStrategy().create_sender({"backend": "checkpoint", "timeout_s": 10})
-    await sender.setup(Client())
+    await sender.setup(Client(), StaticWeights(list))
     try:
-        host, port = sender._server.server_address[:2]
+        # The endpoint is served by trainer rank 0's session of this connection (here: this process).
+        host, port = get_session(sender.transfer_id, 0)._server.server_address[:2]
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(b"GET /x HTTP/1.1\r\n")  # and nothing more
         _, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)

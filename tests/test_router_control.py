@@ -12,7 +12,7 @@ from rollflow.inference.remote import ControlPlaneError, RemoteInferenceClient
 from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
 from rollflow.messages import GenerateRequest, SamplingParams
-from rollflow.weights import connect_sender, create_strategy
+from rollflow.weights import StaticWeights, connect_sender, create_strategy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -99,12 +99,13 @@ async def test_broadcast_through_the_router_gives_each_worker_its_ranks(
             for parameter in model.parameters():
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
         strategy = create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=60)
-        sender = await connect_sender(strategy, client)
+        source = StaticWeights(lambda: model.state_dict().items())
+        sender = await connect_sender(strategy, client, source)
         try:
             assert sender.init_info["world_size"] == 3
             await client.pause("keep")
             try:
-                await sender.push(client, model.state_dict().items(), policy_version=5)
+                await sender.push(client, source, policy_version=5)
             finally:
                 await client.resume()
         finally:

@@ -26,7 +26,7 @@ from rollflow.inference.remote import RemoteEngineDeadError, RemoteInferenceClie
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-from rollflow.weights import connect_sender, create_strategy
+from rollflow.weights import StaticWeights, connect_sender, create_strategy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -213,20 +213,22 @@ async def test_non_finite_weights_are_refused_by_name_through_the_real_update_pa
     poisoned["model.norm.weight"][0] = math.inf
     strategy = create_strategy("checkpoint", checkpoint_dir=tmp_path / "ckpt", timeout_s=60)
     async with client:
-        sender = await connect_sender(strategy, client)
+        poisoned_source = StaticWeights(poisoned.items)
+        sender = await connect_sender(strategy, client, poisoned_source)
         try:
             with pytest.raises(
                 Exception, match=r"400.*inf or NaN.*self_attn\.q_proj\.weight, model\.norm\.weight"
             ) as info:
-                await sender.push(client, poisoned.items(), policy_version=1)
+                await sender.push(client, poisoned_source, policy_version=1)
             assert all(s.url in str(info.value) for s in servers)  # both refused, each named
         finally:
             sender.close()
         assert {s.engine.policy_version for s in servers} == {0}
         assert (await greedy(http, router.url))[0] == before[0]
-        sender = await connect_sender(strategy, client)  # what the trainer does after a failed push
+        source = StaticWeights(state.items)
+        sender = await connect_sender(strategy, client, source)  # what the trainer does after a failed push
         try:
-            await sender.push(client, state.items(), policy_version=1)
+            await sender.push(client, source, policy_version=1)
         finally:
             sender.close()
     assert {s.engine.policy_version for s in servers} == {1}

@@ -11,6 +11,7 @@ import json
 import os
 
 import aiohttp
+import anyio
 import openai
 import pytest
 
@@ -266,7 +267,9 @@ async def test_close_session_drains_then_cancels_stragglers(tiny_chat):
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         call = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=[_user("hi")]))
-        await asyncio.sleep(0.05)
+        with anyio.fail_after(30):  # the call is in flight (a loaded machine may take a while to get there)
+            while len(scripted.requests) < 2:
+                await asyncio.sleep(0.01)
         trace = await proxy.close_session(session, drain_timeout_s=0.1)
         assert trace.turns == [] and scripted.cancelled == 1
         with pytest.raises(openai.ConflictError, match="closed during the request"):
