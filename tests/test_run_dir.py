@@ -235,6 +235,25 @@ def test_a_read_only_file_system_is_named(small_disk):
     assert "Read-only file system" in str(info.value) and "output_dir" in str(info.value)
 
 
+def test_a_run_on_a_read_only_file_system_names_the_path(tmp_path, small_disk):
+    disk = small_disk("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollflow", "run", str(REPO_ROOT / "examples" / "quickstart.toml")),
+            *("--no-progress", "--set", f"output_dir='{disk}'"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"error: cannot write {disk / 'quickstart'}: Read-only file system" in result.stderr
+    assert "set output_dir to a writable directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("placement", ["thread", "process"])
 def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_last_one(tmp_path, small_disk, placement):
     """The real CLI with output_dir on a disk that holds one checkpoint of the tiny model but not two."""

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from rollflow.errors import RunDirectoryInUseError
+from rollflow.errors import RunDirectoryInUseError, StorageError, describe_os_error
 
 log = structlog.get_logger(__name__)
 
@@ -72,11 +72,17 @@ class RunLock:
         Raises:
             RunDirectoryInUseError: another process (or another ``RunLock`` here) holds it; the message names
                 the lock file and the holder's pid and host.
-            OSError: the run directory cannot be created or the lock file cannot be written (its path is in
-                the error).
+            StorageError: the run directory cannot be created or the lock file cannot be written (read-only
+                file system, permissions, full disk); the message names the path.
         """
         if self._fd is not None:
             return
+        try:
+            self._acquire()
+        except OSError as error:
+            raise StorageError(describe_os_error(error, error.filename or self.path)) from None
+
+    def _acquire(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -110,8 +116,12 @@ class RunLock:
             "host": socket.gethostname(),
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except OSError:
+            os.close(fd)
+            raise
         self._fd = fd
 
     def release(self) -> None:
