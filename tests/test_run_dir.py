@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,46 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     assert json.loads((run_dir / "run.lock").read_text())["pid"] == holder.pid
     with RunLock(run_dir):
         assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
+
+
+FORK_AND_EXIT = """
+import os, sys, time
+from rollflow.orchestrator.run_dir import RunLock
+RunLock(sys.argv[1]).acquire()
+fork = os.fork()
+if fork == 0:
+    for stream in (1, 2):  # let the parent's output end
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream)
+    time.sleep(60)  # the fork shares the lock
+    os._exit(0)
+print(fork, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_lock_kept_by_a_fork_of_a_dead_holder_says_so(tmp_path):
+    run_dir = tmp_path / "r"
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_AND_EXIT, str(run_dir)],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    fork = int(result.stdout)
+    holder = json.loads((run_dir / "run.lock").read_text())["pid"]
+    with pytest.raises(RunDirectoryInUseError) as info:
+        RunLock(run_dir).acquire()
+    assert f"pid {holder}" in str(info.value) and "not running any more" in str(info.value)
+    os.kill(fork, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with RunLock(run_dir):
+                break
+        except RunDirectoryInUseError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 async def test_an_orchestrator_holds_the_lock_from_setup_to_stop(tmp_path):

@@ -152,6 +152,11 @@ class RunLock:
             holder = f"pid {pid}" + ("" if here else f" on host {host}")
             if record.get("started_at"):
                 holder += f", since {record['started_at']}"
+            if here and not _alive(pid):
+                # The lock outlives its taker only in a process that inherited it (a fork of it).
+                holder += (
+                    f" (not running any more: a process it forked still holds the lock; `fuser {self.path}`)"
+                )
         return (
             f"run directory {self.run_dir} is in use: its lock {self.path} is held by {holder}. "
             "Wait for that run to finish or stop it (it can be resumed later), or pick another `name` "
@@ -169,6 +174,16 @@ def check_unlocked(run_dir: str | os.PathLike[str]) -> None:
         return
     with RunLock(run_dir):
         pass
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
 
 
 def _read_record(fd: int) -> dict[str, Any]:
