@@ -218,6 +218,52 @@ async def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
         await Orchestrator.start(small_config(tmp_path / "runs"), resume=True)
 
 
+def rollflow_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollflow", "run", "--no-progress", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_resume_says_when_nothing_is_left_and_keeps_every_config(tmp_path):
+    quickstart = str(REPO_ROOT / "examples" / "quickstart.toml")
+    small = [arg for override in SMALL for arg in ("--set", override)]
+    run_dir = Path("runs") / "quickstart"
+    assert rollflow_run(tmp_path, quickstart, *small, "--set", "orchestrator.steps=2").returncode == 0
+    original = (tmp_path / run_dir / "config.json").read_text()
+
+    done = rollflow_run(tmp_path, "--resume", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nothing to do" in done.stderr and "orchestrator.steps = 2" in done.stderr
+
+    fewer = rollflow_run(tmp_path, "--resume", str(run_dir), "--set", "orchestrator.steps=1")
+    assert fewer.returncode == 2, fewer.stderr[-3000:]
+    assert "orchestrator.steps = 1 is below the 2 steps the run has done" in fewer.stderr
+
+    again = rollflow_run(tmp_path, quickstart, *small, "--set", "orchestrator.steps=2")
+    assert again.returncode == 2 and f"rollflow run --resume {run_dir}" in again.stderr
+
+    more = ["--set", "orchestrator.steps=3", "--set", "seed=3"]
+    changed = rollflow_run(tmp_path, "--resume", str(run_dir), *more)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    assert "seed: 0 -> 3" in changed.stderr and "--force" in changed.stderr
+    forced = rollflow_run(tmp_path, "--resume", str(run_dir), *more, "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert (tmp_path / run_dir / "config.json").read_text() == original
+    resumed = json.loads((tmp_path / run_dir / "config.resume-1.json").read_text())
+    assert (resumed["seed"], resumed["orchestrator"]["steps"]) == (3, 3)
+    assert [m["step"] for m in read_jsonl(tmp_path / run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+    misuse = rollflow_run(tmp_path, quickstart, "--force")
+    assert misuse.returncode == 2 and "--force only applies with --resume" in misuse.stderr
+    escape = rollflow_run(tmp_path, quickstart, "--set", "name='..'")
+    assert escape.returncode == 2 and "name = '..' must be a plain directory name" in escape.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 # -------------------------------------------------------------------- a real full or read-only disk
 
 
