@@ -219,7 +219,11 @@ def latest_config(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def write_resume_config(run_dir: str | os.PathLike[str], data: bytes) -> Path:
-    """Record the config of a resume as the next ``config.resume-N.json`` (never replacing one)."""
+    """Record the config of a resume as the next ``config.resume-N.json`` (never replacing one).
+
+    Raises:
+        StorageError: it could not be written (disk full, permissions); the message names it.
+    """
     run_dir = Path(run_dir)
     history = config_history(run_dir)
     number = int(_RESUME_CONFIG.fullmatch(history[-1].name)[1]) + 1 if len(history) > 1 else 1
@@ -231,6 +235,10 @@ def write_resume_config(run_dir: str | os.PathLike[str], data: bytes) -> Path:
             return path
         except FileExistsError:
             number += 1
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            raise StorageError(describe_os_error(error, path)) from None
 
 
 def meaning_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
