@@ -1,15 +1,17 @@
 """Run-directory rules: the lock (exclusion, release, a crashed holder), resume rules (from step 0 without a
 checkpoint, meaning changes refused unless forced, every config kept) and write failures on a real full or
-read-only file system."""
+read-only file system, and a directory without write permission."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -339,6 +341,42 @@ def test_a_run_on_a_read_only_file_system_names_the_path(tmp_path, small_disk):
     assert f"error: cannot write {disk / 'quickstart'}: Read-only file system" in result.stderr
     assert "set output_dir to a writable directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+AS_NOBODY = """
+import os, sys
+from pathlib import Path
+from rollflow.errors import StorageError
+from rollflow.metrics import JsonlWriter
+from rollflow.orchestrator.run_dir import RunLock
+os.setgid(65534)
+os.setuid(65534)  # from here on, the root-owned directory is not writable
+for attempt in (lambda: JsonlWriter(Path(sys.argv[1]) / "metrics.jsonl"), lambda: RunLock(sys.argv[1]).acquire()):
+    try:
+        attempt()
+    except StorageError as error:
+        print(error)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root privileges to meet a real permission error")
+def test_a_directory_without_write_permission_is_named():
+    # Not under tmp_path: pytest's base directory is closed to other users.
+    run_dir = Path(tempfile.mkdtemp(prefix="rollflow-perm-"))
+    try:
+        run_dir.chmod(0o755)
+        result = subprocess.run(
+            [sys.executable, "-c", AS_NOBODY, str(run_dir)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        shutil.rmtree(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"cannot write {run_dir / 'metrics.jsonl'}: Permission denied; make it writable or set output_dir "
+        "to a writable directory",
+        f"cannot write {run_dir / 'run.lock'}: Permission denied; make it writable or set output_dir to a "
+        "writable directory",
+    ]
 
 
 @pytest.mark.parametrize("placement", ["thread", "process"])
