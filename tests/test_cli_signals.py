@@ -200,11 +200,13 @@ def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
             assert any("multiprocessing" in cmd for cmd in still_running(children).values())
         if inference_mode == "http":
             assert sum("rollflow serve" in cmd for cmd in still_running(children).values()) == 2
+        signalled = time.monotonic()
         if target == "group":
             os.killpg(process.pid, signal.SIGTERM)
         else:
             process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=120)
+        stop_s = time.monotonic() - signalled
     finally:
         process.kill()
     assert process.returncode == 143, stderr[-3000:]
@@ -213,6 +215,23 @@ def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
     # Servers, router and trainer process are stopped before the run exits; multiprocessing's resource
     # tracker leaves when its pipe from the run closes, a moment later.
     left = still_running(children)
+    print(
+        json.dumps(
+            {
+                "phase": phase,
+                "placement": placement,
+                "inference_mode": inference_mode,
+                "sigterm_to": target,
+                "exit_status": process.returncode,
+                "stop_s": round(stop_s, 2),
+                "children_at_sigterm": len(children),
+                "children_left_at_exit": len(left),
+                "children_left_at_exit_besides_resource_tracker": sum(
+                    "resource_tracker" not in cmd for cmd in left.values()
+                ),
+            }
+        )
+    )
     assert not {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd}, left
     deadline = time.monotonic() + 5
     while still_running(children) and time.monotonic() < deadline:

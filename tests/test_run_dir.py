@@ -1,15 +1,18 @@
 """Run-directory rules: the lock (exclusion, release, a crashed holder), resume rules (from step 0 without a
 checkpoint, meaning changes refused unless forced, every config kept) and write failures on a real full or
-read-only file system."""
+read-only file system, and a directory without write permission."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +91,46 @@ def test_a_lock_left_by_a_killed_process_does_not_block(tmp_path):
     assert json.loads((run_dir / "run.lock").read_text())["pid"] == holder.pid
     with RunLock(run_dir):
         assert json.loads((run_dir / "run.lock").read_text())["pid"] == os.getpid()
+
+
+FORK_AND_EXIT = """
+import os, sys, time
+from rollflow.orchestrator.run_dir import RunLock
+RunLock(sys.argv[1]).acquire()
+fork = os.fork()
+if fork == 0:
+    for stream in (1, 2):  # let the parent's output end
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stream)
+    time.sleep(60)  # the fork shares the lock
+    os._exit(0)
+print(fork, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_lock_kept_by_a_fork_of_a_dead_holder_says_so(tmp_path):
+    run_dir = tmp_path / "r"
+    result = subprocess.run(
+        [sys.executable, "-c", FORK_AND_EXIT, str(run_dir)],
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
+    fork = int(result.stdout)
+    holder = json.loads((run_dir / "run.lock").read_text())["pid"]
+    with pytest.raises(RunDirectoryInUseError) as info:
+        RunLock(run_dir).acquire()
+    assert f"pid {holder}" in str(info.value) and "not running any more" in str(info.value)
+    os.kill(fork, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with RunLock(run_dir):
+                break
+        except RunDirectoryInUseError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
 
 
 async def test_an_orchestrator_holds_the_lock_from_setup_to_stop(tmp_path):
@@ -177,6 +220,52 @@ async def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
         await Orchestrator.start(small_config(tmp_path / "runs"), resume=True)
 
 
+def rollflow_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollflow", "run", "--no-progress", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_cli_resume_says_when_nothing_is_left_and_keeps_every_config(tmp_path):
+    quickstart = str(REPO_ROOT / "examples" / "quickstart.toml")
+    small = [arg for override in SMALL for arg in ("--set", override)]
+    run_dir = Path("runs") / "quickstart"
+    assert rollflow_run(tmp_path, quickstart, *small, "--set", "orchestrator.steps=2").returncode == 0
+    original = (tmp_path / run_dir / "config.json").read_text()
+
+    done = rollflow_run(tmp_path, "--resume", str(run_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "nothing to do" in done.stderr and "orchestrator.steps = 2" in done.stderr
+
+    fewer = rollflow_run(tmp_path, "--resume", str(run_dir), "--set", "orchestrator.steps=1")
+    assert fewer.returncode == 2, fewer.stderr[-3000:]
+    assert "orchestrator.steps = 1 is below the 2 steps the run has done" in fewer.stderr
+
+    again = rollflow_run(tmp_path, quickstart, *small, "--set", "orchestrator.steps=2")
+    assert again.returncode == 2 and f"rollflow run --resume {run_dir}" in again.stderr
+
+    more = ["--set", "orchestrator.steps=3", "--set", "seed=3"]
+    changed = rollflow_run(tmp_path, "--resume", str(run_dir), *more)
+    assert changed.returncode == 2, changed.stderr[-3000:]
+    assert "seed: 0 -> 3" in changed.stderr and "--force" in changed.stderr
+    forced = rollflow_run(tmp_path, "--resume", str(run_dir), *more, "--force")
+    assert forced.returncode == 0, forced.stderr[-3000:]
+    assert (tmp_path / run_dir / "config.json").read_text() == original
+    resumed = json.loads((tmp_path / run_dir / "config.resume-1.json").read_text())
+    assert (resumed["seed"], resumed["orchestrator"]["steps"]) == (3, 3)
+    assert [m["step"] for m in read_jsonl(tmp_path / run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+    misuse = rollflow_run(tmp_path, quickstart, "--force")
+    assert misuse.returncode == 2 and "--force only applies with --resume" in misuse.stderr
+    escape = rollflow_run(tmp_path, quickstart, "--set", "name='..'")
+    assert escape.returncode == 2 and "name = '..' must be a plain directory name" in escape.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 # -------------------------------------------------------------------- a real full or read-only disk
 
 
@@ -233,6 +322,61 @@ def test_a_read_only_file_system_is_named(small_disk):
         JsonlWriter(disk / "run" / "metrics.jsonl")
     assert str(disk / "run" / "metrics.jsonl") in str(info.value)
     assert "Read-only file system" in str(info.value) and "output_dir" in str(info.value)
+
+
+def test_a_run_on_a_read_only_file_system_names_the_path(tmp_path, small_disk):
+    disk = small_disk("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    result = subprocess.run(
+        [
+            *(sys.executable, "-m", "rollflow", "run", str(REPO_ROOT / "examples" / "quickstart.toml")),
+            *("--no-progress", "--set", f"output_dir='{disk}'"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f"error: cannot write {disk / 'quickstart'}: Read-only file system" in result.stderr
+    assert "set output_dir to a writable directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+AS_NOBODY = """
+import os, sys
+from pathlib import Path
+from rollflow.errors import StorageError
+from rollflow.metrics import JsonlWriter
+from rollflow.orchestrator.run_dir import RunLock
+os.setgid(65534)
+os.setuid(65534)  # from here on, the root-owned directory is not writable
+for attempt in (lambda: JsonlWriter(Path(sys.argv[1]) / "metrics.jsonl"), lambda: RunLock(sys.argv[1]).acquire()):
+    try:
+        attempt()
+    except StorageError as error:
+        print(error)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root privileges to meet a real permission error")
+def test_a_directory_without_write_permission_is_named():
+    # Not under tmp_path: pytest's base directory is closed to other users.
+    run_dir = Path(tempfile.mkdtemp(prefix="rollflow-perm-"))
+    try:
+        run_dir.chmod(0o755)
+        result = subprocess.run(
+            [sys.executable, "-c", AS_NOBODY, str(run_dir)], capture_output=True, text=True, timeout=60
+        )
+    finally:
+        shutil.rmtree(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == [
+        f"cannot write {run_dir / 'metrics.jsonl'}: Permission denied; make it writable or set output_dir "
+        "to a writable directory",
+        f"cannot write {run_dir / 'run.lock'}: Permission denied; make it writable or set output_dir to a "
+        "writable directory",
+    ]
 
 
 @pytest.mark.parametrize("placement", ["thread", "process"])

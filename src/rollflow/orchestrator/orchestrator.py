@@ -76,6 +76,9 @@ class Orchestrator:
         await orch.stop()
 
     or ``async with Orchestrator(config) as orch: await orch.run()``.
+
+    From ``setup`` to ``stop`` it holds the run directory's lock (``run_dir.RunLock``): a second orchestrator
+    or ``rollflow run`` on the same directory is refused while this one is live.
     """
 
     # Swappable components, built in setup().

@@ -27,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from rollflow.errors import RunDirectoryInUseError
+from rollflow.errors import RunDirectoryInUseError, StorageError, describe_os_error
 
 log = structlog.get_logger(__name__)
 
@@ -72,11 +72,17 @@ class RunLock:
         Raises:
             RunDirectoryInUseError: another process (or another ``RunLock`` here) holds it; the message names
                 the lock file and the holder's pid and host.
-            OSError: the run directory cannot be created or the lock file cannot be written (its path is in
-                the error).
+            StorageError: the run directory cannot be created or the lock file cannot be written (read-only
+                file system, permissions, full disk); the message names the path.
         """
         if self._fd is not None:
             return
+        try:
+            self._acquire()
+        except OSError as error:
+            raise StorageError(describe_os_error(error, error.filename or self.path)) from None
+
+    def _acquire(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -110,8 +116,12 @@ class RunLock:
             "host": socket.gethostname(),
             "started_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except OSError:
+            os.close(fd)
+            raise
         self._fd = fd
 
     def release(self) -> None:
@@ -142,6 +152,11 @@ class RunLock:
             holder = f"pid {pid}" + ("" if here else f" on host {host}")
             if record.get("started_at"):
                 holder += f", since {record['started_at']}"
+            if here and not _alive(pid):
+                # The lock outlives its taker only in a process that inherited it (a fork of it).
+                holder += (
+                    f" (not running any more: a process it forked still holds the lock; `fuser {self.path}`)"
+                )
         return (
             f"run directory {self.run_dir} is in use: its lock {self.path} is held by {holder}. "
             "Wait for that run to finish or stop it (it can be resumed later), or pick another `name` "
@@ -159,6 +174,16 @@ def check_unlocked(run_dir: str | os.PathLike[str]) -> None:
         return
     with RunLock(run_dir):
         pass
+
+
+def _alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
 
 
 def _read_record(fd: int) -> dict[str, Any]:
@@ -194,7 +219,11 @@ def latest_config(run_dir: str | os.PathLike[str]) -> Path | None:
 
 
 def write_resume_config(run_dir: str | os.PathLike[str], data: bytes) -> Path:
-    """Record the config of a resume as the next ``config.resume-N.json`` (never replacing one)."""
+    """Record the config of a resume as the next ``config.resume-N.json`` (never replacing one).
+
+    Raises:
+        StorageError: it could not be written (disk full, permissions); the message names it.
+    """
     run_dir = Path(run_dir)
     history = config_history(run_dir)
     number = int(_RESUME_CONFIG.fullmatch(history[-1].name)[1]) + 1 if len(history) > 1 else 1
@@ -206,6 +235,10 @@ def write_resume_config(run_dir: str | os.PathLike[str], data: bytes) -> Path:
             return path
         except FileExistsError:
             number += 1
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            raise StorageError(describe_os_error(error, path)) from None
 
 
 def meaning_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
