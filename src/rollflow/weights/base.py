@@ -117,16 +117,26 @@ class TransportCall:
             ) from error
 
 
+class WeightPusher(Protocol):
+    """What a trainer handle offers the weight transfer (``Trainer``, ``TrainerProcess``, a worker group,
+    ``StaticWeights``)."""
+
+    def push_weights(self, call: Callable[[int, Iterable[tuple[str, Any]]], Any]) -> Any:
+        """Run ``call(rank, named_weights)`` on every trainer rank, each with its own named weights (its shards
+        for a sharded model), and return rank 0's result; raise what any rank raised. Blocking or async."""
+        ...
+
+
 class WeightSource:
-    """Where the weights are, for the control half: a trainer handle (``Trainer``, ``TrainerProcess``, a worker
-    group) with ``push_weights(call)``, which runs ``call(rank, named_weights)`` on every trainer rank and
-    returns rank 0's result, and ``named_weights()`` for the in-process ``local`` strategy.
+    """Where the weights are, for the control half: a trainer handle (a ``WeightPusher``) whose
+    ``push_weights(call)`` runs the transport calls where the weights are, and whose ``named_weights()``
+    serves the in-process ``local`` strategy.
 
     A blocking ``push_weights`` runs in a worker thread (abandoned on cancellation: a collective stuck on a
     dead peer ends at its own timeout); an async one is awaited.
     """
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: WeightPusher):
         self.trainer = trainer
 
     async def run(self, call: TransportCall) -> Any:
