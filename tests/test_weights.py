@@ -659,3 +659,33 @@ async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> 
     finally:
         sender.close()
         await client.close()
+
+
+async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() -> None:
+    from rollflow.orchestrator.barrier import WeightBarrier, WeightSyncTimeoutError
+
+    class PausableClient(ThreadClient):
+        async def pause(self, mode: str) -> None:
+            pass
+
+        async def resume(self) -> None:
+            pass
+
+    client = PausableClient(1, hang_update=True)
+    timeout_s = 1.5
+    barrier = WeightBarrier(
+        client,
+        WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s)),
+        timeout_s=timeout_s,
+    )
+    started = time.perf_counter()
+    try:
+        with pytest.raises(
+            WeightSyncTimeoutError,
+            match=r"the trainer's push took longer .*still waiting on .*fake://server0",
+        ):
+            await barrier.update(StaticWeights(lambda: [("w", torch.ones(1_000_000))]), 1, "keep")
+        assert time.perf_counter() - started < timeout_s + 2
+    finally:
+        barrier.close()
+        client.close()
