@@ -364,9 +364,10 @@ async def run_with_servers(
     """Run the trainer's side of a transfer and the servers' HTTP call (which blocks on the servers until the
     trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
 
-    When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
-    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
-    error is attached as a note.
+    When the trainer side fails, or every server blames it (HTTP 502: its peer failed), the other side gets
+    ``SERVER_ERROR_GRACE_S`` to report its own error (one is usually a consequence of the other). The servers'
+    error wins (it names the server) unless every server blames the trainer; the other error is attached as a
+    note.
 
     Raises:
         WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
@@ -375,7 +376,7 @@ async def run_with_servers(
     """
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
-    servers_done = anyio.Event()
+    servers_done, trainer_done = anyio.Event(), anyio.Event()
 
     async def run_servers(tg: Any) -> None:
         try:
@@ -383,6 +384,9 @@ async def run_with_servers(
             results["servers"] = True
         except Exception as error:
             errors["servers"] = error
+            if _blames_the_trainer(error):  # the trainer's own error says more: give it time to arrive
+                with anyio.move_on_after(SERVER_ERROR_GRACE_S):
+                    await trainer_done.wait()
             tg.cancel_scope.cancel()
         finally:
             servers_done.set()
@@ -395,6 +399,8 @@ async def run_with_servers(
             with anyio.move_on_after(SERVER_ERROR_GRACE_S):
                 await servers_done.wait()
             tg.cancel_scope.cancel()
+        finally:
+            trainer_done.set()
 
     try:
         with anyio.fail_after(timeout_s):
@@ -402,6 +408,8 @@ async def run_with_servers(
                 tg.start_soon(run_servers, tg)
                 tg.start_soon(run_trainer, tg)
     except TimeoutError as error:
+        if errors:  # a side failed, and the grace for the other ran into the deadline: report the failure
+            raise next(iter(errors.values())) from None
         pending = []
         if "trainer" not in results and "trainer" not in errors:
             pending.append("trainer rank 0")
