@@ -334,3 +334,23 @@ def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"server {pid} did not die")
+
+
+async def test_a_run_with_a_trainer_process_pushes_from_the_child(tmp_path, monkeypatch):
+    """http mode, 2 servers, ``trainer.placement = "process"``: every barrier is pushed by the child (the
+    orchestrator never maps its weights) and the servers hold the last version."""
+    from rollflow import Orchestrator
+
+    from .test_orchestrator import small_config
+
+    monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
+    config = small_config(
+        tmp_path, "inference.mode='http'", "trainer.placement='process'", "orchestrator.steps=2"
+    )
+    async with Orchestrator(config) as orchestrator:
+        metrics = await orchestrator.run()
+        assert orchestrator.trainer._weights is None  # no shared-memory mapping in this process
+        answers = await orchestrator.client.weight_info()
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["weight_transfer_time_s"] > 0 for m in metrics)
+    assert [body["weight_version"] for body in answers.values()] == ["2", "2"]

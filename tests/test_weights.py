@@ -356,6 +356,27 @@ async def test_broadcast_casts_floating_weights_to_the_transfer_dtype() -> None:
         client.close()
 
 
+@pytest.mark.parametrize("strategy", ["broadcast", "checkpoint"])
+async def test_a_wildcard_address_binds_every_interface_and_advertises_this_host(strategy: str) -> None:
+    from rollflow.weights.broadcast import advertised_address
+
+    host = advertised_address("0.0.0.0")
+    assert host not in ("0.0.0.0", "")
+    client = ThreadClient(1)
+    options = (
+        {"backend": "gloo", "master_address": "0.0.0.0"} if strategy == "broadcast" else {"host": "0.0.0.0"}
+    )
+    transfer = WeightTransfer(create_strategy(strategy, timeout_s=30, **options))
+    try:
+        await transfer.push(client, StaticWeights(mixed_weights), policy_version=1)
+        assert_same_weights(mixed_weights(), client.received[0])
+        if strategy == "broadcast":
+            assert transfer.sender.init_info["master_address"] == host
+    finally:
+        transfer.close()
+        client.close()
+
+
 async def test_broadcast_world_size_mismatch_is_a_clear_error() -> None:
     strategy = create_strategy("broadcast", backend="gloo", timeout_s=5)
     sender = strategy.create_sender(inference_world_size=1)
@@ -638,3 +659,33 @@ async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> 
     finally:
         sender.close()
         await client.close()
+
+
+async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() -> None:
+    from rollflow.orchestrator.barrier import WeightBarrier, WeightSyncTimeoutError
+
+    class PausableClient(ThreadClient):
+        async def pause(self, mode: str) -> None:
+            pass
+
+        async def resume(self) -> None:
+            pass
+
+    client = PausableClient(1, hang_update=True)
+    timeout_s = 1.5
+    barrier = WeightBarrier(
+        client,
+        WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=timeout_s)),
+        timeout_s=timeout_s,
+    )
+    started = time.perf_counter()
+    try:
+        with pytest.raises(
+            WeightSyncTimeoutError,
+            match=r"the trainer's push took longer .*still waiting on .*fake://server0",
+        ):
+            await barrier.update(StaticWeights(lambda: [("w", torch.ones(1_000_000))]), 1, "keep")
+        assert time.perf_counter() - started < timeout_s + 2
+    finally:
+        barrier.close()
+        client.close()

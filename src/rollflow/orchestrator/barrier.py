@@ -15,6 +15,11 @@ from rollflow.inference.client import InferenceClient, PauseMode
 
 log = structlog.get_logger(__name__)
 
+#: The push phase's own deadline is ``timeout_s`` plus this: the transfer's timeouts (the same ``timeout_s``)
+#: fire first and name what was still pending (servers, trainer rank); this one only catches a transfer that
+#: does not bound itself.
+PUSH_BACKSTOP_GRACE_S = 1.0
+
 
 class WeightSyncTimeoutError(RollflowError, TimeoutError):
     """A weight update did not finish within ``weight_sync.timeout_s``."""
@@ -58,9 +63,16 @@ class WeightBarrier:
         """
         started = time.perf_counter()
         try:
-            await self._phase("pausing the engines", policy_version, self.client.pause(pause_mode))
+            await self._phase(
+                "pausing the engines", policy_version, self.client.pause(pause_mode), self.timeout_s
+            )
             paused_at = time.perf_counter()
-            await self._phase("the trainer's push", policy_version, self._push(trainer, policy_version))
+            await self._phase(
+                "the trainer's push",
+                policy_version,
+                self._push(trainer, policy_version),
+                self.timeout_s + PUSH_BACKSTOP_GRACE_S,
+            )
             transferred_at = time.perf_counter()
         except BaseException:
             try:
@@ -96,9 +108,9 @@ class WeightBarrier:
     def _server_urls(self) -> list[str]:
         return list(getattr(self.client, "server_urls", ()))
 
-    async def _phase(self, what: str, policy_version: int, work: Awaitable[Any]) -> None:
+    async def _phase(self, what: str, policy_version: int, work: Awaitable[Any], timeout_s: float) -> None:
         try:
-            with anyio.fail_after(self.timeout_s):
+            with anyio.fail_after(timeout_s):
                 await work
         except TimeoutError as error:
             raise WeightSyncTimeoutError(

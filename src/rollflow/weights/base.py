@@ -117,16 +117,26 @@ class TransportCall:
             ) from error
 
 
+class WeightPusher(Protocol):
+    """What a trainer handle offers the weight transfer (``Trainer``, ``TrainerProcess``, a worker group,
+    ``StaticWeights``)."""
+
+    def push_weights(self, call: Callable[[int, Iterable[tuple[str, Any]]], Any]) -> Any:
+        """Run ``call(rank, named_weights)`` on every trainer rank, each with its own named weights (its shards
+        for a sharded model), and return rank 0's result; raise what any rank raised. Blocking or async."""
+        ...
+
+
 class WeightSource:
-    """Where the weights are, for the control half: a trainer handle (``Trainer``, ``TrainerProcess``, a worker
-    group) with ``push_weights(call)``, which runs ``call(rank, named_weights)`` on every trainer rank and
-    returns rank 0's result, and ``named_weights()`` for the in-process ``local`` strategy.
+    """Where the weights are, for the control half: a trainer handle (a ``WeightPusher``) whose
+    ``push_weights(call)`` runs the transport calls where the weights are, and whose ``named_weights()``
+    serves the in-process ``local`` strategy.
 
     A blocking ``push_weights`` runs in a worker thread (abandoned on cancellation: a collective stuck on a
     dead peer ends at its own timeout); an async one is awaited.
     """
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: WeightPusher):
         self.trainer = trainer
 
     async def run(self, call: TransportCall) -> Any:
@@ -354,9 +364,10 @@ async def run_with_servers(
     """Run the trainer's side of a transfer and the servers' HTTP call (which blocks on the servers until the
     trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
 
-    When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
-    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
-    error is attached as a note.
+    When the trainer side fails, or every server blames it (HTTP 502: its peer failed), the other side gets
+    ``SERVER_ERROR_GRACE_S`` to report its own error (one is usually a consequence of the other). The servers'
+    error wins (it names the server) unless every server blames the trainer; the other error is attached as a
+    note.
 
     Raises:
         WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
@@ -365,7 +376,7 @@ async def run_with_servers(
     """
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
-    servers_done = anyio.Event()
+    servers_done, trainer_done = anyio.Event(), anyio.Event()
 
     async def run_servers(tg: Any) -> None:
         try:
@@ -373,6 +384,9 @@ async def run_with_servers(
             results["servers"] = True
         except Exception as error:
             errors["servers"] = error
+            if _blames_the_trainer(error):  # the trainer's own error says more: give it time to arrive
+                with anyio.move_on_after(SERVER_ERROR_GRACE_S):
+                    await trainer_done.wait()
             tg.cancel_scope.cancel()
         finally:
             servers_done.set()
@@ -385,6 +399,8 @@ async def run_with_servers(
             with anyio.move_on_after(SERVER_ERROR_GRACE_S):
                 await servers_done.wait()
             tg.cancel_scope.cancel()
+        finally:
+            trainer_done.set()
 
     try:
         with anyio.fail_after(timeout_s):
@@ -392,6 +408,8 @@ async def run_with_servers(
                 tg.start_soon(run_servers, tg)
                 tg.start_soon(run_trainer, tg)
     except TimeoutError as error:
+        if errors:  # a side failed, and the grace for the other ran into the deadline: report the failure
+            raise next(iter(errors.values())) from None
         pending = []
         if "trainer" not in results and "trainer" not in errors:
             pending.append("trainer rank 0")

@@ -252,8 +252,10 @@ class _CheckpointSession:
         with self._blob.lock:
             self._blob.files[key] = data
         self._retire(keep=key)
+        from rollflow.weights.broadcast import advertised_address
+
         host, port = self._server.server_address[:2]
-        return {"url": f"http://{host}:{port}/{key}"}
+        return {"url": f"http://{advertised_address(host)}:{port}/{key}"}
 
     def _retire(self, keep: str) -> None:
         retired = [name for name in self._published if name != keep]
