@@ -129,14 +129,14 @@ def make_session(client: Any, chat: TinyChat, renderer: Any = None, session_id: 
 
 
 async def ask(session: Any, messages: list[dict], **fields: Any) -> Any:
-    """Send one request straight to a session; returns the recorded ``Turn``."""
+    """Send one request straight to a session; returns the recorded ``Turn`` (the first, for ``n > 1``)."""
     import msgspec
 
     from rollflow.tito.wire import ChatCompletionRequest, validate_request
 
     request = msgspec.convert({"model": MODEL, "messages": messages, **fields}, ChatCompletionRequest)
     validate_request(request)
-    return await session.complete(request)
+    return (await session.complete(request))[0]
 
 
 def as_history_message(turn: Any) -> dict:

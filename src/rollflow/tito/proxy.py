@@ -43,6 +43,7 @@ from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer, normalize_tools
 from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
+from rollflow.tito.stops import hold_back
 from rollflow.tito.trace import Trace, TraceSealedError, Turn
 from rollflow.tito.wire import (
     ChatCompletion,
@@ -63,6 +64,7 @@ from rollflow.tito.wire import (
     TokenLogprob,
     Usage,
     decode_request,
+    stop_strings,
 )
 
 log = structlog.get_logger(__name__)
@@ -127,6 +129,11 @@ class TITOProxy:
             it is a 400 (``context_length_exceeded``) before it is rendered (``rollflow.inference.
             prompt_limits``). Large requests are rendered in a worker thread either way.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        default_top_k: top_k when a request gives none (and always, with ``enforce_sampling``).
+        strict_requests: refuse (400) request fields the proxy does not know and values it cannot enforce
+            (``tool_choice: "required"``), instead of ignoring and counting them (``stats.unknown_fields``,
+            ``stats.ignored_values``).
+        max_n: the most replies one request may ask for (``n``); more is a 400.
     """
 
     def __init__(
@@ -147,6 +154,9 @@ class TITOProxy:
         enforce_sampling: bool = False,
         max_model_len: int | None = None,
         http_limits: HttpLimits | None = None,
+        default_top_k: int = -1,
+        strict_requests: bool = False,
+        max_n: int = 16,
     ):
         # Swappable components.
         self.client = client
@@ -158,7 +168,10 @@ class TITOProxy:
             default_temperature,
             default_top_p=default_top_p,
             enforce_sampling=enforce_sampling,
+            default_top_k=default_top_k,
         )
+        self.strict_requests = strict_requests
+        self.max_n = max_n
         self.host = host
         self.port = port
         self.admin_token = admin_token
@@ -339,7 +352,10 @@ class TITOProxy:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._body(request)
-        chat = decode_request(body)
+        decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
+        if decoded.unknown_fields or decoded.ignored_values:
+            session.trace.count_ignored(decoded.unknown_fields, decoded.ignored_values)
+        chat = decoded.request
         if self.max_prompt_chars is not None:
             chars = message_text_chars(chat.messages)
             if chars > self.max_prompt_chars:
@@ -370,8 +386,8 @@ class TITOProxy:
                 )
         if chat.stream:
             return await self._stream(request, session, chat, key, is_retry)
-        turn = await session.complete(chat, request_key=key, is_retry=is_retry)
-        return _json(self._completion(chat, turn))
+        turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+        return _json(self._completion(chat, turns))
 
     def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
         if not chat.logprobs:
@@ -385,27 +401,44 @@ class TITOProxy:
             content.append(TokenLogprob(text, logprob, raw))
         return ChoiceLogprobs(content)
 
-    def _completion(self, chat: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
-        message = turn.message
-        calls = [
-            ResponseToolCall(
-                c["id"], ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"]))
+    def _completion(self, chat: ChatCompletionRequest, turns: list[Turn]) -> ChatCompletion:
+        choices = []
+        completion_len = 0
+        for index, turn in enumerate(turns):
+            message = turn.message
+            calls = [
+                ResponseToolCall(
+                    c["id"],
+                    ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"])),
+                )
+                for c in message.get("tool_calls", ())
+            ]
+            response = ResponseMessage(
+                role="assistant",
+                content=message["content"] if message["content"] or not calls else None,
+                reasoning_content=message.get("reasoning_content"),
+                tool_calls=calls or None,
             )
-            for c in message.get("tool_calls", ())
-        ]
-        response = ResponseMessage(
-            role="assistant",
-            content=message["content"] if message["content"] or not calls else None,
-            reasoning_content=message.get("reasoning_content"),
-            tool_calls=calls or None,
-        )
-        completion_len = len(turn.node.token_ids) - turn.node.num_prompt
+            completion_ids = turn.completion_ids
+            completion_len += len(completion_ids)
+            choices.append(
+                Choice(
+                    response,
+                    turn.finish_reason,
+                    index=index,
+                    logprobs=self._logprobs(chat, turn),
+                    stop_reason=turn.options.get("stop_reason"),
+                    token_ids=completion_ids if chat.return_token_ids else msgspec.UNSET,
+                )
+            )
+        first = turns[0]
         return ChatCompletion(
-            id=turn.response_id,
-            created=turn.created,
+            id=first.response_id,
+            created=first.created,
             model=self.settings.model_name,
-            choices=[Choice(response, turn.finish_reason, logprobs=self._logprobs(chat, turn))],
-            usage=Usage(turn.prompt_len, completion_len, turn.prompt_len + completion_len),
+            choices=choices,
+            usage=Usage(first.prompt_len, completion_len, first.prompt_len + completion_len),
+            prompt_token_ids=_prompt_ids(first) if chat.return_token_ids else msgspec.UNSET,
         )
 
     async def _stream(
@@ -442,7 +475,7 @@ class TITOProxy:
         try:
             await _until(turn_task, woke)
             if turn_task.done():  # sampled before any token was seen (or failed): errors stay JSON
-                turn = turn_task.result()
+                (turn,) = turn_task.result()
                 stream = _TurnStream(self, chat, turn.response_id, turn.created)
                 return await stream.send_whole(request, turn)
             stream = _TurnStream(self, chat, latest[0].response_id, int(time.time()))
@@ -459,7 +492,7 @@ class TITOProxy:
                     await asyncio.wait((turn_task,), timeout=backoff_s)
                 await _until(turn_task, woke)
             try:
-                turn = turn_task.result()
+                (turn,) = turn_task.result()
             except RequestError as error:  # the stream had started: report in the stream
                 await response.write(sse_event(error.body()))
             except TraceSealedError as error:
@@ -536,6 +569,11 @@ class TITOProxy:
         return web.Response(body=body, content_type="application/json")
 
 
+def _prompt_ids(turn: Turn) -> list[int]:
+    """The token ids of the prompt a turn was sampled from."""
+    return turn.node.prefix_ids()[: turn.prompt_len].tolist()
+
+
 def _request_key(request: web.Request, body: bytes) -> tuple[str | None, bool]:
     """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
     ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
@@ -572,6 +610,8 @@ class _TurnStream:
         self.content = TextDeltas(strip=True)  # parsers strip the reply
         self.reasoning = TextDeltas(strip=True)
         self.logprobs_sent = 0
+        # Text that may be the start of a stop string waits until it is known not to be.
+        self.stops = stop_strings(chat)
 
     def _chunk(self, delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
         choice = ChunkChoice(delta, 0, finish, logprobs)
@@ -596,8 +636,14 @@ class _TurnStream:
     async def progress(self, response: web.StreamResponse, progress: TurnProgress, tools: Any) -> None:
         """Send what the tokens sampled so far add to the text (nothing while it is not stable)."""
         parsed = self.proxy.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
-        reasoning = self.reasoning.update(parsed.reasoning_content or "")
-        content = self.content.update(parsed.content)
+        reasoning_text, content_text = parsed.reasoning_content or "", parsed.content
+        if self.stops:
+            reasoning_text, content_text = (
+                hold_back(reasoning_text, self.stops),
+                hold_back(content_text, self.stops),
+            )
+        reasoning = self.reasoning.update(reasoning_text)
+        content = self.content.update(content_text)
         if reasoning or content:
             delta = Delta(content=content or None, reasoning_content=reasoning or None)
             await response.write(
@@ -607,8 +653,9 @@ class _TurnStream:
     async def finish(self, response: web.StreamResponse, turn: Turn) -> bool:
         """The rest of the committed turn's text, its tool calls and finish reason (+ usage). Returns whether
         the text streamed differs from the recorded message (a parser re-read text already sent)."""
-        completion = self.proxy._completion(self.chat, turn)
-        message = completion.choices[0].message
+        completion = self.proxy._completion(self.chat, [turn])
+        choice = completion.choices[0]
+        message = choice.message
         reasoning = self.reasoning.update(message.reasoning_content or "", final=True)
         content = self.content.update(message.content or "", final=True)
         diverged = self.content.diverged or self.reasoning.diverged
@@ -623,9 +670,20 @@ class _TurnStream:
         ]
         delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
         logprobs = self._logprobs(turn.completion_ids, turn.logprobs)
-        parts = [self._chunk(delta, completion.choices[0].finish_reason, logprobs)]
+        finish = ChunkChoice(
+            delta,
+            0,
+            choice.finish_reason,
+            logprobs,
+            stop_reason=choice.stop_reason if choice.stop_reason is not None else msgspec.UNSET,
+            token_ids=choice.token_ids,
+        )
+        model = self.proxy.settings.model_name
+        chunk = ChatCompletionChunk(
+            self.response_id, self.created, model, [finish], prompt_token_ids=completion.prompt_token_ids
+        )
+        parts = [sse_event(chunk)]
         if self.chat.stream_options is not None and self.chat.stream_options.include_usage:
-            model = self.proxy.settings.model_name
             usage = ChatCompletionChunk(self.response_id, self.created, model, [], completion.usage)
             parts.append(sse_event(usage))
         await response.write(b"".join(parts))
