@@ -261,11 +261,13 @@ def _parser() -> argparse.ArgumentParser:
 
     proxy = commands.add_parser(
         "proxy",
-        help="standalone TITO proxy over an in-process engine of model.path (prints a JSON ready line)",
+        help="standalone TITO proxy over the config's [inference] (prints a JSON ready line)",
     )
     proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
-    proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    proxy.add_argument("--port", type=_port, default=0, help="port to bind; 0 picks a free one (default 0)")
+    proxy.add_argument("--host", default=None, help="interface to bind (default agent.host, 127.0.0.1)")
+    proxy.add_argument(
+        "--port", type=_port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
+    )
 
     generate = commands.add_parser(
         "generate",

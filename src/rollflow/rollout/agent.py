@@ -334,7 +334,8 @@ def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
     """A group's counts, summed over its trajectories' ``trace_metrics``: ``agent_trajectories``,
     ``agent_turns``, ``agent_branches``, ``agent_bridged_turns``, ``agent_full_render_turns``,
     ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``,
-    ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_errors``, ``agent_timeouts``,
+    ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_unknown_fields``,
+    ``agent_ignored_values``, ``agent_errors``, ``agent_timeouts``,
     ``agent_masked_samples``, ``agent_overlong_samples``. All are counts, so a step's value is the sum over
     its groups."""
     totals: dict[str, float] = {"agent_trajectories": float(len(per_trajectory))}
@@ -351,8 +352,8 @@ async def build_agent_generator(
     config: RunConfig, client: Any, renderer: Any, tokenizer: Any
 ) -> AsyncIterator[AgentGenerator]:
     """An ``AgentGenerator`` for ``config.agent`` over ``client``, with the ``TITOProxy`` it owns: the proxy
-    listens on 127.0.0.1 for as long as the context is open and defaults requests to ``sampling.max_tokens``
-    and ``sampling.temperature``.
+    listens on ``agent.host`` (127.0.0.1 by default) for as long as the context is open and defaults requests
+    to the ``sampling`` settings.
 
     Raises:
         ConfigError: ``config.agent`` is unset, or its callable or composer does not resolve.
@@ -371,10 +372,16 @@ async def build_agent_generator(
         renderer,
         tokenizer,
         model_name=config.model.path,
+        host=settings.host,
+        port=settings.port,
+        advertise_url=settings.advertise_url,
         default_max_tokens=config.sampling.max_tokens,
         default_temperature=config.sampling.temperature,
         default_top_p=config.sampling.top_p,
+        default_top_k=config.sampling.top_k,
         enforce_sampling=settings.enforce_sampling,
+        strict_requests=settings.strict_requests,
+        max_n=config.inference.max_batch_size,
         max_model_len=config.inference.max_model_len,
         http_limits=config.inference.http_limits(),
     )

@@ -1,9 +1,11 @@
 """``TITOProxy``: an OpenAI-compatible Chat Completions server that records exactly what was sampled.
 
 Owned by a generator (``async with TITOProxy(...) as proxy``). Each agent session gets its own unguessable
-base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1``, serving ``/chat/completions`` and ``/models``;
-the agent changes nothing but that URL. ``close_session`` drains the session's requests, seals its trace and
-returns it for ``compose``.
+base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1`` (``advertise_url`` replaces the address part for
+agents that reach the proxy by another one), serving ``/chat/completions`` and ``/models``; the agent changes
+nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
+client the session is over (``finish_session``: a router forgets the session's server) and returns the trace
+for ``compose``.
 
 With an ``admin_token`` (the standalone ``rollflow proxy`` command) it also serves, behind
 ``Authorization: Bearer <token>``: ``POST /sessions`` (→ ``session_id``, ``base_url``),
@@ -30,6 +32,7 @@ import secrets
 import time
 from typing import Any
 
+import anyio
 import msgspec
 import structlog
 from aiohttp import web
@@ -118,6 +121,8 @@ class TITOProxy:
         tokenizer: the model's tokenizer (decodes single tokens for ``logprobs`` output).
         model_name: the name requests must use in ``model`` (others get 404).
         host, port: where to listen; port 0 picks a free port (``proxy.port`` tells which).
+        advertise_url: the base URL agents are given instead of ``http://{host}:{port}`` (a container
+            network, a port mapping); the session paths are appended to it.
         admin_token: enables the admin endpoints behind this bearer token.
         max_body_bytes: larger request bodies get 413.
         drain_timeout_s: how long ``close_session`` waits for requests in flight before cancelling them.
@@ -157,6 +162,7 @@ class TITOProxy:
         default_top_k: int = -1,
         strict_requests: bool = False,
         max_n: int = 16,
+        advertise_url: str | None = None,
     ):
         # Swappable components.
         self.client = client
@@ -174,6 +180,7 @@ class TITOProxy:
         self.max_n = max_n
         self.host = host
         self.port = port
+        self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
         self.admin_token = admin_token
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
@@ -190,7 +197,14 @@ class TITOProxy:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where the proxy listens."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """The base URL agents are given: ``advertise_url``, else ``base_url``."""
+        return self.advertise_url or self.base_url
 
     @property
     def sessions(self) -> list[Session]:
@@ -228,12 +242,16 @@ class TITOProxy:
         log.debug("tito proxy listening", base_url=self.base_url)
 
     async def close(self) -> None:
-        """Close every open session (draining each), then the listener and its connections. Idempotent."""
-        for session in list(self._by_id.values()):
-            await self.close_session(session)
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await asyncio.shield(runner.cleanup())
+        """Close every open session (draining each), then the listener and its connections. Idempotent.
+        The listener is released also when this is cancelled (then without waiting for the drains)."""
+        try:
+            for session in list(self._by_id.values()):
+                await self.close_session(session)
+        finally:
+            if self._runner is not None:
+                runner, self._runner = self._runner, None
+                with anyio.CancelScope(shield=True):
+                    await runner.cleanup()
 
     async def __aenter__(self) -> TITOProxy:
         await self.start()
@@ -257,7 +275,7 @@ class TITOProxy:
         if session_id in self._by_id or session_id in self._closed:
             raise ValueError(f"session_id {session_id!r} is already in use")
         token = secrets.token_urlsafe(24)
-        base_url = f"{self.base_url}/sessions/{token}/v1"
+        base_url = f"{self.public_url}/sessions/{token}/v1"
         session = Session(session_id, token, base_url, self.client, self.renderer, self.settings)
         self._sessions[token] = session
         self._by_id[session_id] = session
@@ -299,6 +317,9 @@ class TITOProxy:
             while len(self._closed) > _MAX_CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
             session.close_done.set_result(None)
+        finish_session = getattr(self.client, "finish_session", None)
+        if finish_session is not None:  # a router forgets which server the session was pinned to
+            await finish_session(session.session_id)
         return trace
 
     # ------------------------------------------------------------------ HTTP: errors
@@ -699,42 +720,45 @@ class _TurnStream:
 
 
 async def serve_standalone(
-    config: Any, *, host: str = "127.0.0.1", port: int = 0, admin_token: str | None = None, ready: Any = None
+    config: Any,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    admin_token: str | None = None,
+    ready: Any = None,
 ) -> None:
-    """Run a proxy over an in-process engine of ``config.model`` until cancelled (``rollflow proxy``).
+    """Run a proxy over the inference ``config.inference`` describes until cancelled (``rollflow proxy``):
+    engines in this process, servers (and a router) it starts, or external URLs, as a run would have
+    them (``rollflow.inference.setup.get_inference_client``); requests default to ``config.sampling``.
+    ``host`` and ``port`` default to ``agent.host`` and ``agent.port``.
 
     ``ready``, if given, is called with the running proxy once it listens.
     """
-    from rollflow.inference.client import LocalInferenceClient
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import (
-        create_chat_renderer,
-        load_causal_lm,
-        load_tokenizer,
-        resolve_model_path,
-    )
+    from rollflow.inference.setup import get_inference_client
+    from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
 
     model_dir = resolve_model_path(config.model.path)
     tokenizer = load_tokenizer(model_dir)
     renderer = create_chat_renderer(tokenizer, config.model)
-    engine = TorchEngine(
-        load_causal_lm(model_dir),
-        max_batch_size=config.inference.max_batch_size,
-        max_model_len=config.inference.max_model_len,
-    )
-    async with LocalInferenceClient([engine]) as client:
+    agent = config.agent
+    async with get_inference_client(config) as client:
         proxy = TITOProxy(
             client,
             renderer,
             tokenizer,
             model_name=config.model.path,
-            host=host,
-            port=port,
+            host=host or (agent.host if agent is not None else "127.0.0.1"),
+            port=port if port is not None else (agent.port if agent is not None else 0),
+            advertise_url=agent.advertise_url if agent is not None else None,
             admin_token=admin_token or secrets.token_urlsafe(24),
+            default_max_tokens=config.sampling.max_tokens,
             default_temperature=config.sampling.temperature,
             default_top_p=config.sampling.top_p,
+            default_top_k=config.sampling.top_k,
             # Samples composed here train a policy at the run's settings unless [agent] says otherwise.
-            enforce_sampling=config.agent.enforce_sampling if config.agent is not None else True,
+            enforce_sampling=agent.enforce_sampling if agent is not None else True,
+            strict_requests=agent.strict_requests if agent is not None else False,
+            max_n=config.inference.max_batch_size,
             max_model_len=config.inference.max_model_len,
             http_limits=config.inference.http_limits(),
         )
