@@ -295,6 +295,13 @@ def _parser() -> argparse.ArgumentParser:
         help="sample from a training checkpoint: its directory, or a run directory for its latest "
         "(default: the initial weights)",
     )
+    trace = commands.add_parser("trace", help="render one saved agent trace of a run as an HTML page")
+    trace.add_argument("run_dir", type=Path, metavar="RUN", help="a run directory (runs/NAME)")
+    trace.add_argument("--session", default=None, help="the session id (default: the first trace that forks)")
+    trace.add_argument("--prompt", type=int, default=None, help="a trace of this prompt index")
+    trace.add_argument(
+        "--output", type=Path, default=None, help="HTML file (default RUN/traces/SESSION.html)"
+    )
     return parser
 
 
@@ -477,6 +484,18 @@ def _proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from rollflow.tito.trace_page import write_trace_page
+
+    try:
+        path = write_trace_page(args.run_dir, session=args.session, prompt=args.prompt, output=args.output)
+    except (FileNotFoundError, LookupError, ValueError) as error:
+        sys.stderr.write(f"error: rollflow trace {args.run_dir}: {error}\n")
+        return EXIT_USAGE
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from rollflow.errors import ModelNotFoundError
     from rollflow.inference.engine.server import main as serve_main
@@ -513,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "trace":
+            return _trace(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

@@ -46,6 +46,7 @@ from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
 from rollflow.rollout.generator import sample_seed
 from rollflow.tito.composer import COMPOSE_MODES, TITOSample, resolve_composer, trace_metrics
+from rollflow.tito.saved import TRACES_DIR, TraceWriter, trace_record
 
 if TYPE_CHECKING:
     from rollflow.config import RunConfig
@@ -195,6 +196,8 @@ class AgentGenerator:
         filter_overlong: mask overlong samples instead of cutting them.
         seed: the run seed; each trajectory's ``task.seed`` derives from it and its position.
         max_concurrent: most trajectories running at once over all groups (None: no limit).
+        trace_writer: keeps the trajectories it wants with the run (``agent.save_traces``); a write that
+            fails is logged and counted (``agent_trace_write_errors``), never fatal.
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class AgentGenerator:
         filter_overlong: bool = False,
         seed: int = 0,
         max_concurrent: int | None = None,
+        trace_writer: TraceWriter | None = None,
     ):
         if mode not in COMPOSE_MODES:
             raise ConfigError(f"agent.mode must be one of {', '.join(COMPOSE_MODES)}, got {mode!r}")
@@ -223,6 +227,7 @@ class AgentGenerator:
         self.filter_overlong = filter_overlong
         self.seed = seed
         self._limiter = anyio.CapacityLimiter(max_concurrent) if max_concurrent else None
+        self.trace_writer = trace_writer
 
     async def generate_group(self, request: RolloutRequest) -> ScoredGroup:
         """Run the agent ``request.num_samples`` times concurrently; every sample of a trajectory carries its
@@ -230,12 +235,24 @@ class AgentGenerator:
         started = time.perf_counter()
         results: list[tuple[list[Sample], dict[str, float]]] = [([], {})] * request.num_samples
 
+        records: list[dict[str, Any]] = []
+
         async def run(sample_index: int) -> None:
-            results[sample_index] = await self.run_trajectory(request, sample_index)
+            results[sample_index] = await self.run_trajectory(request, sample_index, records=records)
 
         async with anyio.create_task_group() as tg:
             for sample_index in range(request.num_samples):
                 tg.start_soon(run, sample_index)
+        metrics = group_metrics([metrics for _, metrics in results])
+        if self.trace_writer is not None and records:
+            records.sort(key=lambda record: record["sample_index"])
+            try:
+                await anyio.to_thread.run_sync(self.trace_writer.write_group, request.prompt_index, records)
+            except OSError as error:  # the samples are unaffected; the trace is lost, and counted
+                log.warning(
+                    "writing agent traces failed", prompt_index=request.prompt_index, error=str(error)
+                )
+                metrics["agent_trace_write_errors"] = float(len(records))
         samples = []
         for trajectory, (composed, _) in enumerate(results):
             for sample in composed:
@@ -247,13 +264,14 @@ class AgentGenerator:
             prompt_index=request.prompt_index,
             samples=samples,
             generation_time_s=time.perf_counter() - started,
-            metrics=group_metrics([metrics for _, metrics in results]),
+            metrics=metrics,
         )
 
     async def run_trajectory(
-        self, request: RolloutRequest, sample_index: int
+        self, request: RolloutRequest, sample_index: int, *, records: list[dict[str, Any]] | None = None
     ) -> tuple[list[Sample], dict[str, float]]:
-        """One agent run in its own session: its composed samples and ``trace_metrics``."""
+        """One agent run in its own session: its composed samples and ``trace_metrics``. With ``records``
+        and a ``trace_writer`` that wants this trajectory, its trace record is appended there."""
         async with contextlib.AsyncExitStack() as stack:
             if self._limiter is not None:
                 await stack.enter_async_context(self._limiter)
@@ -299,6 +317,16 @@ class AgentGenerator:
         if not samples:
             reason = "timeout" if trace.timed_out else "error" if trace.error or trace.errors else "empty"
             samples = [_empty_sample(request.prompt_index, reason)]
+        if records is not None and self.trace_writer is not None and self.trace_writer.wants(sample_index):
+            records.append(
+                trace_record(
+                    trace,
+                    reward=reward,
+                    prompt_index=request.prompt_index,
+                    sample_index=sample_index,
+                    mask_reason=next((s.mask_reason for s in samples if s.masked), None),
+                )
+            )
         return samples, trace_metrics(trace, samples)
 
     async def _run_agent(self, base_url: str, task: AgentTask) -> tuple[float, str | None, bool]:
@@ -356,7 +384,8 @@ async def build_agent_generator(
     to the ``sampling`` settings.
 
     Raises:
-        ConfigError: ``config.agent`` is unset, or its callable or composer does not resolve.
+        ConfigError: ``config.agent`` is unset, its callable or composer does not resolve, or the traces
+            directory (``agent.save_traces``) cannot be written.
     """
     from rollflow.tito.proxy import TITOProxy
 
@@ -385,6 +414,11 @@ async def build_agent_generator(
         max_model_len=config.inference.max_model_len,
         http_limits=config.inference.http_limits(),
     )
+    writer = None
+    if settings.save_traces != "none":
+        writer = await anyio.to_thread.run_sync(
+            TraceWriter, config.run_dir / TRACES_DIR, settings.save_traces
+        )
     async with proxy:
         yield AgentGenerator(
             proxy,
@@ -396,4 +430,5 @@ async def build_agent_generator(
             filter_overlong=settings.filter_overlong,
             seed=config.seed,
             max_concurrent=settings.max_concurrent,
+            trace_writer=writer,
         )
