@@ -411,6 +411,7 @@ async def build_agent_generator(
         enforce_sampling=settings.enforce_sampling,
         strict_requests=settings.strict_requests,
         max_n=config.inference.max_batch_size,
+        return_routed_experts=config.inference.return_routed_experts,
         max_model_len=config.inference.max_model_len,
         http_limits=config.inference.http_limits(),
     )

@@ -139,6 +139,8 @@ class TITOProxy:
             (``tool_choice: "required"``), instead of ignoring and counting them (``stats.unknown_fields``,
             ``stats.ignored_values``).
         max_n: the most replies one request may ask for (``n``); more is a 400.
+        return_routed_experts: the engines return MoE routed experts (``inference.return_routed_experts``):
+            a reply with stop strings is then sampled whole and cut, so that its routes are kept.
     """
 
     def __init__(
@@ -163,6 +165,7 @@ class TITOProxy:
         strict_requests: bool = False,
         max_n: int = 16,
         advertise_url: str | None = None,
+        return_routed_experts: bool = False,
     ):
         # Swappable components.
         self.client = client
@@ -175,6 +178,7 @@ class TITOProxy:
             default_top_p=default_top_p,
             enforce_sampling=enforce_sampling,
             default_top_k=default_top_k,
+            return_routed_experts=return_routed_experts,
         )
         self.strict_requests = strict_requests
         self.max_n = max_n
@@ -759,6 +763,7 @@ async def serve_standalone(
             enforce_sampling=agent.enforce_sampling if agent is not None else True,
             strict_requests=agent.strict_requests if agent is not None else False,
             max_n=config.inference.max_batch_size,
+            return_routed_experts=config.inference.return_routed_experts,
             max_model_len=config.inference.max_model_len,
             http_limits=config.inference.http_limits(),
         )

@@ -49,6 +49,9 @@ class TurnSettings:
     # counted (sampling_overridden).
     enforce_sampling: bool = False
     default_top_k: int = -1
+    # The engines return MoE routed experts (``inference.return_routed_experts``), which a reply cut early by a
+    # stop string would lose.
+    return_routed_experts: bool = False
 
 
 # Request fields that reshape the policy's distribution in ways the engines do not implement, with their
@@ -310,8 +313,13 @@ class Session:
         temperature, top_p, top_k = sampling_values
         stops = stop_strings(request)
         matcher = StopMatcher(stops, self._renderer.decode) if stops else None
-        # With stop strings the engine request streams, so it ends as soon as one completes.
-        streamed = (request.stream or matcher is not None) and index == 0
+        # With stop strings the engine request streams, so it ends as soon as one completes; except when routed
+        # experts are wanted, which come whole at the end: then the reply is cut after it is sampled.
+        streamed = bool(request.stream) or (
+            matcher is not None
+            and not settings.return_routed_experts
+            and hasattr(self._client, "generate_stream")
+        )
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -331,7 +339,7 @@ class Session:
                 request_id=f"{self.session_id}-{secrets.token_hex(4)}",
                 session_id=self.session_id,
             )
-            if streamed or (matcher is not None and hasattr(self._client, "generate_stream")):
+            if streamed:
                 output = await self._generate_streamed(
                     generate_request,
                     prompt_ids,
