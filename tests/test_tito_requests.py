@@ -7,6 +7,8 @@ sampling extras under enforced sampling, per-request ``chat_template_kwargs``, `
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
@@ -65,7 +67,11 @@ async def test_stop_string_on_the_real_engine_cuts_at_the_completing_token(
     trace = session.trace
     assert [t.options.get("stop_reason") for t in trace.turns] == [None, stop, stop]
     assert [len(t.completion_ids) for t in trace.turns] == [len(free_ids), expected, expected]
-    assert tiny_engine.num_running == 0  # the engine requests ended at the stop strings
+    for _ in range(200):  # the engine requests end at the stop strings (the engine sees the abort shortly)
+        if tiny_engine.num_running == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert tiny_engine.num_running == 0
 
 
 async def test_stop_strings_streamed_and_bridged_keep_the_sampled_tokens(tiny_chat):
@@ -193,3 +199,27 @@ async def test_return_token_ids_are_what_was_recorded(engine_client, tiny_chat):
     assert response.model_extra["prompt_token_ids"] == turn.node.prefix_ids()[: turn.prompt_len].tolist()
     assert response.choices[0].model_extra["token_ids"] == turn.completion_ids
     assert "prompt_token_ids" not in (plain.model_extra or {})
+
+
+async def test_streamed_thinking_reply_per_request(tiny_chat):
+    policy = ScriptedPolicy(
+        None, tiny_chat.tokenizer, lambda call, _: "<think>\nlong thought here\n</think>\n\nthe answer"
+    )
+    async with TITOProxy(policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[_user("think")],
+            stream=True,
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+        content, reasoning = "", ""
+        async for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+    (turn,) = session.trace.turns
+    assert (content, reasoning) == ("the answer", "long thought here")
+    assert (turn.message["content"], turn.message["reasoning_content"]) == (content, reasoning)
+    assert session.trace.stats.streams_diverged == 0

@@ -637,6 +637,10 @@ class _TurnStream:
         self.logprobs_sent = 0
         # Text that may be the start of a stop string waits until it is known not to be.
         self.stops = stop_strings(chat)
+        # The renderer the turn is parsed with (a thinking variant when the request switches it).
+        thinking = (chat.chat_template_kwargs or {}).get("enable_thinking")
+        variant = proxy.renderer.variant(enable_thinking=thinking) if thinking is not None else None
+        self.renderer = variant or proxy.renderer
 
     def _chunk(self, delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
         choice = ChunkChoice(delta, 0, finish, logprobs)
@@ -660,7 +664,7 @@ class _TurnStream:
 
     async def progress(self, response: web.StreamResponse, progress: TurnProgress, tools: Any) -> None:
         """Send what the tokens sampled so far add to the text (nothing while it is not stable)."""
-        parsed = self.proxy.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
+        parsed = self.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
         reasoning_text, content_text = parsed.reasoning_content or "", parsed.content
         if self.stops:
             reasoning_text, content_text = (
