@@ -325,6 +325,7 @@ class AgentGenerator:
                     prompt_index=request.prompt_index,
                     sample_index=sample_index,
                     mask_reason=next((s.mask_reason for s in samples if s.masked), None),
+                    model=self.proxy.settings.model_name,
                 )
             )
         return samples, trace_metrics(trace, samples)

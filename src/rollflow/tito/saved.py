@@ -30,8 +30,10 @@ def trace_record(
     prompt_index: int,
     sample_index: int,
     mask_reason: str | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """A session's trace as plain data for a JSON line (see the module docstring)."""
+    """A session's trace as plain data for a JSON line (see the module docstring); ``model``: the served
+    model (its tokenizer decodes the tokens on the trace's page)."""
     record = trace.to_dict()
     children: dict[int, int] = {}
     for node in record["nodes"]:
@@ -41,6 +43,7 @@ def trace_record(
         sample_index=sample_index,
         reward=reward,
         mask_reason=mask_reason,
+        model=model,
         branches=[[node.id for node in branch] for branch in trace.branches()],
         forks=sorted(node for node, count in children.items() if count > 1),
     )

@@ -202,19 +202,21 @@ def write_trace_page(
     """
     run_dir = Path(run_dir)
     record = choose_trace(read_traces(run_dir / TRACES_DIR), session=session, prompt=prompt)
-    page = render_trace_page(record, _run_decoder(run_dir))
+    page = render_trace_page(record, _decoder(record.get("model"), run_dir))
     path = Path(output) if output is not None else run_dir / TRACES_DIR / f"{record['session_id']}.html"
     path.write_text(page, encoding="utf-8")
     return path
 
 
-def _run_decoder(run_dir: Path) -> Callable[[int], str] | None:
-    """Token text by the run's tokenizer (``config.json``'s ``model.path``), or None when it cannot load."""
+def _decoder(model: str | None, run_dir: Path) -> Callable[[int], str] | None:
+    """Token text by the tokenizer of the trace's model (else the run's ``config.json`` ``model.path``), or
+    None when it cannot be loaded (the page then shows token ids)."""
     try:
-        model_path = json.loads((run_dir / "config.json").read_text())["model"]["path"]
+        if model is None:
+            model = json.loads((run_dir / "config.json").read_text())["model"]["path"]
         from rollflow.models.loading import load_tokenizer, resolve_model_path
 
-        tokenizer = load_tokenizer(resolve_model_path(model_path))
+        tokenizer = load_tokenizer(resolve_model_path(model))
     except Exception:  # no config or no local model: token ids are shown instead
         return None
     return lambda token_id: tokenizer.decode([token_id])
