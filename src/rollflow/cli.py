@@ -479,7 +479,10 @@ def _proxy(args: argparse.Namespace) -> int:
     except ModelNotFoundError as error:  # an OSError too: not the port's fault
         raise ConfigError(f"rollflow proxy {args.config}: model.path: {error}") from None
     except OSError as error:
-        sys.stderr.write(f"error: rollflow proxy could not listen on {args.host}:{args.port}: {error}\n")
+        agent = config.agent
+        host = args.host or (agent.host if agent is not None else "127.0.0.1")
+        port = args.port if args.port is not None else (agent.port if agent is not None else 0)
+        sys.stderr.write(f"error: rollflow proxy could not listen on {host}:{port}: {error}\n")
         return EXIT_FAILURE
     return 0
 
