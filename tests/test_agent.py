@@ -278,8 +278,10 @@ def test_rollflow_generate_writes_jsonl(tmp_path, monkeypatch):
     assert main(["generate", str(config), "--set", "agent.max_seq_len=0"]) == 2
 
 
-@pytest.mark.parametrize("schedule", ["sync", "fully_async"])
-def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
+@pytest.mark.parametrize(("mode", "schedule"), [("local", "sync"), ("http", "sync"), ("http", "fully_async")])
+def test_rollflow_run_trains_the_agent_example(tmp_path, mode, schedule):
+    """In ``http`` mode the agent's calls go proxy → router → 2 engine servers."""
+    import os
     import subprocess
 
     sets = [
@@ -288,11 +290,13 @@ def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
         "orchestrator.prompts_per_step=2",
         "sampling.samples_per_prompt=2",
         f"output_dir={tmp_path}",
+        "inference.router_port=0",
     ]
     command = [sys.executable, "-m", "rollflow", "run", "examples/agent_tito/config.toml", "--no-progress"]
     for value in sets:
         command += ["--set", value]
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "ROLLFLOW_INFERENCE_MODE": mode}
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [
         json.loads(line) for line in (tmp_path / "agent_tito" / "metrics.jsonl").read_text().splitlines()
@@ -302,3 +306,6 @@ def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
         assert record["num_samples"] == 8  # 2 prompts x 2 trajectories x 2 branches
         assert record["agent_branches"] == 8 and record["agent_forked_turns"] == 4
         assert record["agent_errors"] == record["agent_timeouts"] == 0
+    if mode == "http":  # the agent's requests reached both servers through the router
+        logs = tmp_path / "agent_tito" / "logs" / "inference"
+        assert (logs / "router-0.log").exists() and len(list(logs.glob("server-*.log"))) == 2

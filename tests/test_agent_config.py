@@ -52,6 +52,14 @@ def test_example_config_parses_and_its_task_and_agent_resolve(monkeypatch):
         ([*AGENT, "agent.timeout=3"], ["agent.timeout"]),
         ([*AGENT, "agent.enforce_sampling='yes'"], ["agent.enforce_sampling"]),
         ([*AGENT, "agent.enforce_sampling=1"], ["agent.enforce_sampling"]),
+        ([*AGENT, "agent.strict_requests='no'"], ["agent.strict_requests"]),
+        ([*AGENT, "agent.host=''"], ["agent.host"]),
+        ([*AGENT, "agent.host='http://0.0.0.0'"], ["agent.host"]),
+        ([*AGENT, "agent.host=7"], ["agent.host"]),
+        ([*AGENT, "agent.advertise_url='proxy:8100'"], ["agent.advertise_url"]),
+        ([*AGENT, "agent.advertise_url='http://proxy:8100/v1'"], ["agent.advertise_url"]),
+        ([*AGENT, "agent.port=70000"], ["agent.port"]),
+        ([*AGENT, "agent.save_traces='some'"], ["agent.save_traces"]),
     ],
 )
 def test_agent_rules_name_the_fields(overrides, fields):

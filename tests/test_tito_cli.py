@@ -51,3 +51,45 @@ def test_standalone_proxy_with_admin_endpoints(proxy_process):
         closed = http.post(f"/sessions/{opened['session_id']}/close", json=close, headers=auth).json()
         (sample,) = closed["samples"]
         assert sum(sample["loss_mask"]) == answer.json()["usage"]["completion_tokens"]
+
+
+def test_standalone_proxy_uses_the_configs_inference_and_sampling(tmp_path, inference_servers):
+    """With ``[inference]`` naming servers, the proxy starts a router over them (no engine of its own) and
+    requests default to ``[sampling]``."""
+    config = tmp_path / "proxy.toml"
+    urls = ", ".join(f'"{url}"' for url in inference_servers.urls)
+    config.write_text(
+        f'output_dir = "{tmp_path}"\n[model]\npath = "rollflow:tiny"\n[sampling]\nmax_tokens = 3\n'
+        f'[inference]\nmode = "http"\nexternal_server_urls = [{urls}]\nrouter_port = 0\n'
+    )
+    env = dict(os.environ, ROLLFLOW_ADMIN_TOKEN="sesame", HF_HUB_OFFLINE="1")
+    env.pop("ROLLFLOW_INFERENCE_MODE", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollflow", "--log-level", "warning", "proxy", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line, process.stderr.read()
+        ready = json.loads(line)
+        auth = {"Authorization": "Bearer sesame"}
+        with httpx.Client(base_url=ready["url"], timeout=30) as http:
+            opened = http.post("/sessions", headers=auth).json()
+            chat = {
+                "model": ready["model"],
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": None,
+            }
+            answer = http.post(f"{opened['base_url']}/chat/completions", json=chat)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] <= 3
+        # The router it started over the servers logs there; no server of its own was started.
+        logs = tmp_path / "run" / "logs" / "inference"
+        assert (logs / "router-0.log").exists() and not list(logs.glob("server-*.log"))
+    finally:
+        process.terminate()
+        process.wait(timeout=20)

@@ -38,23 +38,38 @@ async def _post(url: str, body: bytes | dict, headers: dict | None = None) -> tu
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"stop": ["x"]}, "stop"),
-        ({"tool_choice": "required"}, "tool_choice"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": "two"}, "n"),
+        ({"n": 2, "stream": True}, "n"),
+        ({"stop": ["x"] * 33}, "stop"),
+        ({"stop": ["ok", ""]}, "stop[1]"),
+        ({"stop": "x" * 1025}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"include_stop_str_in_output": 3}, "include_stop_str_in_output"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"min_p": 2}, "min_p"),
+        ({"min_p": 0.1}, "min_p"),  # sampling is not enforced here, and no engine implements min_p
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"seed": -1}, "seed"),
+        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
+        ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+        ({"return_token_ids": "yes"}, "return_token_ids"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"temperature": -1}, "temperature"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "many"}, "max_tokens"),
-        ({"frobnicate": True}, "frobnicate"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-            "messages[0].content[0].image_url",
+            "messages[0].content[0].type",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "audio", "text": "x"}]}]},
@@ -70,6 +85,45 @@ async def test_unsupported_fields_are_400_naming_the_field(proxy, change, param)
     assert body["error"]["param"] == param, body
     assert param.split(".")[-1].split("[")[0] in body["error"]["message"]
     assert proxy.scripted.requests == []
+
+
+UNKNOWN = {
+    "frobnicate": True,  # unknown top-level field
+    "messages": [{"role": "user", "content": "hi", "colour": 1}],  # unknown message field
+    "tool_choice": "required",  # known, but cannot be enforced
+    "chat_template_kwargs": {"add_vision_id": True},  # a template switch the proxy does not apply
+}
+
+
+async def test_unknown_fields_are_ignored_and_counted_or_refused_when_strict(tiny_chat):
+    client = ScriptedClient(tiny_chat.tokenizer)
+    async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        status, body = await _post(f"{session.base_url}/chat/completions", GOOD | UNKNOWN)
+        assert status == 200, body
+        stats = session.trace.stats
+        assert (stats.unknown_fields, stats.ignored_values) == (2, 2)
+        assert set(session.trace.ignored) == {
+            "frobnicate",
+            "messages[0].colour",
+            "tool_choice",
+            "chat_template_kwargs.add_vision_id",
+        }
+    async with TITOProxy(
+        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, strict_requests=True
+    ) as proxy:
+        session = await proxy.open_session()
+        url = f"{session.base_url}/chat/completions"
+        for field, param in [
+            ({"frobnicate": True}, "frobnicate"),
+            ({"messages": UNKNOWN["messages"]}, "messages[0].colour"),
+            ({"tool_choice": "required"}, "tool_choice"),
+            ({"chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs.add_vision_id"),
+        ]:
+            status, body = await _post(url, GOOD | field)
+            assert (status, body["error"]["param"]) == (400, param), body
+            assert "strict_requests" in body["error"]["message"]
+    assert len(client.requests) == 1
 
 
 async def test_malformed_bodies_and_lengths(proxy):

@@ -92,3 +92,37 @@ async def test_composed_samples_carry_the_models_real_routes(proxy, moe_model):
         step_tokens = step.prompt_token_ids + step.completion_token_ids
         assert step.routed_experts.shape == (len(step_tokens), layers, top_k)
         np.testing.assert_array_equal(step.routed_experts[:-1], expected[: len(step_tokens) - 1])
+
+
+async def test_a_reply_cut_by_a_stop_string_keeps_its_routes(moe_model, tiny_moe_model_dir):
+    """With routed experts on, a reply with stop strings is sampled whole and then cut: its turn keeps the
+    routes of exactly the tokens kept."""
+    engine = TorchEngine(
+        copy.deepcopy(moe_model), max_batch_size=4, max_model_len=1024, return_routed_experts=True
+    )
+    tokenizer = load_tokenizer(tiny_moe_model_dir)
+    renderer = create_chat_renderer(tokenizer, ModelConfig(path=MODEL))
+    client = LocalInferenceClient([engine])
+    try:
+        async with TITOProxy(
+            client, renderer, tokenizer, model_name=MODEL, return_routed_experts=True
+        ) as proxy:
+            session = await proxy.open_session()
+            api = openai.AsyncOpenAI(base_url=session.base_url, api_key="-", max_retries=0)
+            ask = dict(model=MODEL, messages=[{"role": "user", "content": "go"}], max_tokens=24, seed=1)
+            free = await api.chat.completions.create(**ask, extra_body={"return_token_ids": True})
+            ids = free.choices[0].model_extra["token_ids"]
+            stop = tokenizer.decode(ids[4:6], skip_special_tokens=True)
+            if not stop.strip():
+                pytest.skip("the sampled tokens 4..6 have no text to stop on")
+            cut = await api.chat.completions.create(**ask, stop=[stop])
+            assert cut.choices[0].model_extra["stop_reason"] == stop
+            trace = await proxy.close_session(session)
+    finally:
+        await engine.shutdown()
+    turn = trace.turns[1]
+    assert len(turn.completion_ids) < len(ids)
+    assert turn.node.routed_experts is not None
+    assert turn.node.routed_experts.shape[0] == len(turn.node.token_ids)
+    samples = compose(trace, reward=1.0, max_seq_len=1024)
+    assert len(samples) == 2 and all(sample.routed_experts is not None for sample in samples)

@@ -4,6 +4,7 @@ session, and a scripted client for tests that need chosen completions (tool call
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,14 +130,14 @@ def make_session(client: Any, chat: TinyChat, renderer: Any = None, session_id: 
 
 
 async def ask(session: Any, messages: list[dict], **fields: Any) -> Any:
-    """Send one request straight to a session; returns the recorded ``Turn``."""
+    """Send one request straight to a session; returns the recorded ``Turn`` (the first, for ``n > 1``)."""
     import msgspec
 
     from rollflow.tito.wire import ChatCompletionRequest, validate_request
 
     request = msgspec.convert({"model": MODEL, "messages": messages, **fields}, ChatCompletionRequest)
     validate_request(request)
-    return await session.complete(request)
+    return (await session.complete(request))[0]
 
 
 def as_history_message(turn: Any) -> dict:
@@ -157,3 +158,95 @@ def as_history_message(turn: Any) -> dict:
             for call in turn.message["tool_calls"]
         ]
     return message
+
+
+class ScriptedPolicy:
+    """The real engine, with chosen replies forced on the calls a script names: ``script(call, request)``
+    returns the text to force (tokenized, closed with the stop token, streamed a few tokens at a time), or
+    None to let the tiny model sample. Agents' tool calls are then deterministic while the other turns are
+    real samples. Every call's prompt and output are kept (``calls``) for parity checks."""
+
+    def __init__(self, inner: Any, tokenizer: Any, script: Callable[[int, GenerateRequest], str | None]):
+        self.inner = inner
+        self.forced = ScriptedClient(tokenizer, lambda call, request: script(call, request) or "")
+        self.script = script
+        self.calls: list[tuple[list[int], list[int]]] = []  # (prompt, sampled ids as returned)
+        self._calls = itertools.count()
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        from rollflow.inference.client import collect_stream
+
+        return await collect_stream(self.generate_stream(request))
+
+    async def generate_stream(self, request: GenerateRequest):
+        from rollflow.messages import GenerateChunk
+
+        call = next(self._calls)
+        record: tuple[list[int], list[int]] = (list(request.prompt_token_ids), [])
+        self.calls.append(record)
+        if self.script(call, request) is None:
+            async with contextlib.aclosing(self.inner.generate_stream(request)) as chunks:
+                async for chunk in chunks:
+                    record[1].extend(chunk.token_ids)
+                    yield chunk
+            return
+        output = await self.forced.generate(request)
+        for start in range(0, len(output.token_ids), 3):
+            end = start + 3
+            done = end >= len(output.token_ids)
+            record[1].extend(output.token_ids[start:end])
+            yield GenerateChunk(
+                output.request_id,
+                output.token_ids[start:end],
+                output.logprobs[start:end],
+                output.policy_versions[start:end],
+                output.finish_reason if done else None,
+                output.prompt_len,
+            )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def assert_parity(
+    trace: Any, calls: list[tuple[list[int], list[int]]], stops: list[str] = (), decode: Any = None
+) -> int:
+    """Composed samples train exactly the sampled tokens, each once, each after the exact prompt it was
+    sampled from: every run of trainable tokens is the output of one engine call and what precedes it in the
+    sample is that call's prompt. A run shorter than its call's output must end exactly where a stop string
+    (``stops``, matched on ``decode``'s text) completes. Returns the trainable-token count."""
+    from rollflow.tito import compose
+
+    claimed: list[int] = []
+    trained = 0
+    for sample in compose(trace, reward=1.0, mode="per_branch", max_seq_len=100_000):
+        full = sample.prompt_token_ids + sample.completion_token_ids
+        offset = len(sample.prompt_token_ids)
+        mask = sample.loss_mask
+        i = 0
+        while i < len(mask):
+            if not mask[i]:
+                i += 1
+                continue
+            end = i
+            while end < len(mask) and mask[end]:
+                end += 1
+            start = offset + i
+            segment = full[start : offset + end]
+            matches = [
+                c
+                for c, (prompt, output) in enumerate(calls)
+                if output[: len(segment)] == segment and full[:start] == prompt
+            ]
+            assert matches, (
+                f"trainable tokens {segment[:8]}… at {start} are no call's output after its prompt"
+            )
+            call = next((c for c in matches if c not in claimed), matches[0])
+            if len(segment) < len(calls[call][1]):  # cut short: exactly where a stop string completes
+                assert any(stop in decode(segment) for stop in stops), decode(segment)
+                assert not any(stop in decode(segment[:-1]) for stop in stops), decode(segment)
+            claimed.append(call)
+            trained += len(segment)
+            i = end
+    assert sorted(claimed) == [c for c, (_, ids) in enumerate(calls) if ids], "each call trained exactly once"
+    return trained

@@ -267,11 +267,13 @@ def _parser() -> argparse.ArgumentParser:
 
     proxy = commands.add_parser(
         "proxy",
-        help="standalone TITO proxy over an in-process engine of model.path (prints a JSON ready line)",
+        help="standalone TITO proxy over the config's [inference] (prints a JSON ready line)",
     )
     proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
-    proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
-    proxy.add_argument("--port", type=_port, default=0, help="port to bind; 0 picks a free one (default 0)")
+    proxy.add_argument("--host", default=None, help="interface to bind (default agent.host, 127.0.0.1)")
+    proxy.add_argument(
+        "--port", type=_port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
+    )
 
     generate = commands.add_parser(
         "generate",
@@ -298,6 +300,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="sample from a training checkpoint: its directory, or a run directory for its latest "
         "(default: the initial weights)",
+    )
+    trace = commands.add_parser("trace", help="render one saved agent trace of a run as an HTML page")
+    trace.add_argument("run_dir", type=Path, metavar="RUN", help="a run directory (runs/NAME)")
+    trace.add_argument("--session", default=None, help="the session id (default: the first trace that forks)")
+    trace.add_argument("--prompt", type=int, default=None, help="a trace of this prompt index")
+    trace.add_argument(
+        "--output", type=Path, default=None, help="HTML file (default RUN/traces/SESSION.html)"
     )
     return parser
 
@@ -476,8 +485,23 @@ def _proxy(args: argparse.Namespace) -> int:
     except ModelNotFoundError as error:  # an OSError too: not the port's fault
         raise ConfigError(f"rollflow proxy {args.config}: model.path: {error}") from None
     except OSError as error:
-        sys.stderr.write(f"error: rollflow proxy could not listen on {args.host}:{args.port}: {error}\n")
+        agent = config.agent
+        host = args.host or (agent.host if agent is not None else "127.0.0.1")
+        port = args.port if args.port is not None else (agent.port if agent is not None else 0)
+        sys.stderr.write(f"error: rollflow proxy could not listen on {host}:{port}: {error}\n")
         return EXIT_FAILURE
+    return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    from rollflow.tito.trace_page import write_trace_page
+
+    try:
+        path = write_trace_page(args.run_dir, session=args.session, prompt=args.prompt, output=args.output)
+    except (FileNotFoundError, LookupError, ValueError) as error:
+        sys.stderr.write(f"error: rollflow trace {args.run_dir}: {error}\n")
+        return EXIT_USAGE
+    sys.stdout.write(f"{path}\n")
     return 0
 
 
@@ -517,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "trace":
+            return _trace(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

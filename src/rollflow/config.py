@@ -332,9 +332,29 @@ class AgentConfig(Section):
     max_concurrent: Positive | None = None
     """Most trajectories running at once over all prompts (unset: no limit of its own)."""
     enforce_sampling: bool = True
-    """Sample every agent request at ``sampling.temperature`` and ``sampling.top_p`` whatever it asks (the
-    trainer's PPO ratio assumes them); requests that asked otherwise are counted as
-    ``agent_sampling_overridden``. False honours the agent's own settings (e.g. generate-only evaluation)."""
+    """Sample every agent request at ``sampling.temperature``, ``sampling.top_p`` and ``sampling.top_k``
+    whatever it asks, and without its ``min_p``, ``repetition_penalty``, penalties or ``logit_bias`` (the
+    trainer's PPO ratio assumes the run's distribution); requests that asked otherwise are counted as
+    ``agent_sampling_overridden``. False honours the agent's own temperature, top_p and top_k (e.g.
+    generate-only evaluation) and refuses the others, which the engines do not implement."""
+    strict_requests: bool = False
+    """Refuse (HTTP 400 naming the field) request fields the proxy does not know and values it cannot
+    enforce (``tool_choice: "required"``). False ignores them, as vLLM does, and counts them
+    (``agent_unknown_fields``, ``agent_ignored_values``)."""
+    host: str = "127.0.0.1"
+    """Interface the TITO proxy listens on. Agents in containers or on other hosts need one they can reach
+    (``0.0.0.0`` for all); each session's unguessable URL path is its credential, so expose it only on
+    networks you trust."""
+    advertise_url: str | None = None
+    """Base URL agents are given for the proxy (``http://proxy-host:port``), when they reach it by another
+    address than ``host`` (a container network, a port mapping). Unset: ``http://{host}:{port}``."""
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port the TITO proxy listens on; 0 picks a free one (set it when ``advertise_url`` names a port)."""
+    save_traces: Literal["none", "sampled", "all"] = "none"
+    """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
+    trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,
+    reward); ``rollflow trace RUN`` renders one as an HTML page. ``sampled``: the first trajectory of each
+    prompt's group; ``all``: every trajectory."""
 
 
 class RunConfig(Section):
@@ -520,6 +540,16 @@ def _agent_errors(config: RunConfig) -> list[str]:
     if config.data.reward is not None:
         errors.append(
             "data.reward is not used with [agent]: the agent returns each trajectory's reward; remove data.reward"
+        )
+    if not agent.host or any(c.isspace() or c == "/" for c in agent.host):
+        errors.append(
+            f"agent.host = {agent.host!r} must be an interface name or address like '127.0.0.1' or "
+            "'0.0.0.0' (no scheme, port or path)"
+        )
+    if agent.advertise_url is not None and not _BASE_URL.fullmatch(agent.advertise_url):
+        errors.append(
+            f"agent.advertise_url = {agent.advertise_url!r} must be a base URL like 'http://proxy-host:8100' "
+            "(http or https, no path)"
         )
     return errors
 

@@ -46,6 +46,7 @@ from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
 from rollflow.rollout.generator import sample_seed
 from rollflow.tito.composer import COMPOSE_MODES, TITOSample, resolve_composer, trace_metrics
+from rollflow.tito.saved import TRACES_DIR, TraceWriter, trace_record
 
 if TYPE_CHECKING:
     from rollflow.config import RunConfig
@@ -195,6 +196,8 @@ class AgentGenerator:
         filter_overlong: mask overlong samples instead of cutting them.
         seed: the run seed; each trajectory's ``task.seed`` derives from it and its position.
         max_concurrent: most trajectories running at once over all groups (None: no limit).
+        trace_writer: keeps the trajectories it wants with the run (``agent.save_traces``); a write that
+            fails is logged and counted (``agent_trace_write_errors``), never fatal.
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class AgentGenerator:
         filter_overlong: bool = False,
         seed: int = 0,
         max_concurrent: int | None = None,
+        trace_writer: TraceWriter | None = None,
     ):
         if mode not in COMPOSE_MODES:
             raise ConfigError(f"agent.mode must be one of {', '.join(COMPOSE_MODES)}, got {mode!r}")
@@ -223,6 +227,7 @@ class AgentGenerator:
         self.filter_overlong = filter_overlong
         self.seed = seed
         self._limiter = anyio.CapacityLimiter(max_concurrent) if max_concurrent else None
+        self.trace_writer = trace_writer
 
     async def generate_group(self, request: RolloutRequest) -> ScoredGroup:
         """Run the agent ``request.num_samples`` times concurrently; every sample of a trajectory carries its
@@ -230,12 +235,24 @@ class AgentGenerator:
         started = time.perf_counter()
         results: list[tuple[list[Sample], dict[str, float]]] = [([], {})] * request.num_samples
 
+        records: list[dict[str, Any]] = []
+
         async def run(sample_index: int) -> None:
-            results[sample_index] = await self.run_trajectory(request, sample_index)
+            results[sample_index] = await self.run_trajectory(request, sample_index, records=records)
 
         async with anyio.create_task_group() as tg:
             for sample_index in range(request.num_samples):
                 tg.start_soon(run, sample_index)
+        metrics = group_metrics([metrics for _, metrics in results])
+        if self.trace_writer is not None and records:
+            records.sort(key=lambda record: record["sample_index"])
+            try:
+                await anyio.to_thread.run_sync(self.trace_writer.write_group, request.prompt_index, records)
+            except OSError as error:  # the samples are unaffected; the trace is lost, and counted
+                log.warning(
+                    "writing agent traces failed", prompt_index=request.prompt_index, error=str(error)
+                )
+                metrics["agent_trace_write_errors"] = float(len(records))
         samples = []
         for trajectory, (composed, _) in enumerate(results):
             for sample in composed:
@@ -247,13 +264,14 @@ class AgentGenerator:
             prompt_index=request.prompt_index,
             samples=samples,
             generation_time_s=time.perf_counter() - started,
-            metrics=group_metrics([metrics for _, metrics in results]),
+            metrics=metrics,
         )
 
     async def run_trajectory(
-        self, request: RolloutRequest, sample_index: int
+        self, request: RolloutRequest, sample_index: int, *, records: list[dict[str, Any]] | None = None
     ) -> tuple[list[Sample], dict[str, float]]:
-        """One agent run in its own session: its composed samples and ``trace_metrics``."""
+        """One agent run in its own session: its composed samples and ``trace_metrics``. With ``records``
+        and a ``trace_writer`` that wants this trajectory, its trace record is appended there."""
         async with contextlib.AsyncExitStack() as stack:
             if self._limiter is not None:
                 await stack.enter_async_context(self._limiter)
@@ -299,6 +317,17 @@ class AgentGenerator:
         if not samples:
             reason = "timeout" if trace.timed_out else "error" if trace.error or trace.errors else "empty"
             samples = [_empty_sample(request.prompt_index, reason)]
+        if records is not None and self.trace_writer is not None and self.trace_writer.wants(sample_index):
+            records.append(
+                trace_record(
+                    trace,
+                    reward=reward,
+                    prompt_index=request.prompt_index,
+                    sample_index=sample_index,
+                    mask_reason=next((s.mask_reason for s in samples if s.masked), None),
+                    model=self.proxy.settings.model_name,
+                )
+            )
         return samples, trace_metrics(trace, samples)
 
     async def _run_agent(self, base_url: str, task: AgentTask) -> tuple[float, str | None, bool]:
@@ -334,7 +363,8 @@ def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
     """A group's counts, summed over its trajectories' ``trace_metrics``: ``agent_trajectories``,
     ``agent_turns``, ``agent_branches``, ``agent_bridged_turns``, ``agent_full_render_turns``,
     ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``,
-    ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_errors``, ``agent_timeouts``,
+    ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_unknown_fields``,
+    ``agent_ignored_values``, ``agent_errors``, ``agent_timeouts``,
     ``agent_masked_samples``, ``agent_overlong_samples``. All are counts, so a step's value is the sum over
     its groups."""
     totals: dict[str, float] = {"agent_trajectories": float(len(per_trajectory))}
@@ -351,11 +381,12 @@ async def build_agent_generator(
     config: RunConfig, client: Any, renderer: Any, tokenizer: Any
 ) -> AsyncIterator[AgentGenerator]:
     """An ``AgentGenerator`` for ``config.agent`` over ``client``, with the ``TITOProxy`` it owns: the proxy
-    listens on 127.0.0.1 for as long as the context is open and defaults requests to ``sampling.max_tokens``
-    and ``sampling.temperature``.
+    listens on ``agent.host`` (127.0.0.1 by default) for as long as the context is open and defaults requests
+    to the ``sampling`` settings.
 
     Raises:
-        ConfigError: ``config.agent`` is unset, or its callable or composer does not resolve.
+        ConfigError: ``config.agent`` is unset, its callable or composer does not resolve, or the traces
+            directory (``agent.save_traces``) cannot be written.
     """
     from rollflow.tito.proxy import TITOProxy
 
@@ -371,13 +402,25 @@ async def build_agent_generator(
         renderer,
         tokenizer,
         model_name=config.model.path,
+        host=settings.host,
+        port=settings.port,
+        advertise_url=settings.advertise_url,
         default_max_tokens=config.sampling.max_tokens,
         default_temperature=config.sampling.temperature,
         default_top_p=config.sampling.top_p,
+        default_top_k=config.sampling.top_k,
         enforce_sampling=settings.enforce_sampling,
+        strict_requests=settings.strict_requests,
+        max_n=config.inference.max_batch_size,
+        return_routed_experts=config.inference.return_routed_experts,
         max_model_len=config.inference.max_model_len,
         http_limits=config.inference.http_limits(),
     )
+    writer = None
+    if settings.save_traces != "none":
+        writer = await anyio.to_thread.run_sync(
+            TraceWriter, config.run_dir / TRACES_DIR, settings.save_traces
+        )
     async with proxy:
         yield AgentGenerator(
             proxy,
@@ -389,4 +432,5 @@ async def build_agent_generator(
             filter_overlong=settings.filter_overlong,
             seed=config.seed,
             max_concurrent=settings.max_concurrent,
+            trace_writer=writer,
         )

@@ -216,6 +216,8 @@ def trace_metrics(trace: Trace, samples: list[Sample]) -> dict[str, float]:
         "num_context_exceeded": float(trace.stats.context_exceeded),
         "num_sampling_overridden": float(trace.stats.sampling_overridden),
         "num_streams_diverged": float(trace.stats.streams_diverged),
+        "num_unknown_fields": float(trace.stats.unknown_fields),
+        "num_ignored_values": float(trace.stats.ignored_values),
         "is_error": float(trace.error is not None or bool(trace.errors)) * float(not trace.timed_out),
         "is_timeout": float(trace.timed_out),
         "num_masked_samples": float(len(reasons)),

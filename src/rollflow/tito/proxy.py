@@ -1,9 +1,11 @@
 """``TITOProxy``: an OpenAI-compatible Chat Completions server that records exactly what was sampled.
 
 Owned by a generator (``async with TITOProxy(...) as proxy``). Each agent session gets its own unguessable
-base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1``, serving ``/chat/completions`` and ``/models``;
-the agent changes nothing but that URL. ``close_session`` drains the session's requests, seals its trace and
-returns it for ``compose``.
+base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1`` (``advertise_url`` replaces the address part for
+agents that reach the proxy by another one), serving ``/chat/completions`` and ``/models``; the agent changes
+nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
+client the session is over (``finish_session``: a router forgets the session's server) and returns the trace
+for ``compose``.
 
 With an ``admin_token`` (the standalone ``rollflow proxy`` command) it also serves, behind
 ``Authorization: Bearer <token>``: ``POST /sessions`` (→ ``session_id``, ``base_url``),
@@ -30,6 +32,7 @@ import secrets
 import time
 from typing import Any
 
+import anyio
 import msgspec
 import structlog
 from aiohttp import web
@@ -43,6 +46,7 @@ from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer, normalize_tools
 from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
+from rollflow.tito.stops import hold_back
 from rollflow.tito.trace import Trace, TraceSealedError, Turn
 from rollflow.tito.wire import (
     ChatCompletion,
@@ -63,6 +67,7 @@ from rollflow.tito.wire import (
     TokenLogprob,
     Usage,
     decode_request,
+    stop_strings,
 )
 
 log = structlog.get_logger(__name__)
@@ -116,6 +121,8 @@ class TITOProxy:
         tokenizer: the model's tokenizer (decodes single tokens for ``logprobs`` output).
         model_name: the name requests must use in ``model`` (others get 404).
         host, port: where to listen; port 0 picks a free port (``proxy.port`` tells which).
+        advertise_url: the base URL agents are given instead of ``http://{host}:{port}`` (a container
+            network, a port mapping); the session paths are appended to it.
         admin_token: enables the admin endpoints behind this bearer token.
         max_body_bytes: larger request bodies get 413.
         drain_timeout_s: how long ``close_session`` waits for requests in flight before cancelling them.
@@ -127,6 +134,13 @@ class TITOProxy:
             it is a 400 (``context_length_exceeded``) before it is rendered (``rollflow.inference.
             prompt_limits``). Large requests are rendered in a worker thread either way.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        default_top_k: top_k when a request gives none (and always, with ``enforce_sampling``).
+        strict_requests: refuse (400) request fields the proxy does not know and values it cannot enforce
+            (``tool_choice: "required"``), instead of ignoring and counting them (``stats.unknown_fields``,
+            ``stats.ignored_values``).
+        max_n: the most replies one request may ask for (``n``); more is a 400.
+        return_routed_experts: the engines return MoE routed experts (``inference.return_routed_experts``):
+            a reply with stop strings is then sampled whole and cut, so that its routes are kept.
     """
 
     def __init__(
@@ -147,6 +161,11 @@ class TITOProxy:
         enforce_sampling: bool = False,
         max_model_len: int | None = None,
         http_limits: HttpLimits | None = None,
+        default_top_k: int = -1,
+        strict_requests: bool = False,
+        max_n: int = 16,
+        advertise_url: str | None = None,
+        return_routed_experts: bool = False,
     ):
         # Swappable components.
         self.client = client
@@ -158,9 +177,14 @@ class TITOProxy:
             default_temperature,
             default_top_p=default_top_p,
             enforce_sampling=enforce_sampling,
+            default_top_k=default_top_k,
+            return_routed_experts=return_routed_experts,
         )
+        self.strict_requests = strict_requests
+        self.max_n = max_n
         self.host = host
         self.port = port
+        self.advertise_url = advertise_url.rstrip("/") if advertise_url else None
         self.admin_token = admin_token
         self.max_body_bytes = max_body_bytes
         self.drain_timeout_s = drain_timeout_s
@@ -177,7 +201,14 @@ class TITOProxy:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Where the proxy listens."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        """The base URL agents are given: ``advertise_url``, else ``base_url``."""
+        return self.advertise_url or self.base_url
 
     @property
     def sessions(self) -> list[Session]:
@@ -215,12 +246,16 @@ class TITOProxy:
         log.debug("tito proxy listening", base_url=self.base_url)
 
     async def close(self) -> None:
-        """Close every open session (draining each), then the listener and its connections. Idempotent."""
-        for session in list(self._by_id.values()):
-            await self.close_session(session)
-        if self._runner is not None:
-            runner, self._runner = self._runner, None
-            await asyncio.shield(runner.cleanup())
+        """Close every open session (draining each), then the listener and its connections. Idempotent.
+        The listener is released also when this is cancelled (then without waiting for the drains)."""
+        try:
+            for session in list(self._by_id.values()):
+                await self.close_session(session)
+        finally:
+            if self._runner is not None:
+                runner, self._runner = self._runner, None
+                with anyio.CancelScope(shield=True):
+                    await runner.cleanup()
 
     async def __aenter__(self) -> TITOProxy:
         await self.start()
@@ -244,7 +279,7 @@ class TITOProxy:
         if session_id in self._by_id or session_id in self._closed:
             raise ValueError(f"session_id {session_id!r} is already in use")
         token = secrets.token_urlsafe(24)
-        base_url = f"{self.base_url}/sessions/{token}/v1"
+        base_url = f"{self.public_url}/sessions/{token}/v1"
         session = Session(session_id, token, base_url, self.client, self.renderer, self.settings)
         self._sessions[token] = session
         self._by_id[session_id] = session
@@ -286,6 +321,9 @@ class TITOProxy:
             while len(self._closed) > _MAX_CLOSED_REMEMBERED:
                 self._closed.popitem(last=False)
             session.close_done.set_result(None)
+        finish_session = getattr(self.client, "finish_session", None)
+        if finish_session is not None:  # a router forgets which server the session was pinned to
+            await finish_session(session.session_id)
         return trace
 
     # ------------------------------------------------------------------ HTTP: errors
@@ -339,7 +377,10 @@ class TITOProxy:
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         body = await self._body(request)
-        chat = decode_request(body)
+        decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
+        if decoded.unknown_fields or decoded.ignored_values:
+            session.trace.count_ignored(decoded.unknown_fields, decoded.ignored_values)
+        chat = decoded.request
         if self.max_prompt_chars is not None:
             chars = message_text_chars(chat.messages)
             if chars > self.max_prompt_chars:
@@ -370,8 +411,8 @@ class TITOProxy:
                 )
         if chat.stream:
             return await self._stream(request, session, chat, key, is_retry)
-        turn = await session.complete(chat, request_key=key, is_retry=is_retry)
-        return _json(self._completion(chat, turn))
+        turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+        return _json(self._completion(chat, turns))
 
     def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
         if not chat.logprobs:
@@ -385,27 +426,44 @@ class TITOProxy:
             content.append(TokenLogprob(text, logprob, raw))
         return ChoiceLogprobs(content)
 
-    def _completion(self, chat: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
-        message = turn.message
-        calls = [
-            ResponseToolCall(
-                c["id"], ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"]))
+    def _completion(self, chat: ChatCompletionRequest, turns: list[Turn]) -> ChatCompletion:
+        choices = []
+        completion_len = 0
+        for index, turn in enumerate(turns):
+            message = turn.message
+            calls = [
+                ResponseToolCall(
+                    c["id"],
+                    ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"])),
+                )
+                for c in message.get("tool_calls", ())
+            ]
+            response = ResponseMessage(
+                role="assistant",
+                content=message["content"] if message["content"] or not calls else None,
+                reasoning_content=message.get("reasoning_content"),
+                tool_calls=calls or None,
             )
-            for c in message.get("tool_calls", ())
-        ]
-        response = ResponseMessage(
-            role="assistant",
-            content=message["content"] if message["content"] or not calls else None,
-            reasoning_content=message.get("reasoning_content"),
-            tool_calls=calls or None,
-        )
-        completion_len = len(turn.node.token_ids) - turn.node.num_prompt
+            completion_ids = turn.completion_ids
+            completion_len += len(completion_ids)
+            choices.append(
+                Choice(
+                    response,
+                    turn.finish_reason,
+                    index=index,
+                    logprobs=self._logprobs(chat, turn),
+                    stop_reason=turn.options.get("stop_reason"),
+                    token_ids=completion_ids if chat.return_token_ids else msgspec.UNSET,
+                )
+            )
+        first = turns[0]
         return ChatCompletion(
-            id=turn.response_id,
-            created=turn.created,
+            id=first.response_id,
+            created=first.created,
             model=self.settings.model_name,
-            choices=[Choice(response, turn.finish_reason, logprobs=self._logprobs(chat, turn))],
-            usage=Usage(turn.prompt_len, completion_len, turn.prompt_len + completion_len),
+            choices=choices,
+            usage=Usage(first.prompt_len, completion_len, first.prompt_len + completion_len),
+            prompt_token_ids=_prompt_ids(first) if chat.return_token_ids else msgspec.UNSET,
         )
 
     async def _stream(
@@ -442,7 +500,7 @@ class TITOProxy:
         try:
             await _until(turn_task, woke)
             if turn_task.done():  # sampled before any token was seen (or failed): errors stay JSON
-                turn = turn_task.result()
+                (turn,) = turn_task.result()
                 stream = _TurnStream(self, chat, turn.response_id, turn.created)
                 return await stream.send_whole(request, turn)
             stream = _TurnStream(self, chat, latest[0].response_id, int(time.time()))
@@ -459,7 +517,7 @@ class TITOProxy:
                     await asyncio.wait((turn_task,), timeout=backoff_s)
                 await _until(turn_task, woke)
             try:
-                turn = turn_task.result()
+                (turn,) = turn_task.result()
             except RequestError as error:  # the stream had started: report in the stream
                 await response.write(sse_event(error.body()))
             except TraceSealedError as error:
@@ -536,6 +594,11 @@ class TITOProxy:
         return web.Response(body=body, content_type="application/json")
 
 
+def _prompt_ids(turn: Turn) -> list[int]:
+    """The token ids of the prompt a turn was sampled from."""
+    return turn.node.prefix_ids()[: turn.prompt_len].tolist()
+
+
 def _request_key(request: web.Request, body: bytes) -> tuple[str | None, bool]:
     """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
     ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
@@ -572,6 +635,12 @@ class _TurnStream:
         self.content = TextDeltas(strip=True)  # parsers strip the reply
         self.reasoning = TextDeltas(strip=True)
         self.logprobs_sent = 0
+        # Text that may be the start of a stop string waits until it is known not to be.
+        self.stops = stop_strings(chat)
+        # The renderer the turn is parsed with (a thinking variant when the request switches it).
+        thinking = (chat.chat_template_kwargs or {}).get("enable_thinking")
+        variant = proxy.renderer.variant(enable_thinking=thinking) if thinking is not None else None
+        self.renderer = variant or proxy.renderer
 
     def _chunk(self, delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
         choice = ChunkChoice(delta, 0, finish, logprobs)
@@ -595,9 +664,15 @@ class _TurnStream:
 
     async def progress(self, response: web.StreamResponse, progress: TurnProgress, tools: Any) -> None:
         """Send what the tokens sampled so far add to the text (nothing while it is not stable)."""
-        parsed = self.proxy.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
-        reasoning = self.reasoning.update(parsed.reasoning_content or "")
-        content = self.content.update(parsed.content)
+        parsed = self.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
+        reasoning_text, content_text = parsed.reasoning_content or "", parsed.content
+        if self.stops:
+            reasoning_text, content_text = (
+                hold_back(reasoning_text, self.stops),
+                hold_back(content_text, self.stops),
+            )
+        reasoning = self.reasoning.update(reasoning_text)
+        content = self.content.update(content_text)
         if reasoning or content:
             delta = Delta(content=content or None, reasoning_content=reasoning or None)
             await response.write(
@@ -607,8 +682,9 @@ class _TurnStream:
     async def finish(self, response: web.StreamResponse, turn: Turn) -> bool:
         """The rest of the committed turn's text, its tool calls and finish reason (+ usage). Returns whether
         the text streamed differs from the recorded message (a parser re-read text already sent)."""
-        completion = self.proxy._completion(self.chat, turn)
-        message = completion.choices[0].message
+        completion = self.proxy._completion(self.chat, [turn])
+        choice = completion.choices[0]
+        message = choice.message
         reasoning = self.reasoning.update(message.reasoning_content or "", final=True)
         content = self.content.update(message.content or "", final=True)
         diverged = self.content.diverged or self.reasoning.diverged
@@ -623,9 +699,20 @@ class _TurnStream:
         ]
         delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
         logprobs = self._logprobs(turn.completion_ids, turn.logprobs)
-        parts = [self._chunk(delta, completion.choices[0].finish_reason, logprobs)]
+        finish = ChunkChoice(
+            delta,
+            0,
+            choice.finish_reason,
+            logprobs,
+            stop_reason=choice.stop_reason if choice.stop_reason is not None else msgspec.UNSET,
+            token_ids=choice.token_ids,
+        )
+        model = self.proxy.settings.model_name
+        chunk = ChatCompletionChunk(
+            self.response_id, self.created, model, [finish], prompt_token_ids=completion.prompt_token_ids
+        )
+        parts = [sse_event(chunk)]
         if self.chat.stream_options is not None and self.chat.stream_options.include_usage:
-            model = self.proxy.settings.model_name
             usage = ChatCompletionChunk(self.response_id, self.created, model, [], completion.usage)
             parts.append(sse_event(usage))
         await response.write(b"".join(parts))
@@ -641,44 +728,46 @@ class _TurnStream:
 
 
 async def serve_standalone(
-    config: Any, *, host: str = "127.0.0.1", port: int = 0, admin_token: str | None = None, ready: Any = None
+    config: Any,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    admin_token: str | None = None,
+    ready: Any = None,
 ) -> None:
-    """Run a proxy over an in-process engine of ``config.model`` until cancelled (``rollflow proxy``).
+    """Run a proxy over the inference ``config.inference`` describes until cancelled (``rollflow proxy``):
+    engines in this process, servers (and a router) it starts, or external URLs, as a run would have
+    them (``rollflow.inference.setup.get_inference_client``); requests default to ``config.sampling``.
+    ``host`` and ``port`` default to ``agent.host`` and ``agent.port``.
 
     ``ready``, if given, is called with the running proxy once it listens.
     """
-    from rollflow.inference.client import LocalInferenceClient
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import (
-        create_chat_renderer,
-        load_causal_lm,
-        load_tokenizer,
-        resolve_device,
-        resolve_model_path,
-    )
+    from rollflow.inference.setup import get_inference_client
+    from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
 
-    device = resolve_device(config.inference.device, "inference.device")
     model_dir = resolve_model_path(config.model.path)
     tokenizer = load_tokenizer(model_dir)
     renderer = create_chat_renderer(tokenizer, config.model)
-    engine = TorchEngine(
-        load_causal_lm(model_dir, device=device),
-        max_batch_size=config.inference.max_batch_size,
-        max_model_len=config.inference.max_model_len,
-    )
-    async with LocalInferenceClient([engine]) as client:
+    agent = config.agent
+    async with get_inference_client(config) as client:
         proxy = TITOProxy(
             client,
             renderer,
             tokenizer,
             model_name=config.model.path,
-            host=host,
-            port=port,
+            host=host or (agent.host if agent is not None else "127.0.0.1"),
+            port=port if port is not None else (agent.port if agent is not None else 0),
+            advertise_url=agent.advertise_url if agent is not None else None,
             admin_token=admin_token or secrets.token_urlsafe(24),
+            default_max_tokens=config.sampling.max_tokens,
             default_temperature=config.sampling.temperature,
             default_top_p=config.sampling.top_p,
+            default_top_k=config.sampling.top_k,
             # Samples composed here train a policy at the run's settings unless [agent] says otherwise.
-            enforce_sampling=config.agent.enforce_sampling if config.agent is not None else True,
+            enforce_sampling=agent.enforce_sampling if agent is not None else True,
+            strict_requests=agent.strict_requests if agent is not None else False,
+            max_n=config.inference.max_batch_size,
+            return_routed_experts=config.inference.return_routed_experts,
             max_model_len=config.inference.max_model_len,
             http_limits=config.inference.http_limits(),
         )

@@ -43,11 +43,40 @@ class TITORenderer:
         tokenizer: its tokenizer, used to decode single tokens for logprob output.
     """
 
-    def __init__(self, renderer: Any, tokenizer: Any):
+    def __init__(self, renderer: Any, tokenizer: Any, *, tag: str = ""):
         self.renderer = renderer
         self.tokenizer = tokenizer
+        # Tells renderings of this variant apart from the base renderer's (see ``variant``); "" for the base.
+        self.tag = tag
         self._lock = threading.Lock()
         self.stop_token_ids: tuple[int, ...] = tuple(renderer.get_stop_token_ids())
+        self._variants: dict[bool, TITORenderer | None] = {}
+
+    def variant(self, *, enable_thinking: bool) -> TITORenderer | None:
+        """This renderer with thinking switched on or off (``chat_template_kwargs.enable_thinking``), made
+        once and kept; itself when it already is; None when the renderer has no such switch."""
+        if enable_thinking in self._variants:
+            return self._variants[enable_thinking]
+        config = getattr(self.renderer, "config", None)
+        fields = getattr(type(config), "model_fields", {})
+        variant: TITORenderer | None = None
+        if "enable_thinking" in fields:
+            if config.enable_thinking == enable_thinking:
+                variant = self
+            else:
+                import renderers
+
+                other = renderers.create_renderer(
+                    self.tokenizer, config.model_copy(update={"enable_thinking": enable_thinking})
+                )
+                variant = TITORenderer(other, self.tokenizer, tag=f"enable_thinking={enable_thinking}")
+        self._variants[enable_thinking] = variant
+        return variant
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` as vLLM's output text (special tokens skipped); stop strings match on it."""
+        with self._lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def render(self, messages: list[dict], tools: list[dict] | None) -> Rendered:
         """Render the whole history with the generation prompt."""
@@ -158,5 +187,8 @@ def message_key(message: dict[str, Any]) -> bytes:
     return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=16).digest()
 
 
-def tools_key(tools: list[dict[str, Any]] | None) -> bytes:
-    return hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()
+def tools_key(tools: list[dict[str, Any]] | None, tag: str = "") -> bytes:
+    """Digest of what a turn was rendered with besides its messages: the tools and the renderer variant's
+    ``tag``; a bridge from a turn needs the same."""
+    digest = hashlib.blake2b(json.dumps(tools, sort_keys=True).encode(), digest_size=16).digest()
+    return digest + tag.encode() if tag else digest

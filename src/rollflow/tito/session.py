@@ -4,7 +4,9 @@ A request runs as its own task: render (through the trace actor), sample, parse,
 that task without owning it, so a retried request can join the attempt still running, and the task is
 cancelled — which aborts the engine request — once nobody waits for it any more (the client went away).
 A ``stream`` request samples through the client's ``generate_stream`` and tells its waiters' watchers of each
-new token, so the proxy can stream the reply while it is sampled.
+new token, so the proxy can stream the reply while it is sampled; so does a request with ``stop`` strings,
+whose engine request ends as soon as one completes (``rollflow.tito.stops``). A request with ``n > 1`` is
+rendered once and sampled ``n`` times; its replies become sibling branches of the tree.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, sampling_error
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
+from rollflow.tito.stops import StopMatcher, cut_at_stop
 from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
-from rollflow.tito.wire import ChatCompletionRequest, RequestError
+from rollflow.tito.wire import ChatCompletionRequest, RequestError, stop_strings
 
 log = structlog.get_logger(__name__)
 
@@ -42,8 +45,24 @@ class TurnSettings:
     max_abort_resubmits: int = 8
     default_top_p: float = 1.0
     # Training: sample every request at the defaults whatever it asks, since the trainer's PPO ratio assumes
-    # the run's temperature and top_p; a request that asked otherwise is counted (sampling_overridden).
+    # the run's temperature, top_p and top_k (and no min_p or penalties); a request that asked otherwise is
+    # counted (sampling_overridden).
     enforce_sampling: bool = False
+    default_top_k: int = -1
+    # The engines return MoE routed experts (``inference.return_routed_experts``), which a reply cut early by a
+    # stop string would lose.
+    return_routed_experts: bool = False
+
+
+# Request fields that reshape the policy's distribution in ways the engines do not implement, with their
+# neutral value: the run's (neutral) values win when sampling is enforced, otherwise they must be neutral.
+_UNSAMPLED_FIELDS = {
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "logit_bias": None,
+}
 
 
 @dataclass(slots=True)
@@ -112,8 +131,9 @@ class Session:
         request_key: str | None = None,
         is_retry: bool = False,
         on_tokens: TokenWatcher | None = None,
-    ) -> Turn:
-        """Answer one validated request: replay a recorded turn for a retry, else sample a new one.
+    ) -> list[Turn]:
+        """Answer one validated request: replay the recorded turns for a retry, else sample new ones (one per
+        reply: ``request.n``, default 1).
 
         ``request_key`` identifies a request across client retries (an ``Idempotency-Key``, or the body
         digest of an SDK-marked retry); ``is_retry`` says this call is such a retry. ``on_tokens`` is called
@@ -127,9 +147,9 @@ class Session:
             raise TraceSealedError(f"session {self.session_id!r} is closed")
         entry = None
         if request_key is not None and is_retry:
-            turn = self.trace.replay(request_key)
-            if turn is not None:
-                return turn
+            turns = self.trace.replay(request_key)
+            if turns is not None:
+                return turns
             entry = self._inflight.get(request_key)  # the first attempt is still running: join it
         if entry is None:
             entry = _InFlight()
@@ -181,15 +201,24 @@ class Session:
 
     # ------------------------------------------------------------------ one turn
 
-    async def _run(self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight) -> Turn:
-        self._check_sampling(request)
+    async def _run(
+        self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight
+    ) -> list[Turn]:
+        sampling = self._sampling(request)
+        self._check_sampling(request, sampling)
         messages = [normalize_message(m) for m in request.messages]
         tools = normalize_tools(request.tools)
+        renderer, options = self._template(request)
         prepared = await self.trace.prepare(
-            messages, tools, offload=message_text_chars(messages) > OFFLOAD_CHARS
+            messages, tools, renderer=renderer, offload=message_text_chars(messages) > OFFLOAD_CHARS
         )
         try:
-            sampled = await self._sample(prepared.prompt_ids, request, entry)
+            samples = await _all(
+                [
+                    self._sample(prepared.prompt_ids, request, sampling, entry, index)
+                    for index in range(request.n or 1)
+                ]
+            )
         except RequestError:
             raise
         except EngineError as error:
@@ -206,56 +235,106 @@ class Session:
             raise RequestError(
                 f"inference is unavailable: {error}", status=503, type="service_unavailable"
             ) from None
-        parsed = self._renderer.parse(sampled.token_ids, tools, prepared.parse_prompt_ids)
-        message, finish_reason = _assistant_message(parsed, sampled.finish_reason)
-        return await self.trace.commit(
-            prepared,
-            sampled,
-            message,
-            finish_reason=finish_reason,
-            response_id=entry.progress.response_id,
-            request_key=request_key,
+        choices = []
+        for sampled, stop in samples:
+            parsed = renderer.parse(sampled.token_ids, tools, prepared.parse_prompt_ids)
+            if stop is not None:
+                parsed = _cut_reply(parsed, stop, include=bool(request.include_stop_str_in_output))
+            message, finish_reason = _assistant_message(parsed, sampled.finish_reason)
+            turn_options = options if stop is None else {**options, "stop_reason": stop}
+            choices.append((sampled, message, finish_reason, turn_options or None))
+        return await self.trace.commit_choices(
+            prepared, choices, response_id=entry.progress.response_id, request_key=request_key
         )
 
-    def _check_sampling(self, request: ChatCompletionRequest) -> None:
-        """400 naming the field for sampling values the engines cannot honour (what the request would sample
-        at, after ``enforce_sampling``), before anything is rendered or sent."""
-        temperature, top_p = self._sampling(request, count=False)
+    def _check_sampling(
+        self, request: ChatCompletionRequest, sampling_values: tuple[float, float, int]
+    ) -> None:
+        """400 naming the field for sampling values the engines cannot honour (what the request samples at,
+        after ``enforce_sampling``), before anything is rendered or sent."""
+        temperature, top_p, top_k = sampling_values
         max_tokens = request.max_completion_tokens or request.max_tokens or self._settings.default_max_tokens
         problem = sampling_error(
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=-1, seed=request.seed
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=request.seed
         )
         if problem is not None:
             field, message = problem
             raise RequestError(message, param=field)
 
-    def _sampling(self, request: ChatCompletionRequest, *, count: bool = True) -> tuple[float, float]:
-        """The temperature and top_p a request samples at: its own, or the defaults when it gives none or
-        when ``enforce_sampling`` is on (then a request that asked for others is counted)."""
+    def _template(self, request: ChatCompletionRequest) -> tuple[TITORenderer, dict[str, Any]]:
+        """The renderer for this request's ``chat_template_kwargs`` and what of them it applies (recorded with
+        the turn)."""
+        kwargs = request.chat_template_kwargs or {}
+        if "enable_thinking" not in kwargs:
+            return self._renderer, {}
+        variant = self._renderer.variant(enable_thinking=kwargs["enable_thinking"])
+        if variant is None:
+            raise RequestError(
+                "chat_template_kwargs.enable_thinking: this model's renderer has no thinking switch; leave it "
+                "unset",
+                param="chat_template_kwargs.enable_thinking",
+                code="unsupported_value",
+            )
+        return variant, {"chat_template_kwargs": {"enable_thinking": kwargs["enable_thinking"]}}
+
+    def _sampling(self, request: ChatCompletionRequest) -> tuple[float, float, int]:
+        """The temperature, top_p and top_k a request samples at: its own, or the defaults when it gives none
+        or when ``enforce_sampling`` is on (then a request that asked for others is counted).
+
+        Raises:
+            RequestError: sampling is not enforced and the request asks for what the engines do not implement
+                (``min_p``, ``repetition_penalty``, penalties, ``logit_bias``).
+        """
         settings = self._settings
-        defaults = (settings.default_temperature, settings.default_top_p)
-        asked = (request.temperature, request.top_p)
+        defaults = (settings.default_temperature, settings.default_top_p, _top_k(settings.default_top_k))
+        asked = (request.temperature, request.top_p, None if request.top_k is None else _top_k(request.top_k))
+        unsampled = [
+            name
+            for name, neutral in _UNSAMPLED_FIELDS.items()
+            if getattr(request, name) not in (None, neutral) and getattr(request, name) != {}
+        ]
         if settings.enforce_sampling:
-            if (
-                any(
-                    value is not None and value != default
-                    for value, default in zip(asked, defaults, strict=True)
-                )
-                and count
+            if unsampled or any(
+                value is not None and value != default for value, default in zip(asked, defaults, strict=True)
             ):
                 self.trace.stats.sampling_overridden += 1
             return defaults
-        return (
-            defaults[0] if asked[0] is None else asked[0],
-            defaults[1] if asked[1] is None else asked[1],
+        if unsampled:
+            name = unsampled[0]
+            raise RequestError(
+                f"{name}: the inference engines do not implement it, and it would change the policy's "
+                "distribution; leave it unset (or enable agent.enforce_sampling to sample every request at "
+                "the run's settings)",
+                param=name,
+                code="unsupported_value",
+            )
+        temperature, top_p, top_k = (
+            default if value is None else value for value, default in zip(asked, defaults, strict=True)
         )
+        return temperature, top_p, top_k
 
     async def _sample(
-        self, prompt_ids: list[int], request: ChatCompletionRequest, entry: _InFlight
-    ) -> Sampled:
+        self,
+        prompt_ids: list[int],
+        request: ChatCompletionRequest,
+        sampling_values: tuple[float, float, int],
+        entry: _InFlight,
+        index: int,
+    ) -> tuple[Sampled, str | None]:
+        """One reply (``index`` of ``request.n``) at ``sampling_values`` (temperature, top_p, top_k) and the
+        stop string that ended it, if one did."""
         settings = self._settings
         max_tokens = request.max_completion_tokens or request.max_tokens or settings.default_max_tokens
-        temperature, top_p = self._sampling(request)
+        temperature, top_p, top_k = sampling_values
+        stops = stop_strings(request)
+        matcher = StopMatcher(stops, self._renderer.decode) if stops else None
+        # With stop strings the engine request streams, so it ends as soon as one completes; except when routed
+        # experts are wanted, which come whole at the end: then the reply is cut after it is sampled.
+        streamed = bool(request.stream) or (
+            matcher is not None
+            and not settings.return_routed_experts
+            and hasattr(self._client, "generate_stream")
+        )
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
@@ -265,7 +344,8 @@ class Session:
                 max_tokens=max_tokens - len(tokens),
                 temperature=temperature,
                 top_p=top_p,
-                seed=request.seed,
+                top_k=top_k,
+                seed=None if request.seed is None else request.seed + index,
                 stop_token_ids=self._renderer.stop_token_ids,
             )
             generate_request = GenerateRequest(
@@ -274,10 +354,21 @@ class Session:
                 request_id=f"{self.session_id}-{secrets.token_hex(4)}",
                 session_id=self.session_id,
             )
-            if request.stream:
-                output = await self._generate_streamed(generate_request, prompt_ids, tokens, logprobs, entry)
+            if streamed:
+                output = await self._generate_streamed(
+                    generate_request,
+                    prompt_ids,
+                    tokens,
+                    logprobs,
+                    entry if index == 0 else _InFlight(),
+                    matcher,
+                )
             else:
                 output = await self._client.generate(generate_request)
+                if matcher is not None:
+                    _cut_output(
+                        output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids)
+                    )
             tokens += output.token_ids
             logprobs += output.logprobs
             versions += output.policy_versions
@@ -288,7 +379,8 @@ class Session:
                 break
         if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
             finish = FinishReason.LENGTH
-        return Sampled(tokens, logprobs, versions, finish.value, routed_experts)
+        stop = matcher.matched if matcher is not None else None
+        return Sampled(tokens, logprobs, versions, finish.value, routed_experts), stop
 
     async def _generate_streamed(
         self,
@@ -297,13 +389,17 @@ class Session:
         tokens: list[int],
         logprobs: list[float],
         entry: _InFlight,
+        matcher: StopMatcher | None = None,
     ) -> GenerateOutput:
         """``generate`` through the client's stream, telling ``entry``'s watchers of each new token (after
-        ``tokens``, the turn's tokens of earlier, aborted attempts). A client without ``generate_stream``
+        ``tokens``, the turn's tokens of earlier, aborted attempts); once ``matcher`` sees a stop string
+        complete, the rest is dropped and the engine request ended. A client without ``generate_stream``
         answers whole; its watchers hear of the tokens once, at the end."""
         stream = getattr(self._client, "generate_stream", None)
         if stream is None:
             output = await self._client.generate(request)
+            if matcher is not None:
+                _cut_output(output, matcher.feed(output.token_ids), len(request.prompt_token_ids))
             entry.notify(prompt_ids, tokens + output.token_ids, logprobs + output.logprobs)
             return output
         new_tokens: list[int] = []
@@ -311,11 +407,22 @@ class Session:
         versions: list[int] = []
         async with contextlib.aclosing(stream(request)) as chunks:
             async for chunk in chunks:
-                new_tokens += chunk.token_ids
-                new_logprobs += chunk.logprobs
-                versions += chunk.policy_versions
-                if chunk.token_ids:
+                keep = matcher.feed(chunk.token_ids) if matcher is not None else None
+                count = len(chunk.token_ids) if keep is None else keep
+                new_tokens += chunk.token_ids[:count]
+                new_logprobs += chunk.logprobs[:count]
+                versions += chunk.policy_versions[:count]
+                if count:
                     entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
+                if keep is not None:  # a stop string completed: leaving the stream ends the engine request
+                    return GenerateOutput(
+                        chunk.request_id,
+                        new_tokens,
+                        new_logprobs,
+                        FinishReason.STOP,
+                        versions,
+                        chunk.prompt_len,
+                    )
                 if chunk.finish_reason is not None:
                     return GenerateOutput(
                         chunk.request_id,
@@ -327,6 +434,55 @@ class Session:
                         chunk.routed_experts,
                     )
         raise RollflowError("the generation stream ended without a finish reason")
+
+
+async def _all(coroutines: list[Any]) -> list[Any]:
+    """Run ``coroutines`` concurrently; the first failure cancels the others and is raised."""
+    if len(coroutines) == 1:
+        return [await coroutines[0]]
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _top_k(value: int) -> int:
+    """vLLM's 0 and -1 both disable top-k; one spelling, so that they compare equal."""
+    return -1 if value <= 0 else value
+
+
+def _cut_output(output: GenerateOutput, keep: int | None, prompt_len: int) -> None:
+    """Drop, in place, what was sampled after the token that completed a stop string."""
+    if keep is None:
+        return
+    output.token_ids = output.token_ids[:keep]
+    output.logprobs = output.logprobs[:keep]
+    output.policy_versions = output.policy_versions[:keep]
+    output.finish_reason = FinishReason.STOP
+    if output.routed_experts is not None:  # rows of the tokens run: the prompt and all but the last kept
+        output.routed_experts = output.routed_experts[: prompt_len + keep - 1]
+
+
+def _cut_reply(parsed: ParsedTurn, stop: str, *, include: bool) -> ParsedTurn:
+    """The parsed reply's text ending before the stop string (or after it, ``include``), as vLLM cuts its
+    output text; reasoning is cut instead when the stop string completed there."""
+    content, found = cut_at_stop(parsed.content, stop, include=include)
+    if found:
+        return ParsedTurn(
+            content.strip() if not include else content, parsed.reasoning_content, parsed.tool_calls
+        )
+    if parsed.reasoning_content:
+        reasoning, found = cut_at_stop(parsed.reasoning_content, stop, include=include)
+        if found:
+            return ParsedTurn(parsed.content, reasoning or None, parsed.tool_calls)
+    return parsed
 
 
 def _assistant_message(parsed: ParsedTurn, engine_finish: str) -> tuple[dict[str, Any], str]:

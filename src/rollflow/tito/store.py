@@ -362,6 +362,7 @@ class TurnLog(Sequence["Turn"]):
         self.finish_names = _Interned()
         self.reasons = _Interned()
         self.request_keys: dict[int, str] = {}
+        self.options: dict[int, dict[str, Any]] = {}  # sparse: only turns whose request set some
 
     def append(
         self,
@@ -372,8 +373,11 @@ class TurnLog(Sequence["Turn"]):
         prompt_len: int,
         render: RenderRecord,
         request_key: str | None,
+        options: dict[str, Any] | None = None,
     ) -> Turn:
         index = len(self.node)
+        if options:
+            self.options[index] = options
         self.node.append(node)
         self.created.append(created)
         self.prompt_len.append(prompt_len)
@@ -470,6 +474,12 @@ class Turn:
     @property
     def request_key(self) -> str | None:
         return self._log.request_keys.get(self.index)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """What the request set for this turn: ``chat_template_kwargs`` applied, the ``stop_reason`` (the
+        stop string that ended the reply); empty when nothing."""
+        return self._log.options.get(self.index, {})
 
     @property
     def completion_ids(self) -> list[int]:

@@ -137,6 +137,10 @@ class TraceStats:
     sampling_overridden: int = 0
     # Streamed replies whose deltas differ from the recorded message (a parser re-read text already sent).
     streams_diverged: int = 0
+    # Request fields the proxy does not know, ignored (``agent.strict_requests`` refuses them instead).
+    unknown_fields: int = 0
+    # Known request values the proxy cannot enforce, left aside (``tool_choice: "required"``).
+    ignored_values: int = 0
 
 
 _BRIDGE_REASON = "the history extends a recorded sampled turn"
@@ -164,7 +168,9 @@ class Trace:
         self.error: str | None = None
         self.timed_out = False
         self.sealed = False
-        self._replays: dict[str, int] = {}
+        self._replays: dict[str, tuple[int, int]] = {}  # request key -> (first turn, number of turns)
+        # Names of the ignored fields and values, with how often each was seen.
+        self.ignored: dict[str, int] = {}
         # The last committed turn's node and its request: a request that repeats that request and adds the
         # reply is matched by one digest instead of a walk over the tree.
         self._cursor: tuple[int, _RequestPrefix] | None = None
@@ -211,15 +217,21 @@ class Trace:
     # ------------------------------------------------------------------ public async API
 
     async def prepare(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, offload: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        renderer: TITORenderer | None = None,
+        offload: bool = False,
     ) -> PreparedTurn:
-        """Render a request (normalized messages) against the tree; ``offload``: in a worker thread (for
-        large requests; rendering only reads the tree, which changes only in ``commit``).
+        """Render a request (normalized messages) against the tree; ``renderer``: a variant of the trace's
+        (``TITORenderer.variant``) for this request; ``offload``: in a worker thread (for large requests;
+        rendering only reads the tree, which changes only in ``commit``).
 
         Raises:
             TraceSealedError: the session is closed.
         """
-        return await self._call(self._prepare, messages, tools, offload=offload)
+        return await self._call(self._prepare, messages, tools, renderer or self.renderer, offload=offload)
 
     async def commit(
         self,
@@ -242,17 +254,43 @@ class Trace:
             self._commit, prepared, sampled, message, finish_reason, response_id, request_key
         )
 
+    async def commit_choices(
+        self,
+        prepared: PreparedTurn,
+        choices: list[tuple[Sampled, dict[str, Any], str, dict[str, Any] | None]],
+        *,
+        response_id: str,
+        request_key: str | None = None,
+    ) -> list[Turn]:
+        """Record the replies sampled for one prepared request, in one operation so their turns are
+        consecutive: each choice is ``(sampled, message, finish_reason, options)``, where ``options`` is
+        what the request set for the turn (``chat_template_kwargs``, the ``stop_reason``), kept with it. The
+        replies of one prompt become sibling branches.
+
+        Raises:
+            as ``commit``.
+        """
+        return await self._call(self._commit_choices, prepared, choices, response_id, request_key)
+
     async def seal(self) -> None:
         """Refuse further turns (queued operations still run first)."""
         await self._call(self._seal)
 
-    def replay(self, request_key: str) -> Turn | None:
-        """The turn recorded for ``request_key`` (a retried request), if any."""
-        index = self._replays.get(request_key)
-        if index is None:
+    def replay(self, request_key: str) -> list[Turn] | None:
+        """The turns recorded for ``request_key`` (a retried request), if any."""
+        recorded = self._replays.get(request_key)
+        if recorded is None:
             return None
         self.stats.replayed += 1
-        return self.turns[index]
+        first, count = recorded
+        return self.turns[first : first + count]
+
+    def count_ignored(self, unknown_fields: list[str], ignored_values: list[str]) -> None:
+        """Count a request's ignored fields and values (``DecodedRequest``) in ``stats`` and ``ignored``."""
+        self.stats.unknown_fields += len(unknown_fields)
+        self.stats.ignored_values += len(ignored_values)
+        for name in (*unknown_fields, *ignored_values):
+            self.ignored[name] = self.ignored.get(name, 0) + 1
 
     # ------------------------------------------------------------------ reading (after sealing, or any time)
 
@@ -274,6 +312,7 @@ class Trace:
             "timed_out": self.timed_out,
             "errors": list(self.errors),
             "stats": vars(self.stats) | {"branches": len(self.leaves()), "nodes": len(self.nodes) - 1},
+            "ignored": dict(self.ignored),
             "nodes": [
                 {
                     "id": node.id,
@@ -302,12 +341,11 @@ class Trace:
                         "reason": turn.render.reason,
                         "fork_position": turn.render.fork_position,
                     },
+                    "options": turn.options,
                 }
                 for turn in self.turns
             ],
         }
-
-    # ------------------------------------------------------------------ operations (run by the worker)
 
     # ------------------------------------------------------------------ operations (run by the worker)
 
@@ -318,9 +356,11 @@ class Trace:
         if self.sealed:
             raise TraceSealedError(f"session {self.session_id!r} is closed")
 
-    def _prepare(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> PreparedTurn:
+    def _prepare(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, renderer: TITORenderer
+    ) -> PreparedTurn:
         self._check_open()
-        key = tools_key(tools)
+        key = tools_key(tools, renderer.tag)
         last_assistant = next(
             (i for i in range(len(messages) - 1, -1, -1) if messages[i]["role"] == "assistant"), -1
         )
@@ -332,14 +372,20 @@ class Trace:
                 anchor = self._find_anchor(messages[: last_assistant + 1])
             if anchor is None:
                 reason = "no recorded sampled turn matches the history"
-            elif Node(self._store, anchor).tools_key != key:
-                reason = "tools changed since the recorded turn"
+            elif (recorded_key := Node(self._store, anchor).tools_key) != key:
+                reason = (
+                    "tools changed since the recorded turn"
+                    if recorded_key is None or recorded_key[:16] != key[:16]
+                    else "chat_template_kwargs changed since the recorded turn"
+                )
             else:
-                prepared = self._try_bridge(anchor, messages[last_assistant + 1 :], tools, key, request)
+                prepared = self._try_bridge(
+                    anchor, messages[last_assistant + 1 :], tools, key, request, renderer
+                )
                 if isinstance(prepared, PreparedTurn):
                     return prepared
                 reason = prepared
-        return self._full_render(messages, tools, key, reason, request)
+        return self._full_render(messages, tools, key, reason, request, renderer)
 
     def _follow(
         self, messages: list[dict[str, Any]], last_assistant: int
@@ -393,6 +439,7 @@ class Trace:
         tools: list[dict[str, Any]] | None,
         key: bytes,
         request: _RequestPrefix,
+        renderer: TITORenderer,
     ) -> PreparedTurn | str:
         store = self._store
         recorded = store.path_tokens(anchor)
@@ -405,7 +452,7 @@ class Trace:
             earlier = store.parent[earlier]
         context = store.start[earlier] if earlier > 0 else 0
         prompt_tail, completion = recorded[context:split].tolist(), recorded[split:].tolist()
-        rendered = self.renderer.bridge(prompt_tail, completion, new_messages, tools)
+        rendered = renderer.bridge(prompt_tail, completion, new_messages, tools)
         if rendered is None:
             return "renderer declined to bridge (it cannot prove the bridge equals a full render)"
         kept = len(prompt_tail) + len(completion)
@@ -425,9 +472,10 @@ class Trace:
         key: bytes,
         reason: str,
         request: _RequestPrefix,
+        renderer: TITORenderer,
     ) -> PreparedTurn:
         store = self._store
-        rendered = self.renderer.render(messages, tools)
+        rendered = renderer.render(messages, tools)
         prompt = array("i", rendered.token_ids)
         node, depth = 0, 0
         fork_position = None
@@ -470,6 +518,9 @@ class Trace:
         finish_reason: str,
         response_id: str,
         request_key: str | None,
+        options: dict[str, Any] | None = None,
+        *,
+        replay_count: int = 1,
     ) -> Turn:
         self._check_open()
         if not len(sampled.token_ids) == len(sampled.logprobs) == len(sampled.policy_versions):
@@ -503,7 +554,14 @@ class Trace:
         self._latest_sampled = max(self._latest_sampled, node)
         self._cursor = (node, prepared._request)
         turn = self.turns.append(
-            node, response_id, int(time.time()), finish_reason, len(prompt), prepared.render, request_key
+            node,
+            response_id,
+            int(time.time()),
+            finish_reason,
+            len(prompt),
+            prepared.render,
+            request_key,
+            options,
         )
         self.stats.turns += 1
         if prepared.render.method == "bridge":
@@ -512,8 +570,32 @@ class Trace:
             self.stats.full_render += 1
             self.stats.forked += prepared.render.outcome == "forked"
         if request_key is not None:
-            self._replays[request_key] = turn.index
+            self._replays[request_key] = (turn.index, replay_count)
         return turn
+
+    def _commit_choices(
+        self,
+        prepared: PreparedTurn,
+        choices: list[tuple[Sampled, dict[str, Any], str, dict[str, Any] | None]],
+        response_id: str,
+        request_key: str | None,
+    ) -> list[Turn]:
+        turns = []
+        for index, (sampled, message, finish_reason, options) in enumerate(choices):
+            key = request_key if index == 0 else None  # the first turn's index and the count name them all
+            turns.append(
+                self._commit(
+                    prepared,
+                    sampled,
+                    message,
+                    finish_reason,
+                    response_id,
+                    key,
+                    options,
+                    replay_count=len(choices),
+                )
+            )
+        return turns
 
     def _repair_routes(self, node: int, experts: Any) -> None:
         """Replace the stand-in last rows of padded nodes on the path to ``node`` with the routes this turn's
