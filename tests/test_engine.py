@@ -569,6 +569,32 @@ async def test_load_weights_drops_cached_prefixes(engine, tiny_model):
         await reference.shutdown()
 
 
+async def test_a_request_kept_through_a_weight_update_leaves_no_cached_prefix(engine, tiny_model):
+    """Its keys and values were computed partly under the old weights: a later request with the same prompt
+    must prefill afresh under the new ones (and so sample exactly what a fresh engine would)."""
+    prompt = make_prompts([12], seed=8)[0]
+    generated_before = engine.total_generated_tokens
+    kept = asyncio.create_task(
+        engine.generate(request(prompt, SamplingParams(max_tokens=40, temperature=0.0)))
+    )
+    await wait_until(lambda: engine.total_generated_tokens - generated_before >= 3)
+    await engine.pause("keep")
+    await engine.load_weights(tiny_model.state_dict().items(), policy_version=1)
+    await engine.resume()
+    spanning = await asyncio.wait_for(kept, 10.0)
+    assert set(spanning.policy_versions) == {0, 1}
+    hits = engine.prefix_cache_hits
+    after = await engine.generate(request(prompt))
+    assert engine.prefix_cache_hits == hits, "the kept request's keys and values were reused"
+    reference = TorchEngine(copy.deepcopy(tiny_model), max_batch_size=1, enable_prefix_caching=False)
+    try:
+        fresh = await reference.generate(request(prompt))
+        assert after.token_ids == fresh.token_ids
+        assert after.logprobs == pytest.approx(fresh.logprobs, abs=1e-5)
+    finally:
+        await reference.shutdown()
+
+
 async def test_abort_by_request_id_returns_partials(varied_model):
     engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=1, max_model_len=512)
     try:

@@ -157,6 +157,9 @@ class _Sequence:
     slot: int = -1
     # Prompt tokens whose keys and values the slot already held at admission (prefix cache); 0 for a prefill.
     cached_len: int = 0
+    # The engine's weights generation at admission: keys and values computed under older weights (a request
+    # kept running through a weight update) never become a cached prefix.
+    weights_generation: int = 0
     # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
     # engine does not record them.
     routes: list[np.ndarray] | None = None
@@ -283,6 +286,7 @@ class TorchEngine:
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}
+        self._weights_generation = 0  # += 1 at every load of new weights (see _Sequence.weights_generation)
         # With routed experts: free slot -> the routes of its cached tokens (row i belongs to token i).
         self._cached_routes: dict[int, np.ndarray] = {}
         self._slot_last_used = [0] * max_batch_size
@@ -742,6 +746,7 @@ class TorchEngine:
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
         self.runner.refresh_weights()
+        self._weights_generation += 1
         self._cached_prefixes.clear()  # computed under the old weights
         self._cached_routes.clear()
 
@@ -759,6 +764,7 @@ class TorchEngine:
                 if cached_len and sequence.routes is not None:
                     sequence.routes.append(cached_routes[:cached_len])
                 sequence.cached_len = cached_len
+                sequence.weights_generation = self._weights_generation
                 (resumed if cached_len else fresh).append(sequence)
             self._num_running += len(fresh) + len(resumed)
         if fresh:
@@ -978,7 +984,11 @@ class TorchEngine:
         self._slots[slot] = None
         self._free_slots.add(slot)
         self._num_running -= 1
-        if self.enable_prefix_caching and sequence is not None:
+        if (
+            self.enable_prefix_caching
+            and sequence is not None
+            and sequence.weights_generation == self._weights_generation
+        ):
             # The last sampled token was never fed back, so its keys and values are not in the cache.
             tokens = sequence.request.prompt_token_ids + sequence.token_ids[:-1]
             self._cached_prefixes[slot] = tokens
