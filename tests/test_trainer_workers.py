@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rollflow.config import TrainerConfig
-from rollflow.errors import ConfigError
+from rollflow.errors import CheckpointError, ConfigError
 from rollflow.messages import TrainBatch
 from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.packing import pack_for_trainer, sample_length
@@ -164,9 +165,17 @@ def test_sharded_checkpoints_resume_on_another_number_of_workers(fsdp2_workers, 
 
 
 def test_a_bad_checkpoint_fails_on_every_rank_and_the_group_serves_on(fsdp2_workers, base_model, tmp_path):
-    with pytest.raises(Exception, match="not a rollflow checkpoint") as raised:
+    with pytest.raises(CheckpointError, match="not a rollflow checkpoint") as raised:
         fsdp2_workers.load_checkpoint(tmp_path / "nothing")
     assert any("raised in trainer worker rank 0" in note for note in raised.value.__notes__)
+    # Another model's checkpoint (here: one tensor of another shape) is refused before anything loads.
+    other = Trainer(copy.deepcopy(base_model), TrainerConfig())
+    other.save_checkpoint(tmp_path / "other")
+    weights = load_file(tmp_path / "other" / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, tmp_path / "other" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"wrong shape \['model\.norm\.weight \(3,\)"):
+        fsdp2_workers.load_checkpoint(tmp_path / "other")
     assert fsdp2_workers.train_step(
         pack_for_trainer(make_batch(base_model, seed=4), workers_config(fsdp2_workers), 2)
     )
