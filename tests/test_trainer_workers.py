@@ -127,6 +127,8 @@ def count_weights(rank, named_weights):
     for _, tensor in named_weights:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         total += float(full.double().sum())
+    if not dist.is_initialized():  # a single trainer: rank 0 of one
+        return rank, total, [(rank, total)]
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, (rank, total))
     return rank, total, ranks
