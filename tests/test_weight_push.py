@@ -248,12 +248,13 @@ def _reference_model(model_dir) -> Any:
 @dataclass(frozen=True)
 class FailingPush:
     """Wraps a transport call (picklable, so it runs in a trainer process too): the weights raise after two
-    tensors, as a gather that fails mid-push would."""
+    tensors, as a gather that fails mid-push would; on ``rank`` only, if given."""
 
     call: Any
+    rank: int | None = None
 
     def __call__(self, rank: int, named_weights: Any) -> Any:
-        if self.call.op != "push":
+        if self.call.op != "push" or self.rank not in (None, rank):
             return self.call(rank, named_weights)
 
         def failing() -> Any:
@@ -268,8 +269,9 @@ class FailingPush:
 class FailOnce:
     """A trainer handle whose next push fails in the trainer (see ``FailingPush``)."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, rank: int | None = None):
         self.trainer = trainer
+        self.rank = rank
         self.fail = True
 
     def named_weights(self) -> Any:
@@ -278,7 +280,7 @@ class FailOnce:
     def push_weights(self, call: Any) -> Any:
         if self.fail and call.op == "push":
             self.fail = False
-            return self.trainer.push_weights(FailingPush(call))
+            return self.trainer.push_weights(FailingPush(call, self.rank))
         return self.trainer.push_weights(call)
 
 
@@ -312,6 +314,53 @@ async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(pla
     finally:
         barrier.close()
         await client.close()
+
+
+@pytest.mark.parametrize(("placement", "failing_rank"), [("fsdp2", 1), ("fsdp2", 0), ("ddp", 1)])
+async def test_a_failure_on_one_worker_mid_push_names_its_rank_within_the_timeout(
+    placement, failing_rank, servers, trainers, tiny_model_dir
+):
+    """One rank raises mid-push: under fsdp2 the other is then stuck in a gather it never joins (rank 0
+    mid-broadcast, or rank 1 waiting for rank 0), so the group is stopped; under ddp the other rank finishes.
+    Either way the push ends within the timeout with an error naming the failed rank, and the servers take
+    the next push. Runs after the push test (it may end the shared group)."""
+    from rollflow.weights import StaticWeights
+
+    trainer = trainers[placement]
+    if getattr(trainer, "_failure", None) is not None:  # stopped by the previous case: a fresh group
+        trainer = trainers.built[placement] = build_trainer(placement, tiny_model_dir)
+    client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S))
+    barrier = WeightBarrier(client, transfer, timeout_s=TIMEOUT_S)
+    failing = FailOnce(trainer, rank=failing_rank)
+    try:
+        base = int((await client.weight_info())[servers.urls[0]]["weight_version"])
+        await barrier.update(trainer, base + 1, "keep")  # connected
+        started = time.perf_counter()
+        with pytest.raises(
+            WeightTransferError, match=rf"trainer rank {failing_rank}: .*gathering layer 2 failed"
+        ) as raised:
+            await transfer.push(client, failing, base + 2)
+        assert time.perf_counter() - started < TIMEOUT_S
+        assert any(f"raised in trainer worker rank {failing_rank}" in note for note in raised.value.__notes__)
+        assert not failing.fail
+        if placement == "fsdp2":  # the other rank was stuck in a collective: the group is stopped
+            with pytest.raises(Exception, match=f"stopped: rank {failing_rank} raised"):
+                trainer.push_weights(count_weights)
+            survivor = StaticWeights(lambda: list(_reference_model(tiny_model_dir).state_dict().items()))
+        else:
+            survivor = trainer
+        await barrier.update(survivor, base + 2, "keep")
+        for url in servers.urls:
+            _, versions = await server_outputs(url)
+            assert versions == {base + 2}
+    finally:
+        barrier.close()
+        await client.close()
+
+
+def count_weights(rank: int, named_weights: Any) -> int:
+    return sum(1 for _ in named_weights)
 
 
 async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights(tiny_model_dir, tmp_path):

@@ -356,7 +356,9 @@ async def run_with_servers(
 
     When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
     wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
-    error is attached as a note.
+    error is attached as a note. When the servers blame the trainer first, the trainer side's own error (which
+    names the rank) is awaited, within ``timeout_s``: a worker group reports a rank's failure only once the
+    ranks it left stuck in a collective are stopped, after the servers saw their peer go.
 
     Raises:
         WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
@@ -366,6 +368,7 @@ async def run_with_servers(
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     servers_done = anyio.Event()
+    trainer_done = anyio.Event()
 
     async def run_servers(tg: Any) -> None:
         try:
@@ -373,6 +376,9 @@ async def run_with_servers(
             results["servers"] = True
         except Exception as error:
             errors["servers"] = error
+            servers_done.set()
+            if _blames_the_trainer(error):
+                await trainer_done.wait()
             tg.cancel_scope.cancel()
         finally:
             servers_done.set()
@@ -382,9 +388,12 @@ async def run_with_servers(
             results["trainer"] = await trainer_side()
         except Exception as error:
             errors["trainer"] = error
+            trainer_done.set()
             with anyio.move_on_after(SERVER_ERROR_GRACE_S):
                 await servers_done.wait()
             tg.cancel_scope.cancel()
+        finally:
+            trainer_done.set()
 
     try:
         with anyio.fail_after(timeout_s):
@@ -392,6 +401,9 @@ async def run_with_servers(
                 tg.start_soon(run_servers, tg)
                 tg.start_soon(run_trainer, tg)
     except TimeoutError as error:
+        if "servers" in errors and "trainer" not in errors:  # they blamed the trainer, which never answered
+            errors["servers"].add_note(f"the trainer side did not finish within {timeout_s:.3g} s")
+            raise errors["servers"] from error
         pending = []
         if "trainer" not in results and "trainer" not in errors:
             pending.append("trainer rank 0")
