@@ -255,16 +255,17 @@ async def test_a_run_resumes_on_another_number_of_workers_exactly_once_per_promp
         )
 
     metrics = []
-    # 2 -> 1 here; 1 -> 2 loads through the same code, checked on the trainers above (and is slower to run).
-    for steps, workers, resume in ((2, 2, False), (3, 1, True)):
+    # 2 -> 1, then 1 -> 2: each resume reads the other's checkpoint (sharded, then a single trainer's).
+    for steps, workers, resume in ((2, 2, False), (3, 1, True), (4, 2, True)):
         async with Orchestrator(config(steps, workers), resume=resume) as orchestrator:
             assert orchestrator.trainer.world_size == workers
+            assert orchestrator.state.policy_version == len(metrics)  # the resumed step
             metrics += await orchestrator.run()
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         # The engines sample with the weights the trainer holds, resumed ones included (sync mode).
         assert m["logprob_mismatch"] < 1e-4 and m["num_samples"] == 16 and m["skipped_update"] == 0
-    run_dir = config(3, 1).run_dir
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    run_dir = config(4, 2).run_dir
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     prompts = [r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
-    assert sorted(prompts) == list(range(3 * 4)), "each prompt trained exactly once"
+    assert sorted(prompts) == list(range(4 * 4)), "each prompt trained exactly once"
