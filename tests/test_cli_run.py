@@ -119,10 +119,14 @@ def test_quickstart_with_two_trainer_workers_pushing_into_servers(tmp_path, sche
         assert m["skipped_update"] == 0 and m["num_samples"] == 128 and math.isfinite(m["loss"])
         assert m["num_micro_batches"] >= 1 and "rank_token_imbalance" in m  # packed for 2 ranks
         assert m["weight_transfer_time_s"] > 0  # pushed by the workers to the servers
-    on_policy = [m["logprob_mismatch"] for m in metrics if math.isfinite(m["logprob_mismatch"])]
-    if schedule == "sync":
-        assert len(on_policy) == steps  # every sample was drawn with the weights the workers pushed
-    assert all(mismatch < 1e-4 for mismatch in on_policy), on_policy
+    mismatch = [m["logprob_mismatch"] for m in metrics]
+    if schedule == "sync":  # every sample was drawn with the weights the workers pushed
+        assert all(value < 1e-4 for value in mismatch), mismatch
+    else:
+        # Step 1 trains what the initial weights drew. Later on-policy tokens may have continued a request
+        # frozen across an update (orchestrator.barrier = "keep"), attending to a KV cache the older weights
+        # computed, whatever the number of workers: not asserted here.
+        assert mismatch[0] < 1e-4, mismatch
 
 
 def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
