@@ -93,6 +93,17 @@ def test_checkpoints_save_and_load_through_the_child(trainer_process, tiny_model
         assert torch.equal(tensor, saved[name]), name
 
 
+def test_the_child_is_a_trainer_handle_and_runs_weight_pushes_next_to_its_weights(trainer_process):
+    from rollflow.train.handle import TrainerHandle
+
+    from .test_trainer_workers import count_weights
+
+    assert isinstance(trainer_process, TrainerHandle) and trainer_process.world_size == 1
+    expected = sum(float(tensor.double().sum()) for _, tensor in trainer_process.named_weights())
+    rank, total, every_rank = trainer_process.push_weights(count_weights)
+    assert rank == 0 and every_rank == [(0, total)] and total == pytest.approx(expected, rel=1e-12)
+
+
 def test_an_error_in_the_child_is_raised_here_and_the_child_serves_on(
     trainer_process, tiny_model_dir, tmp_path
 ):

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rollflow.config import TrainerConfig
-from rollflow.errors import ConfigError
+from rollflow.errors import CheckpointError, ConfigError
 from rollflow.messages import TrainBatch
 from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.packing import pack_for_trainer, sample_length
@@ -126,6 +127,8 @@ def count_weights(rank, named_weights):
     for _, tensor in named_weights:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         total += float(full.double().sum())
+    if not dist.is_initialized():  # a single trainer: rank 0 of one
+        return rank, total, [(rank, total)]
     ranks: list = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, (rank, total))
     return rank, total, ranks
@@ -164,9 +167,17 @@ def test_sharded_checkpoints_resume_on_another_number_of_workers(fsdp2_workers, 
 
 
 def test_a_bad_checkpoint_fails_on_every_rank_and_the_group_serves_on(fsdp2_workers, base_model, tmp_path):
-    with pytest.raises(Exception, match="not a rollflow checkpoint") as raised:
+    with pytest.raises(CheckpointError, match="not a rollflow checkpoint") as raised:
         fsdp2_workers.load_checkpoint(tmp_path / "nothing")
     assert any("raised in trainer worker rank 0" in note for note in raised.value.__notes__)
+    # Another model's checkpoint (here: one tensor of another shape) is refused before anything loads.
+    other = Trainer(copy.deepcopy(base_model), TrainerConfig())
+    other.save_checkpoint(tmp_path / "other")
+    weights = load_file(tmp_path / "other" / "model.safetensors")
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, tmp_path / "other" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"wrong shape \['model\.norm\.weight \(3,\)"):
+        fsdp2_workers.load_checkpoint(tmp_path / "other")
     assert fsdp2_workers.train_step(
         pack_for_trainer(make_batch(base_model, seed=4), workers_config(fsdp2_workers), 2)
     )
@@ -244,16 +255,17 @@ async def test_a_run_resumes_on_another_number_of_workers_exactly_once_per_promp
         )
 
     metrics = []
-    # 2 -> 1 here; 1 -> 2 loads through the same code, checked on the trainers above (and is slower to run).
-    for steps, workers, resume in ((2, 2, False), (3, 1, True)):
+    # 2 -> 1, then 1 -> 2: each resume reads the other's checkpoint (sharded, then a single trainer's).
+    for steps, workers, resume in ((2, 2, False), (3, 1, True), (4, 2, True)):
         async with Orchestrator(config(steps, workers), resume=resume) as orchestrator:
             assert orchestrator.trainer.world_size == workers
+            assert orchestrator.state.policy_version == len(metrics)  # the resumed step
             metrics += await orchestrator.run()
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
         # The engines sample with the weights the trainer holds, resumed ones included (sync mode).
         assert m["logprob_mismatch"] < 1e-4 and m["num_samples"] == 16 and m["skipped_update"] == 0
-    run_dir = config(3, 1).run_dir
-    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
+    run_dir = config(4, 2).run_dir
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4]
     prompts = [r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
-    assert sorted(prompts) == list(range(3 * 4)), "each prompt trained exactly once"
+    assert sorted(prompts) == list(range(4 * 4)), "each prompt trained exactly once"

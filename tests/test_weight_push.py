@@ -36,27 +36,48 @@ def servers(tmp_path_factory):
     group.close()
 
 
+class Trainers:
+    """One trainer per placement, built on first use and shared by this module's tests (a trainer process or
+    worker group takes seconds to start): in a thread, in a process, and 2 data-parallel workers (fsdp2, ddp)."""
+
+    def __init__(self, model_dir):
+        self.model_dir = model_dir
+        self.built: dict[str, Any] = {}
+
+    def __getitem__(self, placement: str) -> Any:
+        if placement not in self.built:
+            self.built[placement] = build_trainer(placement, self.model_dir)
+        return self.built[placement]
+
+    def close(self) -> None:
+        for trainer in self.built.values():
+            if hasattr(trainer, "close"):
+                trainer.close()
+
+
 @pytest.fixture(scope="module")
 def trainers(tiny_model_dir):
-    """One trainer per placement, shared by this module's tests (a trainer process takes seconds to start)."""
-    built = {placement: build_trainer(placement, tiny_model_dir) for placement in ("thread", "process")}
+    built = Trainers(tiny_model_dir)
     yield built
-    built["process"].close()
+    built.close()
 
 
 def build_trainer(placement: str, model_dir) -> Any:
     from rollflow.models.loading import load_causal_lm
     from rollflow.train.process import TrainerProcess, TrainerSpec
     from rollflow.train.trainer import Trainer
+    from rollflow.train.workers import TrainerWorkers
 
     # A large learning rate: one step moves the tiny model far enough that greedy decoding changes.
     config = TrainerConfig(lr=0.01)
-    if placement == "process":
-        spec = TrainerSpec(
-            model_dir=model_dir, config=config, temperature=1.0, pad_token_id=0, seed=0, off_policy="none"
-        )
-        return TrainerProcess(spec)
-    return Trainer(load_causal_lm(model_dir), config, pad_token_id=0)
+    if placement == "thread":
+        return Trainer(load_causal_lm(model_dir), config, pad_token_id=0)
+    if placement in ("fsdp2", "ddp"):
+        config = TrainerConfig(lr=0.01, num_workers=2, parallelism=placement)
+    spec = TrainerSpec(
+        model_dir=model_dir, config=config, temperature=1.0, pad_token_id=0, seed=0, off_policy="none"
+    )
+    return TrainerProcess(spec) if placement == "process" else TrainerWorkers(spec)
 
 
 @torch.no_grad()
@@ -84,15 +105,21 @@ async def server_outputs(url: str) -> tuple[list[list[int]], set[int]]:
     return [o.token_ids for o in outputs], {v for o in outputs for v in o.policy_versions}
 
 
-@pytest.mark.parametrize("placement", ["thread", "process"])
+@pytest.mark.parametrize("placement", ["thread", "process", "fsdp2", "ddp"])
 async def test_pushes_from_the_trainer_reach_both_servers(
     placement, servers, trainers, tiny_model_dir, tmp_path
 ):
     """After each push (broadcast over gloo, checkpoint over HTTP, checkpoint through a directory) both
-    servers decode greedily exactly as the trainer's model does by argmax, and report the pushed version."""
+    servers decode greedily exactly as the trainer's model does by argmax (of the gathered full weights, for
+    2 workers), and report the pushed version. With 2 workers, every rank iterates every weight of a push
+    (joining each gather) and only rank 0 holds a session (store, group, files) and answers."""
     import anyio
 
     trainer = trainers[placement]
+    records = tmp_path / "ranks"
+    if placement in ("fsdp2", "ddp"):
+        records.mkdir()
+        trainer = RecordingRanks(trainer, records)
     client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
     strategies = [
         create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S),
@@ -104,8 +131,10 @@ async def test_pushes_from_the_trainer_reach_both_servers(
         for offset, strategy in enumerate(strategies, start=1):
             version = int(base) + offset
             before, _ = await server_outputs(servers.urls[0])
-            seed = offset + (10 if placement == "process" else 0)
-            batch = pack_for_trainer(make_batch(_reference_model(tiny_model_dir), seed=seed), TrainerConfig())
+            seed = offset + 10 * ["thread", "process", "fsdp2", "ddp"].index(placement)
+            batch = pack_for_trainer(
+                make_batch(_reference_model(tiny_model_dir), seed=seed), TrainerConfig(), trainer.world_size
+            )
             assert (await anyio.to_thread.run_sync(trainer.train_step, batch)).updated
             barrier = WeightBarrier(client, WeightTransfer(strategy), timeout_s=TIMEOUT_S)
             try:
@@ -122,8 +151,86 @@ async def test_pushes_from_the_trainer_reach_both_servers(
                 assert versions == {version}
             answers = await client.weight_info()
             assert [body["weight_version"] for body in answers.values()] == [str(version)] * 2
+            if records.is_dir():
+                check_only_rank_0_sends(records, num_weights=len(expected_names(tiny_model_dir)))
     finally:
         await client.close()
+
+
+def expected_names(model_dir) -> list[str]:
+    return [name for name, _ in _reference_model(model_dir).state_dict().items()]
+
+
+@dataclass(frozen=True)
+class RecordsRank:
+    """Wraps a transport call (picklable, it runs in each worker): counts the weights the call iterated on
+    this rank, and notes which of this process's transfer sessions exist after it, in ``records/rank<r>``."""
+
+    call: Any
+    records: str
+
+    def __call__(self, rank: int, named_weights: Any) -> Any:
+        import json
+
+        from rollflow.weights import transport
+
+        iterated = []
+
+        def counting() -> Any:
+            for name, tensor in named_weights:
+                iterated.append(name)
+                yield name, tensor
+
+        result = self.call(rank, counting())
+        with transport._lock:
+            sessions = sorted(r for (tid, r) in transport._sessions if tid == self.call.transport.transfer_id)
+        record = {"op": self.call.op, "pid": os.getpid(), "iterated": len(iterated), "sessions": sessions}
+        record["answered"] = result is not None
+        with open(os.path.join(self.records, f"rank{rank}"), "a") as file:
+            file.write(json.dumps(record) + "\n")
+        return result
+
+
+class RecordingRanks:
+    """A worker-group handle whose pushes record what each rank did (see ``RecordsRank``)."""
+
+    def __init__(self, trainer: Any, records):
+        self.trainer = trainer
+        self.records = records
+        self.world_size = trainer.world_size
+
+    def train_step(self, *args: Any) -> Any:
+        return self.trainer.train_step(*args)
+
+    def named_weights(self) -> Any:
+        return self.trainer.named_weights()
+
+    def push_weights(self, call: Any) -> Any:
+        return self.trainer.push_weights(RecordsRank(call, str(self.records)))
+
+
+def check_only_rank_0_sends(records, num_weights: int) -> None:
+    """Read (and clear) the records: ranks in other processes; every push iterated by every rank; only rank
+    0 holds a session or answers."""
+    import json
+
+    ranks = {}
+    for path in sorted(records.iterdir()):
+        ranks[int(path.name.removeprefix("rank"))] = [
+            json.loads(line) for line in path.read_text().splitlines()
+        ]
+        path.unlink()
+    assert sorted(ranks) == [0, 1]
+    assert {r["pid"] for r in ranks[0]}.isdisjoint({r["pid"] for r in ranks[1]})
+    for rank, calls in ranks.items():
+        pushes = [r for r in calls if r["op"] == "push"]
+        assert len(pushes) == 2, calls  # two updates per strategy
+        assert all(r["iterated"] == num_weights for r in pushes), (rank, pushes)
+        if rank == 0:
+            assert all(r["sessions"] == [0] for r in calls if r["op"] != "close"), calls
+        else:
+            assert all(r["sessions"] == [] and not r["answered"] for r in calls), calls
+    assert any(r["answered"] for r in ranks[0])
 
 
 _REFERENCE: dict[str, Any] = {}
@@ -141,12 +248,13 @@ def _reference_model(model_dir) -> Any:
 @dataclass(frozen=True)
 class FailingPush:
     """Wraps a transport call (picklable, so it runs in a trainer process too): the weights raise after two
-    tensors, as a gather that fails mid-push would."""
+    tensors, as a gather that fails mid-push would; on ``rank`` only, if given."""
 
     call: Any
+    rank: int | None = None
 
     def __call__(self, rank: int, named_weights: Any) -> Any:
-        if self.call.op != "push":
+        if self.call.op != "push" or self.rank not in (None, rank):
             return self.call(rank, named_weights)
 
         def failing() -> Any:
@@ -161,8 +269,9 @@ class FailingPush:
 class FailOnce:
     """A trainer handle whose next push fails in the trainer (see ``FailingPush``)."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, rank: int | None = None):
         self.trainer = trainer
+        self.rank = rank
         self.fail = True
 
     def named_weights(self) -> Any:
@@ -171,7 +280,7 @@ class FailOnce:
     def push_weights(self, call: Any) -> Any:
         if self.fail and call.op == "push":
             self.fail = False
-            return self.trainer.push_weights(FailingPush(call))
+            return self.trainer.push_weights(FailingPush(call, self.rank))
         return self.trainer.push_weights(call)
 
 
@@ -205,6 +314,53 @@ async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(pla
     finally:
         barrier.close()
         await client.close()
+
+
+@pytest.mark.parametrize(("placement", "failing_rank"), [("fsdp2", 1), ("fsdp2", 0), ("ddp", 1)])
+async def test_a_failure_on_one_worker_mid_push_names_its_rank_within_the_timeout(
+    placement, failing_rank, servers, trainers, tiny_model_dir
+):
+    """One rank raises mid-push: under fsdp2 the other is then stuck in a gather it never joins (rank 0
+    mid-broadcast, or rank 1 waiting for rank 0), so the group is stopped; under ddp the other rank finishes.
+    Either way the push ends within the timeout with an error naming the failed rank, and the servers take
+    the next push. Runs after the push test (it may end the shared group)."""
+    from rollflow.weights import StaticWeights
+
+    trainer = trainers[placement]
+    if getattr(trainer, "_failure", None) is not None:  # stopped by the previous case: a fresh group
+        trainer = trainers.built[placement] = build_trainer(placement, tiny_model_dir)
+    client = RemoteInferenceClient(servers.urls[0], servers.urls, control_timeout_s=60)
+    transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=TIMEOUT_S))
+    barrier = WeightBarrier(client, transfer, timeout_s=TIMEOUT_S)
+    failing = FailOnce(trainer, rank=failing_rank)
+    try:
+        base = int((await client.weight_info())[servers.urls[0]]["weight_version"])
+        await barrier.update(trainer, base + 1, "keep")  # connected
+        started = time.perf_counter()
+        with pytest.raises(
+            WeightTransferError, match=rf"trainer rank {failing_rank}: .*gathering layer 2 failed"
+        ) as raised:
+            await transfer.push(client, failing, base + 2)
+        assert time.perf_counter() - started < TIMEOUT_S
+        assert any(f"raised in trainer worker rank {failing_rank}" in note for note in raised.value.__notes__)
+        assert not failing.fail
+        if placement == "fsdp2":  # the other rank was stuck in a collective: the group is stopped
+            with pytest.raises(Exception, match=f"stopped: rank {failing_rank} raised"):
+                trainer.push_weights(count_weights)
+            survivor = StaticWeights(lambda: list(_reference_model(tiny_model_dir).state_dict().items()))
+        else:
+            survivor = trainer
+        await barrier.update(survivor, base + 2, "keep")
+        for url in servers.urls:
+            _, versions = await server_outputs(url)
+            assert versions == {base + 2}
+    finally:
+        barrier.close()
+        await client.close()
+
+
+def count_weights(rank: int, named_weights: Any) -> int:
+    return sum(1 for _ in named_weights)
 
 
 async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights(tiny_model_dir, tmp_path):

@@ -689,3 +689,41 @@ async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() ->
     finally:
         barrier.close()
         client.close()
+
+
+async def test_when_the_servers_blame_the_trainer_its_own_later_error_is_reported() -> None:
+    """A worker group reports a rank's failure only after stopping the ranks it left stuck (seconds after the
+    servers saw their peer go): the trainer's error, which names the rank, still wins over the servers' 502;
+    a trainer that never reports leaves the servers' error, at the timeout."""
+    import time
+
+    import anyio
+
+    from rollflow.inference.remote import ControlPlaneError, RemoteInferenceError
+    from rollflow.weights.base import SERVER_ERROR_GRACE_S, run_with_servers
+
+    url = "http://127.0.0.1:1"
+    peer_gone = ControlPlaneError(
+        "update_weights",
+        {url: RemoteInferenceError("weight transfer failed: peer closed", url=url, status=502)},
+    )
+
+    async def servers_blame_the_trainer() -> None:
+        raise peer_gone
+
+    async def trainer_fails_later() -> None:
+        await anyio.sleep(SERVER_ERROR_GRACE_S + 0.5)
+        raise WeightTransferError("trainer rank 1: weight transport push failed: RuntimeError: boom")
+
+    with pytest.raises(WeightTransferError, match="trainer rank 1: .*boom") as raised:
+        await run_with_servers("pushing", trainer_fails_later, servers_blame_the_trainer, timeout_s=30)
+    assert any("the servers report" in note for note in raised.value.__notes__)
+
+    async def trainer_never_reports() -> None:
+        await anyio.sleep(60)
+
+    started = time.perf_counter()
+    with pytest.raises(ControlPlaneError) as raised:
+        await run_with_servers("pushing", trainer_never_reports, servers_blame_the_trainer, timeout_s=1.0)
+    assert time.perf_counter() - started < 5
+    assert any("did not finish within 1 s" in note for note in raised.value.__notes__)

@@ -103,8 +103,17 @@ def _load_full(trainer: Any, directory: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    weights = load_file(directory / "model.safetensors")
-    saved = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
+    try:
+        weights = load_file(directory / "model.safetensors")
+        saved = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"cannot read checkpoint {directory} (corrupt or truncated?): {error!r}"
+        ) from error
+    for name, tied_to in _tied_names(trainer.model):
+        if tied_to in weights:
+            weights.setdefault(name, weights[tied_to])
+    _check_weights(trainer.model, weights, directory / "model.safetensors")
     names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
     optimizer = saved["optimizer"]
     # torch.optim numbers parameters in the order they were given: the model's named_parameters().
@@ -115,8 +124,6 @@ def _load_full(trainer: Any, directory: Path) -> None:
             for group in optimizer["param_groups"]
         ],
     }
-    for name in _tied_names(trainer.model):
-        weights.setdefault(name[0], weights.get(name[1]))
     set_state_dict(
         trainer.model,
         trainer.optimizer,
@@ -125,6 +132,23 @@ def _load_full(trainer: Any, directory: Path) -> None:
         options=StateDictOptions(full_state_dict=True, strict=False),
     )
     trainer.generator.set_state(saved["rng_state"])
+
+
+def _check_weights(model: Any, weights: dict[str, torch.Tensor], source: Path) -> None:
+    """Names and (global) shapes must match the model before anything is loaded."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong_shape = sorted(
+        f"{name} {tuple(weights[name].shape)} != {tuple(expected[name].shape)}"
+        for name in set(weights) & set(expected)
+        if tuple(weights[name].shape) != tuple(expected[name].shape)
+    )
+    if missing or unexpected or wrong_shape:
+        raise CheckpointError(
+            f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"wrong shape {wrong_shape[:5]}; resume with the model the checkpoint was trained from"
+        )
 
 
 def _tied_names(model: Any) -> list[tuple[str, str]]:

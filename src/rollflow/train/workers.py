@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -293,7 +294,11 @@ def _serve_rank(
             return  # the parent is gone
         if method == "close":
             _leave_group()
-            return
+            # Nothing is left to flush but the standard streams; the interpreter's own teardown (torch's
+            # and transformers' modules) would take seconds on a busy machine.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         try:
             reply: tuple[str, Any, str] = ("ok", _run(trainer, method, args), "")
         except Exception as error:

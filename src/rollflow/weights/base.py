@@ -364,10 +364,11 @@ async def run_with_servers(
     """Run the trainer's side of a transfer and the servers' HTTP call (which blocks on the servers until the
     trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
 
-    When the trainer side fails, or every server blames it (HTTP 502: its peer failed), the other side gets
-    ``SERVER_ERROR_GRACE_S`` to report its own error (one is usually a consequence of the other). The servers'
-    error wins (it names the server) unless every server blames the trainer; the other error is attached as a
-    note.
+    When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
+    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
+    error is attached as a note. When the servers blame the trainer first, the trainer side's own error (which
+    names the rank) is awaited, within ``timeout_s``: a worker group reports a rank's failure only once the
+    ranks it left stuck in a collective are stopped, after the servers saw their peer go.
 
     Raises:
         WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
@@ -376,7 +377,8 @@ async def run_with_servers(
     """
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
-    servers_done, trainer_done = anyio.Event(), anyio.Event()
+    servers_done = anyio.Event()
+    trainer_done = anyio.Event()
 
     async def run_servers(tg: Any) -> None:
         try:
@@ -384,9 +386,9 @@ async def run_with_servers(
             results["servers"] = True
         except Exception as error:
             errors["servers"] = error
-            if _blames_the_trainer(error):  # the trainer's own error says more: give it time to arrive
-                with anyio.move_on_after(SERVER_ERROR_GRACE_S):
-                    await trainer_done.wait()
+            servers_done.set()
+            if _blames_the_trainer(error):
+                await trainer_done.wait()
             tg.cancel_scope.cancel()
         finally:
             servers_done.set()
@@ -396,6 +398,7 @@ async def run_with_servers(
             results["trainer"] = await trainer_side()
         except Exception as error:
             errors["trainer"] = error
+            trainer_done.set()
             with anyio.move_on_after(SERVER_ERROR_GRACE_S):
                 await servers_done.wait()
             tg.cancel_scope.cancel()
@@ -408,7 +411,10 @@ async def run_with_servers(
                 tg.start_soon(run_servers, tg)
                 tg.start_soon(run_trainer, tg)
     except TimeoutError as error:
-        if errors:  # a side failed, and the grace for the other ran into the deadline: report the failure
+        if "servers" in errors and "trainer" not in errors:  # they blamed the trainer, which never answered
+            errors["servers"].add_note(f"the trainer side did not finish within {timeout_s:.3g} s")
+            raise errors["servers"] from error
+        if errors:  # the trainer side failed, and the servers' grace ran into the deadline: report the failure
             raise next(iter(errors.values())) from None
         pending = []
         if "trainer" not in results and "trainer" not in errors:
