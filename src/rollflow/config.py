@@ -41,13 +41,46 @@ class ModelConfig(Section):
     """Whether the generation prompt opens a thinking block (renderers that support it)."""
 
 
+class RewardSpec(Section):
+    fn: str
+    """A built-in reward (``math``, ``exact``, ``case``) or ``package.module:function``."""
+    weight: float = 1.0
+    """Its weight in the sum that is the sample's reward."""
+
+
 class DataConfig(Section):
     task: str = "case"
-    """Built-in task (``case``, ``digit``) or ``package.module:factory`` returning a Task."""
+    """Built-in task (``case``, ``digit``) or ``package.module:factory`` returning a Task; unused with ``path``."""
+    path: str | None = None
+    """Prompts from a dataset instead of ``task``: a ``.jsonl`` or ``.parquet`` file, a directory (holding
+    ``{split}.jsonl`` / ``{split}.parquet``, or saved with HF datasets' ``save_to_disk``), or ``hf:NAME`` from
+    the local HF datasets cache (needs ``pip install datasets``)."""
+    split: str | None = None
+    """Split of a directory or ``hf:`` dataset (unset: ``train``); not for a single file."""
+    prompt_key: str = "prompt"
+    """Column of the prompt, a dotted path into nested columns: a string (one user message) or a list of
+    ``{role, content}`` messages (TRL's conversational format, verl's ``prompt``)."""
+    answer_key: str | None = None
+    """Column of the reference answer the reward gets as ``item.answer`` (dotted path); unset: ``answer``, else
+    verl's ``reward_model.ground_truth``, else none."""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """A row without a usable prompt or answer: ``fail`` (an error naming the row) or ``skip`` (counted and
+    logged, never silent)."""
+    shuffle: bool = True
+    """Visit the rows of each epoch in a fresh order seeded by ``seed`` and the epoch (False: file order)."""
+    epochs: Positive | None = None
+    """Passes over a dataset (``path``); sets the run's length to ``ceil(epochs * rows / prompts_per_step)``
+    steps, in place of ``orchestrator.steps``. Every row is trained exactly once per epoch, across resumes."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for a custom task factory (``[data.args]``): ``factory(seed, **args)``."""
     reward: str | None = None
-    """Optional reward override: ``package.module:function``, sync or async, called as ``fn(completion, item)``."""
+    """Reward override: a built-in (``math``, ``exact``, ``case``) or ``package.module:function``, sync or
+    async, called as ``fn(completion, item)``. Required with ``path`` unless ``rewards`` is set."""
+    rewards: list[RewardSpec] = []
+    """A weighted sum of rewards, ``[{fn = "math", weight = 1.0}, ...]``; each is logged as ``reward/NAME``."""
     seed: int = 0
-    """Seed of the generated prompt stream; the same seed gives the same prompts in the same order."""
+    """Seed of the generated prompt stream (or of a dataset's shuffles); the same seed gives the same prompts in
+    the same order."""
 
 
 class SamplingConfig(Section):
@@ -382,6 +415,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
+    errors += _data_errors(config)
     errors += _numeric_errors(config)
     errors += _off_policy_errors(config)
     errors += _trainer_errors(config)
@@ -404,6 +438,27 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
             "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
         )
+    return errors
+
+
+def _data_errors(config: RunConfig) -> list[str]:
+    data = config.data
+    errors = []
+    if data.reward is not None and data.rewards:
+        errors.append(
+            f"data.reward = {data.reward!r} and data.rewards are both set: use one (data.rewards = "
+            "[{fn = ..., weight = ...}] for a weighted sum)"
+        )
+    for index, part in enumerate(data.rewards):
+        if not math.isfinite(part.weight):
+            errors.append(f"data.rewards[{index}].weight = {part.weight} must be a finite number")
+    if data.epochs is not None and data.path is None:
+        errors.append(
+            f"data.epochs = {data.epochs} counts passes over a dataset: set data.path, or use "
+            "orchestrator.steps for a generated task"
+        )
+    if data.args and data.path is not None:
+        errors.append("[data.args] is for custom task factories (data.task), not for a dataset (data.path)")
     return errors
 
 

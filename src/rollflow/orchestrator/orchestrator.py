@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -55,9 +56,10 @@ from rollflow.orchestrator.run_dir import (
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.agent import build_agent_generator
+from rollflow.rollout.datasets import steps_for_epochs, task_from_config
 from rollflow.rollout.generator import SingleTurnGenerator
-from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
-from rollflow.rollout.tasks import Task, load_task
+from rollflow.rollout.rewards import REWARD_COUNT, REWARD_ERROR, REWARD_SUM, Rewarder
+from rollflow.rollout.tasks import Task
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -171,9 +173,11 @@ class Orchestrator:
         try:
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
+            # The data first: a bad file fails before anything is written, and epochs set the run's length.
+            self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
+            rewarder = Rewarder.from_config(config.data.reward, self.task, config.data.rewards)
+            config = self.config = self._with_epoch_steps(config)
             checkpoint = self._prepare_run_dir()
-            self.task = load_task(config.data.task, config.data.seed)
-            rewarder = Rewarder.from_config(config.data.reward, self.task)
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
             self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
@@ -234,6 +238,16 @@ class Orchestrator:
             if self._rollouts is not None:
                 self._rollouts.close()
             await self._exit_stack.aclose()  # releases the run directory's lock last
+
+    def _with_epoch_steps(self, config: RunConfig) -> RunConfig:
+        """``data.epochs`` over a dataset: the run's length in steps, in place of ``orchestrator.steps``."""
+        if config.data.epochs is None:
+            return config
+        steps = steps_for_epochs(config.data.epochs, len(self.task), config.orchestrator.prompts_per_step)
+        log.info("run length from data.epochs", epochs=config.data.epochs, rows=len(self.task), steps=steps)
+        return msgspec.structs.replace(
+            config, orchestrator=msgspec.structs.replace(config.orchestrator, steps=steps)
+        )
 
     def _prepare_run_dir(self) -> Path | None:
         """Check the (locked) run directory for a fresh run or a resume and record the config; returns the
@@ -569,6 +583,7 @@ class Orchestrator:
         for group in batch.groups:
             for name, value in group.metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value
+        _reward_part_means(metrics)
         metrics.update(result.metrics)
         return metrics
 
@@ -620,6 +635,14 @@ def _write_file(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         raise StorageError(describe_os_error(error, path)) from None
+
+
+def _reward_part_means(metrics: dict[str, Any]) -> None:
+    """Summed parts of a weighted reward (``reward_sum/NAME``, ``reward_count/NAME``) to ``reward/NAME`` means."""
+    for key in [key for key in metrics if key.startswith(REWARD_SUM)]:
+        name = key.removeprefix(REWARD_SUM)
+        total, count = metrics.pop(key), metrics.pop(REWARD_COUNT + name, 0.0)
+        metrics[f"reward/{name}"] = total / count if count else math.nan
 
 
 def _staleness_metrics(staleness: list[int]) -> dict[str, float]:

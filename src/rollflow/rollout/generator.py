@@ -111,12 +111,12 @@ class SingleTurnGenerator:
                 )
             )
         item = TaskItem(messages=request.messages, answer=request.answer, metadata=request.metadata)
-        await self.rewarder.score(samples, item)
+        reward_metrics = await self.rewarder.score(samples, item)
         return ScoredGroup(
             prompt_index=request.prompt_index,
             samples=samples,
             generation_time_s=time.perf_counter() - started,
-            metrics={"regenerated_samples": float(regenerated)},
+            metrics={"regenerated_samples": float(regenerated), **reward_metrics},
         )
 
     async def _sample(
