@@ -370,6 +370,34 @@ class AgentConfig(Section):
     ``agent_sampling_overridden``. False honours the agent's own settings (e.g. generate-only evaluation)."""
 
 
+class EvalConfig(Section):
+    """Held-out evaluation on the run's engines: before training, every ``every`` steps and after the last
+    step (``eval/*`` metrics); ``rollflow eval CONFIG --checkpoint RUN`` does the same offline."""
+
+    path: str | None = None
+    """Held-out dataset (same forms and keys as ``data.path``); unset: ``data.path`` with ``split``, or for a
+    generated task (``data.task``) its prompt stream under ``seed``."""
+    split: str | None = None
+    """Split of ``path`` (or of ``data.path`` when ``path`` is unset), e.g. ``test``."""
+    seed: int | None = None
+    """Generated tasks: the seed of the held-out prompt stream (unset: ``data.seed + 1``)."""
+    num_prompts: Positive = 64
+    """Prompts evaluated: the first N of the held-out set, in file order."""
+    every: NonNegative = 0
+    """Evaluate every N steps (0: only before training and after the last step)."""
+    greedy: bool = True
+    """One greedy completion per prompt: ``eval/greedy/reward_mean`` and ``eval/greedy/accuracy``."""
+    samples: NonNegative = 0
+    """Sampled completions per prompt (0: none): ``eval/sampled/reward_mean``, ``eval/sampled/pass@1`` and
+    ``eval/sampled/pass@k`` with k = ``samples``."""
+    temperature: NonNegativeFloat | None = None
+    """Temperature of the sampled completions (unset: ``sampling.temperature``)."""
+    max_tokens: Positive | None = None
+    """Completion budget (unset: ``sampling.max_tokens``)."""
+    pass_threshold: float = 1.0
+    """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+
+
 class RunConfig(Section):
     name: str = "run"
     """Run name; the run directory is ``{output_dir}/{name}``, so one path component (not ``.`` or ``..``).
@@ -387,6 +415,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     agent: AgentConfig | None = None
     """Agent rollouts (``[agent]``); unset: single-turn generation."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation (``[eval]``); unset: none during training."""
 
     @property
     def run_dir(self) -> Path:
@@ -457,6 +487,32 @@ def _data_errors(config: RunConfig) -> list[str]:
             f"data.epochs = {data.epochs} counts passes over a dataset: set data.path, or use "
             "orchestrator.steps for a generated task"
         )
+    evaluation = config.eval
+    if evaluation is not None:
+        if config.agent is not None:
+            errors.append("[eval] evaluates single-turn generation; it does not run [agent] rollouts yet")
+        if evaluation.path is None and data.path is not None and evaluation.split in (None, data.split):
+            errors.append(
+                f"[eval] would evaluate the training data (data.path = {data.path!r}, split "
+                f"{data.split or 'train'!r}): set eval.path to a held-out file or eval.split to another split"
+            )
+        if not evaluation.greedy and evaluation.samples == 0:
+            errors.append("[eval] with eval.greedy = false and eval.samples = 0 evaluates nothing: set one")
+        if evaluation.max_tokens is not None and evaluation.max_tokens >= config.inference.max_model_len:
+            errors.append(
+                f"eval.max_tokens ({evaluation.max_tokens}) must be smaller than inference.max_model_len "
+                f"({config.inference.max_model_len}) to leave room for the prompt"
+            )
+        if not math.isfinite(evaluation.pass_threshold):
+            errors.append(f"eval.pass_threshold = {evaluation.pass_threshold} must be a finite number")
+        if evaluation.temperature is not None and evaluation.temperature == 0 and evaluation.samples > 0:
+            errors.append("eval.temperature = 0 makes every sampled completion the greedy one; use > 0")
+        temperature = (
+            config.sampling.temperature if evaluation.temperature is None else evaluation.temperature
+        )
+        problem = sampling_error(max_tokens=1, temperature=temperature, top_p=1.0, top_k=-1)
+        if problem is not None:
+            errors.append(f"eval.{problem[1]}")
     if data.args and data.path is not None:
         errors.append("[data.args] is for custom task factories (data.task), not for a dataset (data.path)")
     return errors

@@ -128,6 +128,9 @@ class Orchestrator:
         self._generation: asyncio.Task[None] | None = None
         self._results: MemoryObjectReceiveStream[ScoredGroup] | None = None
         self._running = False
+        # Held-out evaluation ([eval]): built in setup; its results, also written to the metric sinks.
+        self.evaluator: Any = None
+        self.eval_history: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -199,6 +202,10 @@ class Orchestrator:
                     seed=config.seed,
                     partial_rollouts=config.orchestrator.partial_rollouts,
                 )
+            if config.eval is not None:
+                from rollflow.rollout.evaluation import Evaluator
+
+                self.evaluator = await anyio.to_thread.run_sync(Evaluator, config, self.client, renderer)
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             if checkpoint is not None:
                 await self._restore(checkpoint)
@@ -369,6 +376,11 @@ class Orchestrator:
         run_metrics = []
         try:
             with structlog.contextvars.bound_contextvars(run=self.config.name):
+                if self.evaluator is not None and self.state.step == 0 and self._results is None:
+                    # Before training, while no training request is in flight.
+                    record = {"step": 0, **await self._evaluate()}
+                    for sink in self._sinks:
+                        sink.log(record)
                 results = self._start_generation() if self._results is None else self._results
                 while self.state.step < target:
                     metrics = await self._train_step(results)
@@ -541,6 +553,8 @@ class Orchestrator:
             trainer_idle_fraction=wait_time / step_time,
             generator_idle_fraction=(self.schedule.generator_idle_s() - idle_before) / step_time,
         )
+        if self._eval_due():
+            metrics.update(await self._evaluate())
         self._record(batch, metrics)
         if self._checkpoint_due():
             await self._save_checkpoint()
@@ -604,6 +618,22 @@ class Orchestrator:
                 }
             )
         log.debug("step done", **{k: v for k, v in metrics.items() if isinstance(v, int | float)})
+
+    def _eval_due(self) -> bool:
+        if self.evaluator is None:
+            return False
+        every = self.evaluator.evaluation.every
+        return self.state.step >= self.config.orchestrator.steps or (
+            every > 0 and self.state.step % every == 0
+        )
+
+    async def _evaluate(self) -> dict[str, float]:
+        """Held-out evaluation on the engines' current weights (between steps: no weight update runs during
+        it; its requests pass no staleness schedule and are never trained)."""
+        metrics = await self.evaluator.evaluate(self.state.policy_version)
+        self.eval_history.append({"step": self.state.step, **metrics})
+        log.info("evaluated", step=self.state.step, **metrics)
+        return metrics
 
     def _checkpoint_due(self) -> bool:
         every = self.config.checkpoint.every
