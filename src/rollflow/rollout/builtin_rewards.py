@@ -1,8 +1,8 @@
 """Built-in rewards, named in ``data.reward`` / ``data.rewards``: ``math``, ``exact`` and ``case``.
 
 ``math`` extracts the final answer of a completion (the last ``\\boxed{…}``, else the text after the last
-``####``, else the last number) and of the reference answer the same way (so a GSM8K solution ending in
-``#### 72`` works as the answer), then compares them: equal after normalisation (commas, ``$``, units of
+``####``, else the last number) and the reference's (its ``\\boxed{}`` or ``####`` part, so a GSM8K
+solution ending in ``#### 72`` works as the answer, else the whole reference), then compares them: equal after normalisation (commas, ``$``, units of
 whitespace, trailing zeros, fractions as numbers), else equal for the ``math-verify`` library (symbolic and
 LaTeX equivalence) when it is installed. 1.0 or 0.0.
 """
@@ -38,9 +38,8 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution: the last ``\\boxed{}``, else after the last ``####``, else the last
-    number; None when there is none."""
+def marked_answer(text: str) -> str | None:
+    """The answer a solution marks: the last ``\\boxed{}``, else the line after the last ``####``."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
@@ -48,6 +47,15 @@ def extract_answer(text: str) -> str | None:
         tail = text.rsplit("####", 1)[1].strip()
         if tail:
             return tail.splitlines()[0].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a solution: the last ``\\boxed{}``, else after the last ``####``, else the last
+    number; None when there is none."""
+    marked = marked_answer(text)
+    if marked is not None:
+        return marked
     numbers = _NUMBER.findall(text)
     return numbers[-1] if numbers else None
 
@@ -90,7 +98,7 @@ def _reference(item: TaskItem) -> str:
 def math_reward(completion: str, item: TaskItem) -> float:
     """1.0 when the completion's final answer equals the reference answer (see the module docstring)."""
     reference = _reference(item)
-    gold = extract_answer(reference) or reference.strip()
+    gold = marked_answer(reference) or reference.strip()  # a plain reference is the answer as a whole
     predicted = extract_answer(completion)
     if predicted is None:
         return 0.0
