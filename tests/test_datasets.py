@@ -145,18 +145,37 @@ def test_bad_data_paths_are_clear_errors(tmp_path, make, split, message):
         task_from_config(data_config(tmp_path, *overrides))
 
 
-def test_saved_datasets_directory_names_the_install_when_datasets_is_missing(tmp_path):
+def test_saved_datasets_directory_and_its_splits(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = case_rows(4)
+    saved = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(case_rows(2, seed=1))}
+    )
+    saved.save_to_disk(str(tmp_path / "saved"))
+    assert read_rows(str(tmp_path / "saved")) == rows  # train by default
+    assert read_rows(str(tmp_path / "saved"), "test") == case_rows(2, seed=1)
+    with pytest.raises(ConfigError, match="the splits are train, test"):
+        read_rows(str(tmp_path / "saved"), "dev")
+
+
+def test_hf_name_missing_from_the_local_cache_is_a_clear_error(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="hf:nobody/nothing' is not in the local HF datasets cache"):
+        read_rows("hf:nobody/nothing")
+
+
+def test_saved_dataset_without_the_datasets_library_names_the_install(tmp_path, monkeypatch):
+    import sys
+
     (tmp_path / "saved").mkdir()
     (tmp_path / "saved" / "dataset_dict.json").write_text('{"splits": ["train"]}')
-    try:
-        import datasets  # noqa: F401
-    except ImportError:
-        with pytest.raises(ConfigError, match="pip install datasets"):
-            read_rows(str(tmp_path / "saved"))
-        with pytest.raises(ConfigError, match="pip install datasets"):
-            read_rows("hf:openai/gsm8k")
-    else:
-        pytest.skip("datasets is installed; the saved-dataset round trip is tested in its place")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(ConfigError, match="pip install datasets"):
+        read_rows(str(tmp_path / "saved"))
+    with pytest.raises(ConfigError, match="pip install datasets"):
+        read_rows("hf:openai/gsm8k")
 
 
 @pytest.mark.parametrize(
