@@ -143,12 +143,11 @@ def _read_saved_dataset(source: Path, split: str | None, key: str) -> list[dict[
 
 
 def _read_hf_cache(name: str, split: str | None, key: str) -> list[dict[str, Any]]:
-    datasets = _import_datasets(key, f"hf:{name}")
     import os
 
-    os.environ.setdefault(
-        "HF_DATASETS_OFFLINE", "1"
-    )  # the local cache only: no download behind the user's back
+    # The local cache only, no download behind the user's back (read when datasets is first imported).
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    datasets = _import_datasets(key, f"hf:{name}")
     try:
         dataset = datasets.load_dataset(name, split=split)
     except Exception as error:
