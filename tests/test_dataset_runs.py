@@ -68,3 +68,33 @@ async def test_weighted_rewards_are_logged_each_on_its_own(tmp_path):
         assert step["reward/exact"] == 0.0  # a 4-token completion never equals "upper"/"lower" exactly
         assert step["reward_mean"] == pytest.approx(0.5 * step["reward/case"] + 2.0 * step["reward/exact"])
         assert not any(key.startswith("reward_sum/") for key in step)
+
+
+async def run_steps(config) -> list[dict]:
+    async with Orchestrator(config) as orchestrator:
+        return await orchestrator.run()
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_path, kind):
+    """The built-in task's prompts in file order (``data.shuffle = false``) and its reward as ``case``: the
+    same prompts at the same data positions, so the same sampling seeds, rewards and updates, step for step;
+    the longer run (benchmarks/dataset_quickstart.py, shuffled) reaches the quickstart's bar."""
+    common = [
+        f"output_dir='{tmp_path / 'runs'}'",
+        "sampling.samples_per_prompt=4",
+        "sampling.max_tokens=4",
+        "orchestrator.prompts_per_step=4",
+        "orchestrator.steps=3",
+    ]
+    builtin = await run_steps(load_config([], [*common, "name=builtin", "data.task='case'"]))
+    write = write_jsonl if kind == "jsonl" else write_parquet
+    path = write(tmp_path / f"case.{kind}", case_rows(12))
+    from_file = await run_steps(
+        load_config(
+            [], [*common, "name=file", f"data.path='{path}'", "data.reward='case'", "data.shuffle=false"]
+        )
+    )
+    for ours, theirs in zip(from_file, builtin, strict=True):
+        for key in ("reward_mean", "reward_std", "completion_tokens", "loss", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
