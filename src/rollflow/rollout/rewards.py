@@ -106,10 +106,12 @@ class Rewarder:
                 own (a dataset) and none is set.
         """
         if rewards:
-            parts = [
-                (part.fn.rsplit(":", 1)[-1], resolve_reward(part.fn, f"data.rewards[{i}].fn"), part.weight)
-                for i, part in enumerate(rewards)
-            ]
+            parts = []
+            for index, part in enumerate(rewards):
+                name = part.fn.rsplit(":", 1)[-1]
+                if any(name == taken for taken, _, _ in parts):
+                    name = f"{name}_{index}"  # each part logged on its own, even one named twice
+                parts.append((name, resolve_reward(part.fn, f"data.rewards[{index}].fn"), part.weight))
             return cls(WeightedReward(parts), name="data.rewards")
         if reward_spec is None:
             if getattr(task, "name", None) == "dataset":
