@@ -5,7 +5,8 @@ prompt string and the answer ``upper``/``lower``), then trains ``examples/quicks
 the built-in task (the baseline, in the same run), on the JSONL file and on the parquet file (``data.reward =
 "case"``, ``data.epochs`` chosen for the same number of steps). Prints one JSON line per run: the mean reward
 of the first 5 and the last 10 steps (the quickstart's bar is <= 0.6 and >= 0.9), wall time, and with
-``--eval`` the held-out eval (``[eval]``) before and after training.
+``--eval`` the held-out eval (``[eval]``: 32 prompts of the built-in task under another seed, greedy and 4
+samples each) before and after training.
 
     python benchmarks/dataset_quickstart.py [--steps 200] [--rows 320] [--eval]
 """
@@ -25,6 +26,8 @@ from rollflow import Orchestrator, load_config
 from rollflow.rollout.tasks import CaseTask
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+EVAL_SEED = 1000
+"""The held-out prompts: the built-in task's stream under another seed (the same 32 prompts for every run)."""
 
 
 def write_files(directory: Path, rows: int) -> dict[str, Path]:
@@ -35,6 +38,12 @@ def write_files(directory: Path, rows: int) -> dict[str, Path]:
     table = [
         {"prompt": task.item(i).messages[0]["content"], "answer": task.item(i).answer} for i in range(rows)
     ]
+    held_out = CaseTask(EVAL_SEED)
+    rows_out = [
+        {"prompt": held_out.item(i).messages[0]["content"], "answer": held_out.item(i).answer}
+        for i in range(32)
+    ]
+    (directory / "held_out.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows_out))
     jsonl = directory / "case.jsonl"
     jsonl.write_text("".join(json.dumps(row) + "\n" for row in table))
     parquet = directory / "case.parquet"
@@ -42,8 +51,12 @@ def write_files(directory: Path, rows: int) -> dict[str, Path]:
     return {"jsonl": jsonl, "parquet": parquet}
 
 
-async def train(name: str, overrides: list[str], with_eval: bool) -> dict:
-    extra = ["eval.num_prompts=32", "eval.seed=1000"] if with_eval else []
+async def train(name: str, overrides: list[str], with_eval: bool, held_out: Path) -> dict:
+    extra = []
+    if with_eval:
+        extra = ["eval.num_prompts=32", "eval.samples=4", f"eval.seed={EVAL_SEED}"]
+        if name != "builtin":
+            extra.append(f"eval.path='{held_out}'")
     config = load_config([REPO_ROOT / "examples" / "quickstart.toml"], [*overrides, *extra])
     started = time.perf_counter()
     async with Orchestrator(config) as orchestrator:
@@ -81,9 +94,8 @@ async def main() -> None:
         }
         for name, overrides in runs.items():
             base = [f"output_dir='{tmp}/runs'", f"name={name}", "checkpoint.every=0"]
-            if args.eval:
-                base.append("eval.every=0")
-            print(json.dumps(await train(name, base + overrides, args.eval)), flush=True)
+            line = await train(name, base + overrides, args.eval, Path(tmp) / "held_out.jsonl")
+            print(json.dumps(line), flush=True)
 
 
 if __name__ == "__main__":
