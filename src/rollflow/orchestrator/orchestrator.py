@@ -1,7 +1,9 @@
 """The rollout orchestrator: wires the components of a run and drives them from one event loop.
 
 Each component has one job and never references the orchestrator:
-- Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
+- Task / data source: turns a data position into ``RolloutRequest``s (one per prompt); a built-in or custom
+  task, or a dataset (``rollout/datasets.py``: data position = epoch and place in that epoch's shuffle).
+- ``Evaluator`` (``[eval]``, ``rollout/evaluation.py``): held-out prompts before training and between steps.
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
 - Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
   (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
