@@ -98,3 +98,16 @@ async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_p
     for ours, theirs in zip(from_file, builtin, strict=True):
         for key in ("reward_mean", "reward_std", "completion_tokens", "loss", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+
+
+async def test_generate_reads_a_dataset_and_reports_each_reward(tmp_path):
+    from rollflow.rollout.generate import generate
+
+    path = write_jsonl(tmp_path / "case.jsonl", case_rows(3))
+    config = config_for(tmp_path, path, reward="data.rewards=[{fn='case'}, {fn='exact', weight=0.0}]")
+    output = tmp_path / "samples.jsonl"
+    summary = await generate(config, num_prompts=3, output=output)
+    assert summary["num_samples"] == 6
+    assert summary["reward/case"] == pytest.approx(summary["reward_mean"])  # exact has weight 0
+    assert "reward/exact" in summary and not any(key.startswith("reward_sum/") for key in summary)
+    assert len(read_jsonl(output)) == 6

@@ -60,7 +60,7 @@ from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.datasets import steps_for_epochs, task_from_config
 from rollflow.rollout.generator import SingleTurnGenerator
-from rollflow.rollout.rewards import REWARD_COUNT, REWARD_ERROR, REWARD_SUM, Rewarder
+from rollflow.rollout.rewards import REWARD_ERROR, Rewarder, reward_part_means
 from rollflow.rollout.tasks import Task
 from rollflow.train.handle import TrainerHandle
 
@@ -599,7 +599,7 @@ class Orchestrator:
         for group in batch.groups:
             for name, value in group.metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value
-        _reward_part_means(metrics)
+        reward_part_means(metrics)
         metrics.update(result.metrics)
         return metrics
 
@@ -667,14 +667,6 @@ def _write_file(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         raise StorageError(describe_os_error(error, path)) from None
-
-
-def _reward_part_means(metrics: dict[str, Any]) -> None:
-    """Summed parts of a weighted reward (``reward_sum/NAME``, ``reward_count/NAME``) to ``reward/NAME`` means."""
-    for key in [key for key in metrics if key.startswith(REWARD_SUM)]:
-        name = key.removeprefix(REWARD_SUM)
-        total, count = metrics.pop(key), metrics.pop(REWARD_COUNT + name, 0.0)
-        metrics[f"reward/{name}"] = total / count if count else math.nan
 
 
 def _staleness_metrics(staleness: list[int]) -> dict[str, float]:

@@ -115,6 +115,7 @@ async def generate(
     from rollflow.inference.setup import get_inference_client
     from rollflow.orchestrator.checkpoint import load_policy_weights, resolve_checkpoint
     from rollflow.rollout.datasets import task_from_config
+    from rollflow.rollout.rewards import reward_part_means
 
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -158,6 +159,7 @@ async def generate(
                 for key, value in group.metrics.items():
                     summary[key] = summary.get(key, 0.0) + value
     summary["reward_mean"] = sum(rewards) / len(rewards) if rewards else math.nan
+    reward_part_means(summary)
     return summary
 
 

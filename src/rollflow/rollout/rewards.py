@@ -36,6 +36,15 @@ REWARD_COUNT = "reward_count/"
 """Group metric prefixes of the parts of a weighted reward; the orchestrator turns them into ``reward/NAME``."""
 
 
+def reward_part_means(metrics: dict[str, Any]) -> None:
+    """In place: summed group metrics of a weighted reward's parts (``reward_sum/NAME``, ``reward_count/NAME``)
+    to their means, ``reward/NAME``."""
+    for key in [key for key in metrics if key.startswith(REWARD_SUM)]:
+        name = key.removeprefix(REWARD_SUM)
+        total, count = metrics.pop(key), metrics.pop(REWARD_COUNT + name, 0.0)
+        metrics[f"reward/{name}"] = total / count if count else math.nan
+
+
 def resolve_reward(spec: str, key: str) -> RewardFn:
     """A built-in reward name or ``package.module:function``."""
     from rollflow.rollout.builtin_rewards import BUILTIN_REWARDS
