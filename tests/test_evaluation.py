@@ -119,3 +119,15 @@ def test_eval_of_a_held_out_file(tmp_path):
 def test_eval_config_errors_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config([], [f"output_dir='{tmp_path}'", *overrides])
+
+
+async def test_a_resume_before_the_first_checkpoint_evaluates_before_training_once(tmp_path):
+    config = load_config([], sets(tmp_path, "orchestrator.steps=2", "eval.every=0", "eval.samples=0"))
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=1)  # no checkpoint yet: the resume starts again from step 0
+    async with Orchestrator(config, resume=True) as orchestrator:
+        await orchestrator.run()
+    written = [json.loads(line) for line in (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in written] == [0, 1, 2]
+    assert "eval/greedy/accuracy" in written[0] and "eval/greedy/accuracy" in written[2]
+    assert "eval/greedy/accuracy" not in written[1]  # eval.every = 0: before training and after the last step

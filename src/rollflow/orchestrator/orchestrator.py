@@ -218,7 +218,8 @@ class Orchestrator:
                 await self.barrier.update(self.trainer, 0, self.schedule.pause_mode)
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
-                        truncate_jsonl_after_step(self.run_dir / name, 0)
+                        # -1: the evaluation before training (a step-0 record) is redone as well.
+                        truncate_jsonl_after_step(self.run_dir / name, -1)
             self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         except BaseException:
