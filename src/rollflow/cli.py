@@ -308,7 +308,36 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--output", type=Path, default=None, help="HTML file (default RUN/traces/SESSION.html)"
     )
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="held-out evaluation ([eval]) of the initial weights or a checkpoint; prints eval/* as JSON",
+    )
+    evaluate.add_argument("configs", nargs="+", type=Path, metavar="CONFIG", help="TOML config files")
+    _add_overrides(evaluate)
+    evaluate.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="RUN",
+        help="evaluate a training checkpoint: its directory, or a run directory for its latest "
+        "(default: the initial weights)",
+    )
     return parser
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rollflow.config import load_config
+    from rollflow.rollout.evaluation import evaluate_offline
+
+    config = load_config(args.configs, args.overrides)
+    try:
+        metrics = eventloop.run(evaluate_offline(config, checkpoint=args.checkpoint))
+    except KeyboardInterrupt:
+        return _Termination.exit_status()
+    sys.stdout.write(json.dumps(metrics) + "\n")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -528,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = _parser().parse_args(argv)
     configure_logging(args.log_level)
-    if args.command in ("run", "generate"):
+    if args.command in ("run", "generate", "eval"):
         _Termination.install()
     try:
         if args.command == "run":
@@ -543,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "trace":
             return _trace(args)
+        if args.command == "eval":
+            return _eval(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

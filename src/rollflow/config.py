@@ -41,13 +41,46 @@ class ModelConfig(Section):
     """Whether the generation prompt opens a thinking block (renderers that support it)."""
 
 
+class RewardSpec(Section):
+    fn: str
+    """A built-in reward (``math``, ``exact``, ``case``) or ``package.module:function``."""
+    weight: float = 1.0
+    """Its weight in the sum that is the sample's reward."""
+
+
 class DataConfig(Section):
     task: str = "case"
-    """Built-in task (``case``, ``digit``) or ``package.module:factory`` returning a Task."""
+    """Built-in task (``case``, ``digit``) or ``package.module:factory`` returning a Task; unused with ``path``."""
+    path: str | None = None
+    """Prompts from a dataset instead of ``task``: a ``.jsonl`` or ``.parquet`` file, a directory (holding
+    ``{split}.jsonl`` / ``{split}.parquet``, or saved with HF datasets' ``save_to_disk``), or ``hf:NAME`` from
+    the local HF datasets cache (needs ``pip install datasets``)."""
+    split: str | None = None
+    """Split of a directory or ``hf:`` dataset (unset: ``train``); not for a single file."""
+    prompt_key: str = "prompt"
+    """Column of the prompt, a dotted path into nested columns: a string (one user message) or a list of
+    ``{role, content}`` messages (TRL's conversational format, verl's ``prompt``)."""
+    answer_key: str | None = None
+    """Column of the reference answer the reward gets as ``item.answer`` (dotted path); unset: ``answer``, else
+    verl's ``reward_model.ground_truth``, else none."""
+    on_bad_row: Literal["fail", "skip"] = "fail"
+    """A row without a usable prompt or answer: ``fail`` (an error naming the row) or ``skip`` (counted and
+    logged, never silent)."""
+    shuffle: bool = True
+    """Visit the rows of each epoch in a fresh order seeded by ``seed`` and the epoch (False: file order)."""
+    epochs: Positive | None = None
+    """Passes over a dataset (``path``); sets the run's length to ``ceil(epochs * rows / prompts_per_step)``
+    steps, in place of ``orchestrator.steps``. Every row is trained exactly once per epoch, across resumes."""
+    args: dict[str, Any] = {}
+    """Keyword arguments for a custom task factory (``[data.args]``): ``factory(seed, **args)``."""
     reward: str | None = None
-    """Optional reward override: ``package.module:function``, sync or async, called as ``fn(completion, item)``."""
+    """Reward override: a built-in (``math``, ``exact``, ``case``) or ``package.module:function``, sync or
+    async, called as ``fn(completion, item)``. Required with ``path`` unless ``rewards`` is set."""
+    rewards: list[RewardSpec] = []
+    """A weighted sum of rewards, ``[{fn = "math", weight = 1.0}, ...]``; each is logged as ``reward/NAME``."""
     seed: int = 0
-    """Seed of the generated prompt stream; the same seed gives the same prompts in the same order."""
+    """Seed of the generated prompt stream (or of a dataset's shuffles); the same seed gives the same prompts in
+    the same order."""
 
 
 class SamplingConfig(Section):
@@ -357,6 +390,34 @@ class AgentConfig(Section):
     prompt's group; ``all``: every trajectory."""
 
 
+class EvalConfig(Section):
+    """Held-out evaluation on the run's engines: before training, every ``every`` steps and after the last
+    step (``eval/*`` metrics); ``rollflow eval CONFIG --checkpoint RUN`` does the same offline."""
+
+    path: str | None = None
+    """Held-out dataset (same forms and keys as ``data.path``); unset: ``data.path`` with ``split``, or for a
+    generated task (``data.task``) its prompt stream under ``seed``."""
+    split: str | None = None
+    """Split of ``path`` (or of ``data.path`` when ``path`` is unset), e.g. ``test``."""
+    seed: int | None = None
+    """Generated tasks: the seed of the held-out prompt stream (unset: ``data.seed + 1``)."""
+    num_prompts: Positive = 64
+    """Prompts evaluated: the first N of the held-out set, in file order."""
+    every: NonNegative = 0
+    """Evaluate every N steps (0: only before training and after the last step)."""
+    greedy: bool = True
+    """One greedy completion per prompt: ``eval/greedy/reward_mean`` and ``eval/greedy/accuracy``."""
+    samples: NonNegative = 0
+    """Sampled completions per prompt (0: none): ``eval/sampled/reward_mean``, ``eval/sampled/pass@1`` and
+    ``eval/sampled/pass@k`` with k = ``samples``."""
+    temperature: NonNegativeFloat | None = None
+    """Temperature of the sampled completions (unset: ``sampling.temperature``)."""
+    max_tokens: Positive | None = None
+    """Completion budget (unset: ``sampling.max_tokens``)."""
+    pass_threshold: float = 1.0
+    """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+
+
 class RunConfig(Section):
     name: str = "run"
     """Run name; the run directory is ``{output_dir}/{name}``, so one path component (not ``.`` or ``..``).
@@ -374,6 +435,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     agent: AgentConfig | None = None
     """Agent rollouts (``[agent]``); unset: single-turn generation."""
+    eval: EvalConfig | None = None
+    """Held-out evaluation (``[eval]``); unset: none during training."""
 
     @property
     def run_dir(self) -> Path:
@@ -402,6 +465,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "sampling.temperature = 0 samples greedily, which leaves no exploration for RL and no "
             "sampling distribution for the PPO ratio; use a temperature > 0 (1.0 is usual)"
         )
+    errors += _data_errors(config)
     errors += _numeric_errors(config)
     errors += _off_policy_errors(config)
     errors += _trainer_errors(config)
@@ -424,6 +488,53 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
             "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
             "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
         )
+    return errors
+
+
+def _data_errors(config: RunConfig) -> list[str]:
+    data = config.data
+    errors = []
+    if data.reward is not None and data.rewards:
+        errors.append(
+            f"data.reward = {data.reward!r} and data.rewards are both set: use one (data.rewards = "
+            "[{fn = ..., weight = ...}] for a weighted sum)"
+        )
+    for index, part in enumerate(data.rewards):
+        if not math.isfinite(part.weight):
+            errors.append(f"data.rewards[{index}].weight = {part.weight} must be a finite number")
+    if data.epochs is not None and data.path is None:
+        errors.append(
+            f"data.epochs = {data.epochs} counts passes over a dataset: set data.path, or use "
+            "orchestrator.steps for a generated task"
+        )
+    evaluation = config.eval
+    if evaluation is not None:
+        if config.agent is not None:
+            errors.append("[eval] evaluates single-turn generation; it does not run [agent] rollouts yet")
+        if evaluation.path is None and data.path is not None and evaluation.split in (None, data.split):
+            errors.append(
+                f"[eval] would evaluate the training data (data.path = {data.path!r}, split "
+                f"{data.split or 'train'!r}): set eval.path to a held-out file or eval.split to another split"
+            )
+        if not evaluation.greedy and evaluation.samples == 0:
+            errors.append("[eval] with eval.greedy = false and eval.samples = 0 evaluates nothing: set one")
+        if evaluation.max_tokens is not None and evaluation.max_tokens >= config.inference.max_model_len:
+            errors.append(
+                f"eval.max_tokens ({evaluation.max_tokens}) must be smaller than inference.max_model_len "
+                f"({config.inference.max_model_len}) to leave room for the prompt"
+            )
+        if not math.isfinite(evaluation.pass_threshold):
+            errors.append(f"eval.pass_threshold = {evaluation.pass_threshold} must be a finite number")
+        if evaluation.temperature is not None and evaluation.temperature == 0 and evaluation.samples > 0:
+            errors.append("eval.temperature = 0 makes every sampled completion the greedy one; use > 0")
+        temperature = (
+            config.sampling.temperature if evaluation.temperature is None else evaluation.temperature
+        )
+        problem = sampling_error(max_tokens=1, temperature=temperature, top_p=1.0, top_k=-1)
+        if problem is not None:
+            errors.append(f"eval.{problem[1]}")
+    if data.args and data.path is not None:
+        errors.append("[data.args] is for custom task factories (data.task), not for a dataset (data.path)")
     return errors
 
 

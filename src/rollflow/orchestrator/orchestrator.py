@@ -1,7 +1,9 @@
 """The rollout orchestrator: wires the components of a run and drives them from one event loop.
 
 Each component has one job and never references the orchestrator:
-- Task / data source: turns a data position into ``RolloutRequest``s (one per prompt).
+- Task / data source: turns a data position into ``RolloutRequest``s (one per prompt); a built-in or custom
+  task, or a dataset (``rollout/datasets.py``: data position = epoch and place in that epoch's shuffle).
+- ``Evaluator`` (``[eval]``, ``rollout/evaluation.py``): held-out prompts before training and between steps.
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
 - Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
   (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -55,9 +58,10 @@ from rollflow.orchestrator.run_dir import (
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
 from rollflow.rollout.agent import build_agent_generator
+from rollflow.rollout.datasets import steps_for_epochs, task_from_config
 from rollflow.rollout.generator import SingleTurnGenerator
-from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
-from rollflow.rollout.tasks import Task, load_task
+from rollflow.rollout.rewards import REWARD_ERROR, Rewarder, reward_part_means
+from rollflow.rollout.tasks import Task
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -129,6 +133,9 @@ class Orchestrator:
         self._generation: asyncio.Task[None] | None = None
         self._results: MemoryObjectReceiveStream[ScoredGroup] | None = None
         self._running = False
+        # Held-out evaluation ([eval]): built in setup; its results, also written to the metric sinks.
+        self.evaluator: Any = None
+        self.eval_history: list[dict[str, Any]] = []
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -174,9 +181,11 @@ class Orchestrator:
         try:
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
+            # The data first: a bad file fails before anything is written, and epochs set the run's length.
+            self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
+            rewarder = Rewarder.from_config(config.data.reward, self.task, config.data.rewards)
+            config = self.config = self._with_epoch_steps(config)
             checkpoint = self._prepare_run_dir()
-            self.task = load_task(config.data.task, config.data.seed)
-            rewarder = Rewarder.from_config(config.data.reward, self.task)
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
             self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
@@ -198,6 +207,10 @@ class Orchestrator:
                     seed=config.seed,
                     partial_rollouts=config.orchestrator.partial_rollouts,
                 )
+            if config.eval is not None:
+                from rollflow.rollout.evaluation import Evaluator
+
+                self.evaluator = await anyio.to_thread.run_sync(Evaluator, config, self.client, renderer)
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             if checkpoint is not None:
                 await self._restore(checkpoint)
@@ -208,7 +221,8 @@ class Orchestrator:
                 await self.barrier.update(self.trainer, 0, self.schedule.pause_mode)
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
-                        truncate_jsonl_after_step(self.run_dir / name, 0)
+                        # -1: the evaluation before training (a step-0 record) is redone as well.
+                        truncate_jsonl_after_step(self.run_dir / name, -1)
             self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         except BaseException:
@@ -237,6 +251,16 @@ class Orchestrator:
             if self._rollouts is not None:
                 self._rollouts.close()
             await self._exit_stack.aclose()  # releases the run directory's lock last
+
+    def _with_epoch_steps(self, config: RunConfig) -> RunConfig:
+        """``data.epochs`` over a dataset: the run's length in steps, in place of ``orchestrator.steps``."""
+        if config.data.epochs is None:
+            return config
+        steps = steps_for_epochs(config.data.epochs, len(self.task), config.orchestrator.prompts_per_step)
+        log.info("run length from data.epochs", epochs=config.data.epochs, rows=len(self.task), steps=steps)
+        return msgspec.structs.replace(
+            config, orchestrator=msgspec.structs.replace(config.orchestrator, steps=steps)
+        )
 
     def _prepare_run_dir(self) -> Path | None:
         """Check the (locked) run directory for a fresh run or a resume and record the config; returns the
@@ -358,6 +382,11 @@ class Orchestrator:
         run_metrics = []
         try:
             with structlog.contextvars.bound_contextvars(run=self.config.name):
+                if self.evaluator is not None and self.state.step == 0 and self._results is None:
+                    # Before training, while no training request is in flight.
+                    record = {"step": 0, **await self._evaluate()}
+                    for sink in self._sinks:
+                        sink.log(record)
                 results = self._start_generation() if self._results is None else self._results
                 while self.state.step < target:
                     metrics = await self._train_step(results)
@@ -530,6 +559,8 @@ class Orchestrator:
             trainer_idle_fraction=wait_time / step_time,
             generator_idle_fraction=(self.schedule.generator_idle_s() - idle_before) / step_time,
         )
+        if self._eval_due():
+            metrics.update(await self._evaluate())
         self._record(batch, metrics)
         if self._checkpoint_due():
             await self._save_checkpoint()
@@ -572,6 +603,7 @@ class Orchestrator:
         for group in batch.groups:
             for name, value in group.metrics.items():
                 metrics[name] = metrics.get(name, 0.0) + value
+        reward_part_means(metrics)
         metrics.update(result.metrics)
         return metrics
 
@@ -592,6 +624,22 @@ class Orchestrator:
                 }
             )
         log.debug("step done", **{k: v for k, v in metrics.items() if isinstance(v, int | float)})
+
+    def _eval_due(self) -> bool:
+        if self.evaluator is None:
+            return False
+        every = self.evaluator.evaluation.every
+        return self.state.step >= self.config.orchestrator.steps or (
+            every > 0 and self.state.step % every == 0
+        )
+
+    async def _evaluate(self) -> dict[str, float]:
+        """Held-out evaluation on the engines' current weights (between steps: no weight update runs during
+        it; its requests pass no staleness schedule and are never trained)."""
+        metrics = await self.evaluator.evaluate(self.state.policy_version)
+        self.eval_history.append({"step": self.state.step, **metrics})
+        log.info("evaluated", step=self.state.step, **metrics)
+        return metrics
 
     def _checkpoint_due(self) -> bool:
         every = self.config.checkpoint.every

@@ -39,7 +39,14 @@ MEANING_KEYS = (
     "model.path",
     "model.renderer",
     "data.task",
+    "data.path",
+    "data.split",
+    "data.prompt_key",
+    "data.answer_key",
+    "data.shuffle",
+    "data.args",
     "data.reward",
+    "data.rewards",
     "data.seed",
     "sampling.samples_per_prompt",
     "seed",
@@ -245,6 +252,8 @@ def meaning_changes(saved: Mapping[str, Any], new: Mapping[str, Any]) -> list[st
     """``key: old -> new`` for each of ``MEANING_KEYS`` that differs between two config dicts."""
     changes = []
     for key in MEANING_KEYS:
+        if key.startswith("data.") and key.split(".")[1] not in saved.get("data", {key.split(".")[1]: None}):
+            continue  # a key newer than the saved config: the run used what is now its default
         old_value, new_value = _lookup(saved, key), _lookup(new, key)
         if old_value != new_value:
             changes.append(f"{key}: {old_value!r} -> {new_value!r}")

@@ -52,7 +52,7 @@ async def open_generator(config: RunConfig, client: Any, renderer: Any, tokenize
     from rollflow.rollout.generator import SingleTurnGenerator
     from rollflow.rollout.rewards import Rewarder
 
-    rewarder = Rewarder.from_config(config.data.reward, task)
+    rewarder = Rewarder.from_config(config.data.reward, task, config.data.rewards)
     yield SingleTurnGenerator(client, renderer, rewarder, config.sampling, seed=config.seed)
 
 
@@ -114,7 +114,8 @@ async def generate(
     from rollflow.errors import ConfigError
     from rollflow.inference.setup import get_inference_client
     from rollflow.orchestrator.checkpoint import load_policy_weights, resolve_checkpoint
-    from rollflow.rollout.tasks import load_task
+    from rollflow.rollout.datasets import task_from_config
+    from rollflow.rollout.rewards import reward_part_means
 
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be >= 1, got {num_prompts}")
@@ -122,7 +123,7 @@ async def generate(
     if checkpoint is not None:
         # Read before any engine starts, so a wrong path or a corrupt file fails at once.
         policy = await anyio.to_thread.run_sync(load_policy_weights, resolve_checkpoint(checkpoint))
-    task = load_task(config.data.task, config.data.seed)
+    task = task_from_config(config.data)
     tokenizer, renderer = await anyio.to_thread.run_sync(_load_chat, config)
     path = config.run_dir / SAMPLES_FILE if output is None else output
     summary: dict[str, float] = {
@@ -158,6 +159,7 @@ async def generate(
                 for key, value in group.metrics.items():
                     summary[key] = summary.get(key, 0.0) + value
     summary["reward_mean"] = sum(rewards) / len(rewards) if rewards else math.nan
+    reward_part_means(summary)
     return summary
 
 

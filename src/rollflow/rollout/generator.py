@@ -41,6 +41,7 @@ class SingleTurnGenerator:
         sampling: SamplingConfig,
         seed: int,
         partial_rollouts: bool = True,
+        request_prefix: str = "",
     ):
         self.client = client
         self.renderer = renderer
@@ -50,6 +51,8 @@ class SingleTurnGenerator:
         # After an abort: continue from the partial tokens (True) or sample the completion again (False).
         self.partial_rollouts = partial_rollouts
         self.stop_token_ids = tuple(renderer.get_stop_token_ids())
+        # Keeps request ids unique when another generator (evaluation) shares the engines.
+        self.request_prefix = request_prefix
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return list(self.renderer.render_ids(messages, add_generation_prompt=True))
@@ -70,7 +73,9 @@ class SingleTurnGenerator:
         async def sample_one(sample_index: int) -> None:
             nonlocal regenerated
             seed = sample_seed(self.seed, request.prompt_index, sample_index)
-            output = await self._sample(prompt_ids, [], seed, f"p{request.prompt_index}-s{sample_index}")
+            output = await self._sample(
+                prompt_ids, [], seed, f"{self.request_prefix}p{request.prompt_index}-s{sample_index}"
+            )
             # A weight-update barrier in abort mode ended the request: an infrastructure event, not the
             # policy's doing, so this one sample is continued or sampled again, never dropped with its group.
             while output.finish_reason is FinishReason.ABORT:
@@ -111,12 +116,12 @@ class SingleTurnGenerator:
                 )
             )
         item = TaskItem(messages=request.messages, answer=request.answer, metadata=request.metadata)
-        await self.rewarder.score(samples, item)
+        reward_metrics = await self.rewarder.score(samples, item)
         return ScoredGroup(
             prompt_index=request.prompt_index,
             samples=samples,
             generation_time_s=time.perf_counter() - started,
-            metrics={"regenerated_samples": float(regenerated)},
+            metrics={"regenerated_samples": float(regenerated), **reward_metrics},
         )
 
     async def _sample(

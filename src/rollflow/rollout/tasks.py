@@ -77,11 +77,16 @@ class CaseTask:
         )
 
     def reward(self, completion: str, item: TaskItem) -> float:
-        letters = [char for char in completion if char.isalpha()]
-        if not letters:
-            return 0.0
-        wanted = str.isupper if item.answer == "upper" else str.islower
-        return sum(1 for char in letters if wanted(char)) / len(letters)
+        return case_fraction(completion, item.answer)
+
+
+def case_fraction(completion: str, case: str) -> float:
+    """The fraction of the completion's letters in ``case`` (``upper`` or ``lower``); 0 without letters."""
+    letters = [char for char in completion if char.isalpha()]
+    if not letters:
+        return 0.0
+    wanted = str.isupper if case == "upper" else str.islower
+    return sum(1 for char in letters if wanted(char)) / len(letters)
 
 
 class DigitTask:
@@ -103,13 +108,19 @@ class DigitTask:
 BUILTIN_TASKS: dict[str, Callable[[int], Task]] = {"case": CaseTask, "digit": DigitTask}
 
 
-def load_task(spec: str, seed: int) -> Task:
-    """Build the task named by ``data.task``: a built-in name or ``package.module:factory``.
+def load_task(spec: str, seed: int, args: dict[str, Any] | None = None) -> Task:
+    """Build the task named by ``data.task``: a built-in name or ``package.module:factory``, called as
+    ``factory(seed, **args)`` with the ``[data.args]`` table (``factory(seed)`` without one).
 
     Raises:
         ConfigError: the name is unknown, the import fails, or the object is not a Task.
     """
     if spec in BUILTIN_TASKS:
+        if args:
+            raise ConfigError(
+                f"[data.args] is passed to custom task factories; the built-in task {spec!r} takes none "
+                f"(got {', '.join(sorted(args))})"
+            )
         return BUILTIN_TASKS[spec](seed)
     if ":" not in spec:
         raise ConfigError(
@@ -118,11 +129,12 @@ def load_task(spec: str, seed: int) -> Task:
         )
     factory = import_object(spec, key="data.task")
     try:
-        task = factory(seed)
+        task = factory(seed, **args) if args else factory(seed)
     except Exception as error:
+        with_args = f" and [data.args] ({', '.join(sorted(args))})" if args else ""
         raise ConfigError(
-            f"data.task = {spec!r}: calling it with the seed failed ({type(error).__name__}: {error}); "
-            "a task factory takes the data seed and returns a Task"
+            f"data.task = {spec!r}: calling it with the seed{with_args} failed ({type(error).__name__}: "
+            f"{error}); a task factory takes the data seed (and the [data.args] keys) and returns a Task"
         ) from error
     if not isinstance(task, Task):
         raise ConfigError(

@@ -414,7 +414,9 @@ async def run_with_servers(
         if "servers" in errors and "trainer" not in errors:  # they blamed the trainer, which never answered
             errors["servers"].add_note(f"the trainer side did not finish within {timeout_s:.3g} s")
             raise errors["servers"] from error
-        if errors:  # the trainer side failed, and the servers' grace ran into the deadline: report the failure
+        if (
+            errors
+        ):  # the trainer side failed, and the servers' grace ran into the deadline: report the failure
             raise next(iter(errors.values())) from None
         pending = []
         if "trainer" not in results and "trainer" not in errors:
