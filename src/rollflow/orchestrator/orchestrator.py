@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -171,6 +172,8 @@ class Orchestrator:
         try:
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
+            # config.json records the renderer the run uses, not ``auto``.
+            self.config = config = await anyio.to_thread.run_sync(_with_resolved_renderer, config)
             checkpoint = self._prepare_run_dir()
             self.task = load_task(config.data.task, config.data.seed)
             rewarder = Rewarder.from_config(config.data.reward, self.task)
@@ -298,7 +301,7 @@ class Orchestrator:
         check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
         tokenizer = load_tokenizer(model_dir)
-        renderer = create_chat_renderer(tokenizer, config.model)
+        renderer = create_chat_renderer(tokenizer, config.model, model_dir)
         spec = TrainerSpec(
             model_dir=model_dir,
             config=config.trainer,
@@ -632,3 +635,13 @@ def _staleness_metrics(staleness: list[int]) -> dict[str, float]:
         "staleness_max": max(staleness),
         **{f"staleness_hist_{k}": counts[k] for k in sorted(counts)},
     }
+
+
+def _with_resolved_renderer(config: RunConfig) -> RunConfig:
+    """Blocking: ``config`` with ``model.renderer = "auto"`` replaced by the renderer it resolves to."""
+    from rollflow.models.loading import resolve_model_path, resolve_renderer_name
+
+    if config.model.renderer != "auto":
+        return config
+    name = resolve_renderer_name(config.model, resolve_model_path(config.model.path))
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, renderer=name))
