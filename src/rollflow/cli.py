@@ -299,7 +299,46 @@ def _parser() -> argparse.ArgumentParser:
         help="sample from a training checkpoint: its directory, or a run directory for its latest "
         "(default: the initial weights)",
     )
+    _add_artifact_commands(commands)
     return parser
+
+
+def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
+    """``export`` and ``plot``: what a run leaves behind, made usable elsewhere."""
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (from_pretrained, vllm serve)",
+    )
+    export.add_argument("run", type=Path, metavar="RUN", help="a run directory (or one checkpoint directory)")
+    export.add_argument("out", type=Path, metavar="OUT", help="the directory to write (must be empty or new)")
+    export.add_argument(
+        "--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default the latest)"
+    )
+    export.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the written weights (default auto: the checkpoint's)",
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
+    export.add_argument(
+        "--push-to-hub",
+        default=None,
+        metavar="REPO_ID",
+        help="then upload OUT to this Hugging Face Hub model repository (private; needs a token and network)",
+    )
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from rollflow.orchestrator.export import export_checkpoint, push_to_hub
+
+    result = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    if args.push_to_hub:
+        result["pushed"] = push_to_hub(args.out, args.push_to_hub)
+    sys.stdout.write(json.dumps({"event": "exported", **result}) + "\n")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -517,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "export":
+            return _export(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE
