@@ -328,6 +328,35 @@ def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
         help="then upload OUT to this Hugging Face Hub model repository (private; needs a token and network)",
     )
 
+    plot = commands.add_parser(
+        "plot", help="write PNG figures of runs' metrics.jsonl (reward, loss, KL, staleness, timings, ...)"
+    )
+    plot.add_argument(
+        "runs", nargs="+", type=Path, metavar="RUN", help="run directories (several: compared on one figure)"
+    )
+    plot.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the PNGs go (default RUN/plots for one run, ./plots for several)",
+    )
+
+
+def _plot(args: argparse.Namespace) -> int:
+    import json
+
+    from rollflow.plots import plot_runs
+
+    out = args.out
+    if out is None:
+        out = args.runs[0] / "plots" if len(args.runs) == 1 and args.runs[0].is_dir() else Path("plots")
+    written = plot_runs(args.runs, out)
+    sys.stdout.write(
+        json.dumps({"event": "plotted", "out": str(out), "files": [p.name for p in written]}) + "\n"
+    )
+    return 0
+
 
 def _export(args: argparse.Namespace) -> int:
     import json
@@ -558,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "plot":
+            return _plot(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE
