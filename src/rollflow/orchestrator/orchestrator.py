@@ -59,6 +59,7 @@ from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
+from rollflow.tracking import check_backends, open_sinks
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -172,6 +173,7 @@ class Orchestrator:
         try:
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
+            check_backends(config)  # a missing tracking package fails before any model loads
             # config.json records the renderer the run uses, not ``auto``.
             self.config = config = await anyio.to_thread.run_sync(_with_resolved_renderer, config)
             checkpoint = self._prepare_run_dir()
@@ -209,7 +211,8 @@ class Orchestrator:
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
                         truncate_jsonl_after_step(self.run_dir / name, 0)
-            self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
+            tracking = await anyio.to_thread.run_sync(open_sinks, config, self.run_dir)
+            self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *tracking, *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         except BaseException:
             with anyio.CancelScope(shield=True):
@@ -579,6 +582,16 @@ class Orchestrator:
         self.history.append(metrics)
         for sink in self._sinks:
             sink.log(metrics)
+        every = self.config.logging.samples_every
+        if every and batch.step % every == 0:
+            rows = [
+                (batch.step, group.prompt_index, s.sample_index, s.reward, s.masked, s.completion_text)
+                for group in batch.groups
+                for s in group.samples
+            ][: self.config.logging.samples_max]
+            for sink in self._sinks:
+                if hasattr(sink, "log_samples"):
+                    sink.log_samples(batch.step, rows)
         assert self._rollouts is not None
         for group in batch.groups:
             self._rollouts.log(
