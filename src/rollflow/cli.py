@@ -304,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
-    """``export`` and ``plot``: what a run leaves behind, made usable elsewhere."""
+    """``export``, ``config`` and ``plot``: what a run leaves behind made usable, and the config reference."""
     export = commands.add_parser(
         "export",
         help="write a checkpoint as a Hugging Face model directory (from_pretrained, vllm serve)",
@@ -328,6 +328,16 @@ def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
         help="then upload OUT to this Hugging Face Hub model repository (private; needs a token and network)",
     )
 
+    config = commands.add_parser("config", help="the config reference: every key, its default and meaning")
+    config.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        default="",
+        metavar="KEY",
+        help="a key (trainer.lr) or section (trainer) to explain (default: every key)",
+    )
+
     plot = commands.add_parser(
         "plot", help="write PNG figures of runs' metrics.jsonl (reward, loss, KL, staleness, timings, ...)"
     )
@@ -341,6 +351,13 @@ def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="where the PNGs go (default RUN/plots for one run, ./plots for several)",
     )
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rollflow.config_docs import explain
+
+    sys.stdout.write(explain(args.explain or None))
+    return 0
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -589,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
             return _export(args)
         if args.command == "plot":
             return _plot(args)
+        if args.command == "config":
+            return _config(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

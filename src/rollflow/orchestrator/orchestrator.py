@@ -236,7 +236,8 @@ class Orchestrator:
         with anyio.CancelScope(shield=True):
             await self._stop_generation()
             for sink in self._sinks:
-                sink.close()
+                # wandb and MLflow sinks flush to their stores (and wandb stops its service) on close.
+                await anyio.to_thread.run_sync(sink.close)
             if self._rollouts is not None:
                 self._rollouts.close()
             await self._exit_stack.aclose()  # releases the run directory's lock last
