@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import glob
 import json
+import socket
 import struct
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -176,3 +179,55 @@ def test_missing_package_and_duplicates_are_clear_errors(tmp_path, monkeypatch):
     assert not (config.run_dir / "config.json").exists()
     with pytest.raises(ConfigError, match="more than once"):
         check_backends(run_config(tmp_path, "logging.backends=['tensorboard', 'tensorboard']"))
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def scrape(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_prometheus_endpoint_serves_the_latest_step_while_the_run_lives(tmp_path):
+    port = free_port()
+    config = run_config(tmp_path, f"logging.prometheus_port={port}")
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    async def scenario():
+        orchestrator = await Orchestrator.start(config)
+        try:
+            assert await asyncio.to_thread(scrape, url) == {}  # no step yet
+            scraped = []
+            for _ in range(STEPS):
+                (metrics,) = await orchestrator.run(steps=1)
+                scraped.append((metrics, await asyncio.to_thread(scrape, url)))
+        finally:
+            await orchestrator.stop()
+        return scraped
+
+    for metrics, values in asyncio.run(scenario()):
+        assert values["rollflow_step"] == metrics["step"]
+        for key in ("reward_mean", "loss", "tokens_per_s", "staleness_mean"):
+            assert values[f"rollflow_{key}"] == pytest.approx(metrics[key]), key
+    with pytest.raises(urllib.error.URLError):  # closed with the run
+        scrape(url)
+
+
+def test_prometheus_port_in_use_is_a_clear_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"logging.prometheus_port = {port}: cannot listen"):
+            asyncio.run(train(run_config(tmp_path, f"logging.prometheus_port={port}")))

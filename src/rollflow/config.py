@@ -334,6 +334,12 @@ class LoggingConfig(Section):
     in ``{run_dir}/mlartifacts`` (view with ``mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db``)."""
     mlflow_experiment: str = "rollflow"
     """The mlflow experiment; the mlflow run is named after the rollflow run."""
+    prometheus_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    """Serve the latest step's metrics for Prometheus at ``http://{prometheus_host}:{port}/metrics`` while the
+    run lives (``rollflow_<metric>`` gauges, read at scrape time; ``pip install prometheus_client``); 0 picks a
+    free port (logged). Unset: no endpoint. The engine servers and the router have their own ``/metrics``."""
+    prometheus_host: str = "127.0.0.1"
+    """Interface of the orchestrator's Prometheus endpoint; another than loopback exposes it to the network."""
 
 
 class AgentConfig(Section):

@@ -18,10 +18,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from rollflow.errors import ConfigError
 
 if TYPE_CHECKING:
     from rollflow.config import RunConfig
+
+log = structlog.get_logger(__name__)
 
 SAMPLE_COLUMNS = ("step", "prompt_index", "sample_index", "reward", "masked", "completion")
 """Columns of a samples table row (``log_samples``)."""
@@ -44,6 +48,11 @@ def check_backends(config: RunConfig) -> None:
     duplicates = sorted({name for name in backends if backends.count(name) > 1})
     if duplicates:
         raise ConfigError(f"logging.backends = {backends!r} lists {', '.join(duplicates)} more than once")
+    if config.logging.prometheus_port is not None and importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError(
+            "logging.prometheus_port is set but the prometheus_client package is not installed: "
+            "pip install prometheus_client, or unset logging.prometheus_port"
+        )
     for name in backends:
         if name in _PACKAGES:
             module, command = _PACKAGES[name]
@@ -67,6 +76,8 @@ def open_sinks(config: RunConfig, run_dir: Path) -> list[Any]:
                 sinks.append(WandbSink(config, run_dir))
             elif name == "mlflow":
                 sinks.append(MlflowSink(config, run_dir))
+        if config.logging.prometheus_port is not None:
+            sinks.append(PrometheusSink(config.logging.prometheus_host, config.logging.prometheus_port))
     except BaseException:
         for sink in sinks:
             sink.close()
@@ -204,6 +215,45 @@ class MlflowSink:
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)
+
+
+_PROMETHEUS_INVALID = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+class PrometheusSink:
+    """The latest step's metrics as ``rollflow_<metric>`` gauges on a ``prometheus_client`` HTTP endpoint (its
+    own thread): a collector reads them at scrape time, so a step costs one dict swap."""
+
+    def __init__(self, host: str, port: int):
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        self._latest: dict[str, float] = {}
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(self)
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as error:
+            raise ConfigError(
+                f"logging.prometheus_port = {port}: cannot listen on {host}:{port} ({error}); pick a free port "
+                "(0 picks one)"
+            ) from None
+        self.port = self._server.server_port
+        self.url = f"http://{host}:{self.port}/metrics"
+        log.info("prometheus metrics", url=self.url)
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for key, value in self._latest.items():  # the dict is replaced whole, never mutated
+            name = "rollflow_" + _PROMETHEUS_INVALID.sub("_", key)
+            yield GaugeMetricFamily(name, f"rollflow step metric {key} (latest step)", value=value)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._latest = {"step": float(metrics["step"]), **numeric(metrics)}
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
 
 
 def local_tracking_uri(run_dir: Path) -> str:
