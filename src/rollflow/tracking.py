@@ -63,15 +63,24 @@ def check_backends(config: RunConfig) -> None:
                 )
 
 
-def open_sinks(config: RunConfig, run_dir: Path) -> list[Any]:
+def open_sinks(config: RunConfig, run_dir: Path, steps_done: int = 0) -> list[Any]:
     """The tracking sinks ``logging.backends`` asks for (``jsonl`` is the run's own ``metrics.jsonl``, opened
-    by the orchestrator). Blocking (wandb starts its service process)."""
+    by the orchestrator). Blocking (wandb starts its service process).
+
+    Args:
+        steps_done: the step a resumed run continues after; TensorBoard hides what an earlier process logged
+            beyond it (those steps are redone). wandb and MLflow start a new run per process.
+    """
     check_backends(config)
     sinks: list[Any] = []
     try:
         for name in config.logging.backends:
             if name == "tensorboard":
-                sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+                sinks.append(
+                    TensorBoardSink(
+                        run_dir / "tensorboard", purge_step=steps_done + 1 if steps_done else None
+                    )
+                )
             elif name == "wandb":
                 sinks.append(WandbSink(config, run_dir))
             elif name == "mlflow":
@@ -109,11 +118,11 @@ def samples_markdown(rows: Sequence[Sequence[Any]]) -> str:
 class TensorBoardSink:
     """Scalars per step, and the samples table as Markdown text (tag ``samples``), in ``directory``."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.directory = directory
-        self._writer = SummaryWriter(log_dir=str(directory))
+        self._writer = SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])

@@ -211,7 +211,7 @@ class Orchestrator:
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
                         truncate_jsonl_after_step(self.run_dir / name, 0)
-            tracking = await anyio.to_thread.run_sync(open_sinks, config, self.run_dir)
+            tracking = await anyio.to_thread.run_sync(open_sinks, config, self.run_dir, self.state.step)
             self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *tracking, *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
         except BaseException:
