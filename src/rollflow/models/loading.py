@@ -22,7 +22,12 @@ from rollflow.models.tiny import (
 # The embedded models, built locally on first use; both use tiny's Qwen3-format tokenizer.
 EMBEDDED_MODELS = {TINY_MODEL_NAME: ensure_tiny_model, TINY_MOE_MODEL_NAME: ensure_tiny_moe_model}
 
-log = structlog.get_logger(__name__)
+
+def _log() -> Any:
+    # A logger per call, not one cached at import: the CLI configures structlog after this module is imported
+    # (and tests capture what the renderer choice logs).
+    return structlog.get_logger(__name__)
+
 
 if TYPE_CHECKING:
     from rollflow.config import ModelConfig
@@ -284,7 +289,7 @@ def resolve_renderer_name(config: ModelConfig, model_dir: Path | None = None, to
     if name is not None:
         return name
     if _has_chat_template(tokenizer, model_dir):
-        log.warning(
+        _log().warning(
             "model.renderer = 'auto' found no renderer for this model; using the generic 'default' renderer "
             "(the tokenizer's chat template, without renderers' tool and thinking parsing). Set model.renderer "
             "to the renderer of the model family it was fine-tuned from (e.g. 'qwen3') if its template matches",
@@ -323,5 +328,5 @@ def create_chat_renderer(tokenizer: Any, config: ModelConfig, model_dir: Path | 
         raise ConfigError(
             f"model.renderer = {config.renderer!r} could not render for model {config.path!r}: {error}"
         ) from None
-    log.info("chat renderer", renderer=name, configured=config.renderer, model=config.path)
+    _log().info("chat renderer", renderer=name, configured=config.renderer, model=config.path)
     return renderer
