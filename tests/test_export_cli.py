@@ -80,6 +80,7 @@ def test_export_loads_with_from_pretrained_and_generates_as_the_engine(trained_r
         p.name for p in out.iterdir()
     }
     assert not (out / OPTIMIZER_FILE).exists() and not list(out.glob("*.pt"))
+    assert all(p.stat().st_mode & 0o777 == 0o644 for p in out.iterdir())  # readable by a serving user
 
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)

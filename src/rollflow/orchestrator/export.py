@@ -99,6 +99,7 @@ def export_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         save_hf_model(model, staging, tokenizer_dir=source)
+        _readable(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -113,6 +114,14 @@ def export_checkpoint(
     }
     log.info("exported", **result)
     return result
+
+
+def _readable(directory: Path) -> None:
+    """Make the written files 0644: the weights come out private (0600) from their writer, and an exported
+    model is meant to be served and shared (``vllm serve`` as another user)."""
+    for path in directory.iterdir():
+        if path.is_file():
+            path.chmod(0o644)
 
 
 def _load(source: Path, dtype: str) -> Any:
