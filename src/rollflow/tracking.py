@@ -15,12 +15,13 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, RollflowError
 
 if TYPE_CHECKING:
     from rollflow.config import RunConfig
@@ -197,6 +198,8 @@ class MlflowSink:
             location = None if config.logging.mlflow_tracking_uri else (run_dir / "mlartifacts").as_uri()
             experiment_id = self._client.create_experiment(name, artifact_location=location)
         self.run_id = self._client.create_run(experiment_id, run_name=config.name).info.run_id
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-sink")
+        self._writes: list[Future[Any]] = []
         self._log_params(_flatten(to_dict(config)))
 
     def _log_params(self, params: dict[str, str]) -> None:
@@ -215,14 +218,36 @@ class MlflowSink:
             for key, value in numeric(metrics).items()
             if math.isfinite(value)
         ]
+        self._submit(self._log_metrics, items)
+
+    def _log_metrics(self, items: list[Any]) -> None:
         for start in range(0, len(items), 1000):
             self._client.log_batch(self.run_id, metrics=items[start : start + 1000])
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
         table = [dict(zip(SAMPLE_COLUMNS, row, strict=True)) for row in rows]
-        self._client.log_text(self.run_id, json.dumps(table, indent=1), f"samples/step_{step:06d}.json")
+        self._submit(
+            self._client.log_text, self.run_id, json.dumps(table, indent=1), f"samples/step_{step:06d}.json"
+        )
+
+    def _submit(self, function: Any, *args: Any) -> None:
+        """Run a store write on the sink's own thread, in order: a SQLite commit takes tens of milliseconds,
+        which the orchestrator's event loop must not wait for (``benchmarks/tracking_overhead.py``)."""
+        self._check()
+        self._writes.append(self._executor.submit(function, *args))
+
+    def _check(self) -> None:
+        """Raise the first failure of a finished write (the store is unreachable, the disk full)."""
+        while self._writes and self._writes[0].done():
+            error = self._writes.pop(0).exception()
+            if error is not None:
+                raise RollflowError(
+                    f"logging.backends 'mlflow': writing to {self.tracking_uri} failed: {error}"
+                ) from error
 
     def close(self) -> None:
+        self._executor.shutdown(wait=True)
+        self._check()
         self._client.set_terminated(self.run_id)
 
 
