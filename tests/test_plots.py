@@ -98,3 +98,10 @@ def test_bad_runs_are_clear_errors(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
     assert main(["plot", str(tmp_path)]) == 2
     assert "no step recorded yet" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_names_the_install_command(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n")
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if not installed
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "pip install 'rollflow[plot]'" in capsys.readouterr().err
