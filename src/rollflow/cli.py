@@ -273,6 +273,8 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     proxy.add_argument("--port", type=_port, default=0, help="port to bind; 0 picks a free one (default 0)")
 
+    _add_artifact_commands(commands)
+
     generate = commands.add_parser(
         "generate",
         help="generate only: run the configured generator (agent or single-turn) and write samples as JSONL",
@@ -299,7 +301,6 @@ def _parser() -> argparse.ArgumentParser:
         help="sample from a training checkpoint: its directory, or a run directory for its latest "
         "(default: the initial weights)",
     )
-    _add_artifact_commands(commands)
     return parser
 
 
@@ -385,6 +386,9 @@ def _export(args: argparse.Namespace) -> int:
         result["pushed"] = push_to_hub(args.out, args.push_to_hub)
     sys.stdout.write(json.dumps({"event": "exported", **result}) + "\n")
     return 0
+
+
+_ARTIFACT_COMMANDS = {"export": _export, "plot": _plot, "config": _config}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -592,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("run", "generate"):
         _Termination.install()
     try:
+        if args.command in _ARTIFACT_COMMANDS:
+            return _ARTIFACT_COMMANDS[args.command](args)
         if args.command == "run":
             return _run(args)
         if args.command == "serve":
@@ -602,12 +608,6 @@ def main(argv: list[str] | None = None) -> int:
             return _proxy(args)
         if args.command == "generate":
             return _generate(args)
-        if args.command == "export":
-            return _export(args)
-        if args.command == "plot":
-            return _plot(args)
-        if args.command == "config":
-            return _config(args)
     except ConfigError as error:
         sys.stderr.write(f"config error: {error}\n")
         return EXIT_USAGE

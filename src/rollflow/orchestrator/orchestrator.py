@@ -171,11 +171,11 @@ class Orchestrator:
         config = self.config
         self._exit_stack = contextlib.AsyncExitStack()
         try:
-            self._lock.acquire()
-            self._exit_stack.callback(self._lock.release)
             check_backends(config)  # a missing tracking package fails before any model loads
             # config.json records the renderer the run uses, not ``auto``.
             self.config = config = await anyio.to_thread.run_sync(_with_resolved_renderer, config)
+            self._lock.acquire()
+            self._exit_stack.callback(self._lock.release)
             checkpoint = self._prepare_run_dir()
             self.task = load_task(config.data.task, config.data.seed)
             rewarder = Rewarder.from_config(config.data.reward, self.task)
@@ -211,9 +211,12 @@ class Orchestrator:
                 if self.resume:  # stopped before its first checkpoint: every step is redone
                     for name in (METRICS_FILE, ROLLOUTS_FILE):
                         truncate_jsonl_after_step(self.run_dir / name, 0)
-            tracking = await anyio.to_thread.run_sync(open_sinks, config, self.run_dir, self.state.step)
-            self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *tracking, *self._extra_sinks]
+            self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
+            # The tracking backends ([logging]) come after metrics.jsonl, before the caller's sinks.
+            self._sinks[1:1] = await anyio.to_thread.run_sync(
+                open_sinks, config, self.run_dir, self.state.step
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._exit_stack.aclose()
