@@ -59,7 +59,6 @@ from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder
 from rollflow.rollout.tasks import Task, load_task
-from rollflow.tracking import check_backends, open_sinks
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -167,6 +166,7 @@ class Orchestrator:
         if self._is_set_up:
             return
         from rollflow.inference.setup import get_inference_client
+        from rollflow.tracking import check_backends, open_sinks
 
         config = self.config
         self._exit_stack = contextlib.AsyncExitStack()
