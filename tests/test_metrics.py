@@ -42,9 +42,20 @@ def test_plain_progress_prints_one_line_per_step():
 
 def test_terminal_progress_redraws_one_line():
     stream = io.StringIO()
-    display = ProgressDisplay(2, stream=stream, interactive=True)
+    display = ProgressDisplay(3, stream=stream, interactive=True)
     display.log(metrics(1))
     display.log(metrics(2))
     text = stream.getvalue()
-    assert text.count("\r") == 2 and text.endswith("\n")
-    assert "step 2/2" in text and "█" in text
+    assert "\n" not in text and text.count("\r") >= 2  # redrawn in place
+    last = text.split("\r")[-1]
+    assert last.startswith("step 2/3") and "reward 0.500" in last and "1,234 tok/s" in last
+    display.log(metrics(3))
+    assert stream.getvalue().endswith("\n")  # the finished bar stays
+
+
+def test_terminal_progress_of_a_resumed_run_starts_at_its_step():
+    stream = io.StringIO()
+    display = ProgressDisplay(10, stream=stream, interactive=True)
+    display.log(metrics(7))
+    assert stream.getvalue().split("\r")[-1].startswith("step 7/10")
+    display.close()

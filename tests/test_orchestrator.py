@@ -43,7 +43,9 @@ async def test_start_run_stop_in_a_running_loop(tmp_path):
     assert orchestrator.state.data_position == 3 * 4
     run_dir = config.run_dir
     assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3]
-    assert json.loads((run_dir / "config.json").read_text())["name"] == "t"
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["name"] == "t"
+    assert saved["model"]["renderer"] == "qwen3"  # `auto`, as resolved for rollflow:tiny
     for metrics in first + rest:
         assert metrics["num_samples"] == 16
         assert metrics["logprob_mismatch"] < 1e-4

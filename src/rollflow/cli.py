@@ -275,6 +275,8 @@ def _parser() -> argparse.ArgumentParser:
         "--port", type=_port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
     )
 
+    _add_artifact_commands(commands)
+
     generate = commands.add_parser(
         "generate",
         help="generate only: run the configured generator (agent or single-turn) and write samples as JSONL",
@@ -551,6 +553,93 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
 
+def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
+    """``export``, ``config`` and ``plot``: what a run leaves behind made usable, and the config reference."""
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint as a Hugging Face model directory (from_pretrained, vllm serve)",
+    )
+    export.add_argument("run", type=Path, metavar="RUN", help="a run directory (or one checkpoint directory)")
+    export.add_argument("out", type=Path, metavar="OUT", help="the directory to write (must be empty or new)")
+    export.add_argument(
+        "--step", type=int, default=None, metavar="N", help="the checkpoint of step N (default the latest)"
+    )
+    export.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the written weights (default auto: the checkpoint's)",
+    )
+    export.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
+    export.add_argument(
+        "--push-to-hub",
+        default=None,
+        metavar="REPO_ID",
+        help="then upload OUT to this Hugging Face Hub model repository (private; needs a token and network)",
+    )
+
+    config = commands.add_parser("config", help="the config reference: every key, its default and meaning")
+    config.add_argument(
+        "--explain",
+        nargs="?",
+        const="",
+        default="",
+        metavar="KEY",
+        help="a key (trainer.lr) or section (trainer) to explain (default: every key)",
+    )
+
+    plot = commands.add_parser(
+        "plot", help="write PNG figures of runs' metrics.jsonl (reward, loss, KL, staleness, timings, ...)"
+    )
+    plot.add_argument(
+        "runs", nargs="+", type=Path, metavar="RUN", help="run directories (several: compared on one figure)"
+    )
+    plot.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the PNGs go (default RUN/plots for one run, ./plots for several)",
+    )
+
+
+def _config(args: argparse.Namespace) -> int:
+    from rollflow.config_docs import explain
+
+    sys.stdout.write(explain(args.explain or None))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    import json
+
+    from rollflow.plots import plot_runs
+
+    out = args.out
+    if out is None:
+        out = args.runs[0] / "plots" if len(args.runs) == 1 and args.runs[0].is_dir() else Path("plots")
+    written = plot_runs(args.runs, out)
+    sys.stdout.write(
+        json.dumps({"event": "plotted", "out": str(out), "files": [p.name for p in written]}) + "\n"
+    )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import json
+
+    from rollflow.orchestrator.export import export_checkpoint, push_to_hub
+
+    result = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    if args.push_to_hub:
+        result["pushed"] = push_to_hub(args.out, args.push_to_hub)
+    sys.stdout.write(json.dumps({"event": "exported", **result}) + "\n")
+    return 0
+
+
+_ARTIFACT_COMMANDS = {"export": _export, "plot": _plot, "config": _config}
+
+
 def main(argv: list[str] | None = None) -> int:
     # Background jobs of non-interactive shells start with SIGINT ignored; `kill -INT` (Ctrl-C) must still
     # stop a run cleanly.
@@ -560,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("run", "generate", "eval"):
         _Termination.install()
     try:
+        if args.command in _ARTIFACT_COMMANDS:
+            return _ARTIFACT_COMMANDS[args.command](args)
         if args.command == "run":
             return _run(args)
         if args.command == "serve":

@@ -35,8 +35,10 @@ class ModelConfig(Section):
     path: str = "rollflow:tiny"
     """``rollflow:tiny`` (built locally), a local Hugging Face model directory, or a name in the local HF cache."""
     renderer: str = "auto"
-    """Chat renderer (a ``renderers`` config name such as ``qwen3``). ``auto``: qwen3 for ``rollflow:tiny``,
-    otherwise renderers' own selection by model name."""
+    """Chat renderer (a ``renderers`` config name such as ``qwen3``, or ``default`` for the tokenizer's chat
+    template). ``auto``: qwen3 for ``rollflow:tiny``, otherwise the renderer renderers registers for the model's
+    Hugging Face name (taken from the HF cache layout or ``config.json``'s ``_name_or_path``, not the snapshot
+    path), else ``default`` with a warning. A run writes the resolved name into its ``config.json``."""
     enable_thinking: bool = False
     """Whether the generation prompt opens a thinking block (renderers that support it)."""
 
@@ -340,6 +342,39 @@ class WeightSyncConfig(Section):
         return {}
 
 
+class LoggingConfig(Section):
+    """Where step metrics go besides ``{run_dir}/metrics.jsonl``, which is always written (resume and
+    ``rollflow plot`` read it)."""
+
+    backends: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = msgspec.field(
+        default_factory=lambda: ["jsonl"]
+    )
+    """Metric sinks: ``tensorboard`` (event files in ``{run_dir}/tensorboard``; needs the ``tensorboard``
+    package), ``wandb`` (a run in ``{run_dir}/wandb``; ``pip install wandb``), ``mlflow`` (a run in the
+    ``logging.mlflow_tracking_uri`` store; ``pip install mlflow``)."""
+    samples_every: NonNegative = 0
+    """Every N steps, log a table of sampled completions (prompt index, reward, completion) to the backends
+    that show tables (tensorboard text, wandb table, mlflow table); 0: never. ``rollouts.jsonl`` has them all."""
+    samples_max: Positive = 16
+    """Rows in each samples table (the first samples of the step)."""
+    wandb_project: str = "rollflow"
+    """The wandb project; the wandb run is named after the rollflow run."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline``: written under ``{run_dir}/wandb`` only (upload later with ``wandb sync``), as on clusters
+    without network; ``online`` streams to the wandb server (needs ``wandb login``)."""
+    mlflow_tracking_uri: str | None = None
+    """The mlflow tracking store (a server URL or database URI); unset: SQLite at ``{run_dir}/mlflow.db``, artifacts
+    in ``{run_dir}/mlartifacts`` (view with ``mlflow ui --backend-store-uri sqlite:///{run_dir}/mlflow.db``)."""
+    mlflow_experiment: str = "rollflow"
+    """The mlflow experiment; the mlflow run is named after the rollflow run."""
+    prometheus_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
+    """Serve the latest step's metrics for Prometheus at ``http://{prometheus_host}:{port}/metrics`` while the
+    run lives (``rollflow_<metric>`` gauges, read at scrape time; ``pip install prometheus_client``); 0 picks a
+    free port (logged). Unset: no endpoint. The engine servers and the router have their own ``/metrics``."""
+    prometheus_host: str = "127.0.0.1"
+    """Interface of the orchestrator's Prometheus endpoint; another than loopback exposes it to the network."""
+
+
 class AgentConfig(Section):
     """Agent rollouts through the TITO proxy; when this section is present it replaces single-turn generation.
     The group size is ``sampling.samples_per_prompt``; requests default to ``sampling.max_tokens`` and
@@ -429,6 +464,7 @@ class RunConfig(Section):
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     sampling: SamplingConfig = msgspec.field(default_factory=SamplingConfig)
     inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)

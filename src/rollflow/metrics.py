@@ -97,15 +97,24 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def _in_notebook() -> bool:
+    # An IPython kernel (Jupyter, VS Code, Colab) has imported ipykernel; a plain terminal or pipe has not.
+    return "ipykernel" in sys.modules
+
+
 class ProgressDisplay:
-    """Step, reward, tokens/s and ETA: a redrawn bar on a terminal, one plain line per step otherwise."""
+    """Step, reward, tokens/s, loss and ETA: a tqdm bar on a terminal (resized with it) or in a notebook (a
+    widget where ipywidgets is installed), one plain line per step otherwise (logs, CI)."""
 
     def __init__(self, total_steps: int, *, stream: TextIO | None = None, interactive: bool | None = None):
         self.total_steps = total_steps
         self.stream = stream or sys.stderr
-        self.interactive = self.stream.isatty() if interactive is None else interactive
+        if interactive is None:
+            interactive = self.stream.isatty() or _in_notebook()
+        self.interactive = interactive
         self._started = time.monotonic()
         self._first_step: int | None = None
+        self._bar: Any = None
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])
@@ -113,28 +122,41 @@ class ProgressDisplay:
             # Resumed runs start mid-way: the ETA uses only the steps timed in this process.
             self._first_step = step - 1
             self._started = time.monotonic() - float(metrics.get("step_time_s", 0.0))
+        reward = metrics.get("reward_mean", float("nan"))
+        tokens_per_s = metrics.get("tokens_per_s", 0.0)
+        stats = (
+            f"reward {reward:.3f}  {tokens_per_s:,.0f} tok/s  loss {metrics.get('loss', float('nan')):.4f}"
+        )
+        if self.interactive:
+            self._draw(step, stats)
+            return
         done = step - self._first_step
         elapsed = time.monotonic() - self._started
         eta = elapsed / done * (self.total_steps - step) if done else float("nan")
-        reward = metrics.get("reward_mean", float("nan"))
-        tokens_per_s = metrics.get("tokens_per_s", 0.0)
-        text = (
-            f"step {step}/{self.total_steps}  reward {reward:.3f}  "
-            f"{tokens_per_s:,.0f} tok/s  loss {metrics.get('loss', float('nan')):.4f}  "
-            f"ETA {_duration(eta)}"
-        )
-        if self.interactive:
-            width = 24
-            filled = round(width * step / max(self.total_steps, 1))
-            bar = "█" * filled + "·" * (width - filled)
-            self.stream.write(f"\r\x1b[2K[{bar}] {text}")
-            if step >= self.total_steps:
-                self.stream.write("\n")
-        else:
-            self.stream.write(text + "\n")
+        self.stream.write(f"step {step}/{self.total_steps}  {stats}  ETA {_duration(eta)}\n")
         self.stream.flush()
 
+    def _draw(self, step: int, stats: str) -> None:
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            assert self._first_step is not None
+            self._bar = tqdm(
+                total=self.total_steps,
+                initial=self._first_step,
+                file=self.stream,
+                dynamic_ncols=True,  # follows the terminal's width as it is resized
+                unit="step",
+                desc="step",
+                bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {postfix} [{elapsed}<{remaining}]",
+            )
+        self._bar.set_postfix_str(stats, refresh=False)
+        self._bar.n = step
+        self._bar.refresh()  # every step (steps are seconds apart; tqdm's own redraws are rate-limited)
+        if step >= self.total_steps:
+            self.close()
+
     def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
+        bar, self._bar = self._bar, None
+        if bar is not None:
+            bar.close()

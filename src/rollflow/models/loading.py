@@ -3,9 +3,13 @@ directory or a cached HF name."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from rollflow.errors import ConfigError, ModelNotFoundError
 from rollflow.models.tiny import (
@@ -17,6 +21,13 @@ from rollflow.models.tiny import (
 
 # The embedded models, built locally on first use; both use tiny's Qwen3-format tokenizer.
 EMBEDDED_MODELS = {TINY_MODEL_NAME: ensure_tiny_model, TINY_MOE_MODEL_NAME: ensure_tiny_moe_model}
+
+
+def _log() -> Any:
+    # A logger per call, not one cached at import: the CLI configures structlog after this module is imported
+    # (and tests capture what the renderer choice logs).
+    return structlog.get_logger(__name__)
+
 
 if TYPE_CHECKING:
     from rollflow.config import ModelConfig
@@ -216,25 +227,106 @@ def check_devices(config: Any) -> None:
         resolve_device(config.inference.device, "inference.device")
 
 
-def create_chat_renderer(tokenizer: Any, config: ModelConfig) -> Any:
-    """Build the ``renderers`` renderer for chat prompts.
+def model_hf_name(path: str, model_dir: Path | None = None) -> str | None:
+    """The model's Hugging Face name (``Org/Name``) for ``model.path``, or None when it has none.
+
+    A name in the HF cache is its own name; a directory inside the cache (``models--Org--Name/snapshots/<hash>``,
+    as ``resolve_model_path`` returns) gives the name back from the cache layout; any other directory gives its
+    ``config.json``'s ``_name_or_path`` when that is a hub name rather than a path.
+    """
+    if path in EMBEDDED_MODELS:
+        return None
+    local = Path(path).expanduser()
+    if not local.is_dir() and _HUB_NAME.fullmatch(path):
+        return path
+    directory = model_dir if model_dir is not None else (local if local.is_dir() else None)
+    if directory is None:
+        return None
+    for candidate in (Path(directory).expanduser().absolute(), Path(directory).expanduser().resolve()):
+        parts = candidate.parts
+        for index, part in enumerate(parts[:-1]):
+            if part.startswith("models--") and parts[index + 1] == "snapshots":
+                return part.removeprefix("models--").replace("--", "/")
+    try:
+        name = json.loads((Path(directory) / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(name, str) and _HUB_NAME.fullmatch(name) and not Path(name).expanduser().exists():
+        return name
+    return None
+
+
+# ``Org/Name`` as the hub spells repository ids (no path separators beyond the one, no ``..``).
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _has_chat_template(tokenizer: Any, model_dir: Path | None) -> bool:
+    if getattr(tokenizer, "chat_template", None):
+        return True
+    if model_dir is None:
+        return False
+    if (model_dir / "chat_template.jinja").exists():
+        return True
+    try:
+        return bool(json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def resolve_renderer_name(config: ModelConfig, model_dir: Path | None = None, tokenizer: Any = None) -> str:
+    """The concrete ``renderers`` name for ``model.renderer``: itself unless ``auto``; for ``auto``, qwen3 for
+    the embedded models, else renderers' renderer for the model's HF name (``model_hf_name``: the cache
+    layout, never the snapshot path), else the generic ``default`` (the tokenizer's chat template), with a
+    warning naming ``model.renderer`` when the model has a chat template a specific renderer may match."""
+    if config.renderer != "auto":
+        return config.renderer
+    if config.path in EMBEDDED_MODELS:
+        return "qwen3"
+    from renderers.base import MODEL_RENDERER_MAP
+
+    hf_name = model_hf_name(config.path, model_dir)
+    name = MODEL_RENDERER_MAP.get(hf_name) if hf_name else None
+    if name is not None:
+        return name
+    if _has_chat_template(tokenizer, model_dir):
+        _log().warning(
+            "model.renderer = 'auto' found no renderer for this model; using the generic 'default' renderer "
+            "(the tokenizer's chat template, without renderers' tool and thinking parsing). Set model.renderer "
+            "to the renderer of the model family it was fine-tuned from (e.g. 'qwen3') if its template matches",
+            model=config.path,
+            hf_name=hf_name,
+        )
+    return "default"
+
+
+def create_chat_renderer(tokenizer: Any, config: ModelConfig, model_dir: Path | None = None) -> Any:
+    """Build the ``renderers`` renderer for chat prompts (``resolve_renderer_name`` picks it; logged), with
+    ``model.enable_thinking`` applied: as the renderer's own field, or as a chat-template argument for the
+    generic ``default`` renderer.
+
+    Args:
+        model_dir: the resolved model directory; defaults to the tokenizer's ``name_or_path`` when that is one.
 
     Raises:
         ConfigError: ``model.renderer`` names no renderer, or the renderer rejects the tokenizer.
     """
     import renderers
 
-    name = config.renderer
-    if name == "auto" and config.path in EMBEDDED_MODELS:
-        name = "qwen3"
+    if model_dir is None:
+        source = getattr(tokenizer, "name_or_path", "") or ""
+        model_dir = Path(source) if source and Path(source).is_dir() else None
     try:
-        if name == "auto":
-            return renderers.create_renderer(tokenizer)
+        name = resolve_renderer_name(config, model_dir, tokenizer)
         renderer_config = renderers.config_from_name(name)
+        template_kwargs = None
         if "enable_thinking" in type(renderer_config).model_fields:
             renderer_config = renderer_config.model_copy(update={"enable_thinking": config.enable_thinking})
-        return renderers.create_renderer(tokenizer, renderer_config)
+        elif name == "default":
+            template_kwargs = {"enable_thinking": config.enable_thinking}
+        renderer = renderers.create_renderer(tokenizer, renderer_config, chat_template_kwargs=template_kwargs)
     except (ValueError, KeyError, AssertionError) as error:
         raise ConfigError(
             f"model.renderer = {config.renderer!r} could not render for model {config.path!r}: {error}"
         ) from None
+    _log().info("chat renderer", renderer=name, configured=config.renderer, model=config.path)
+    return renderer

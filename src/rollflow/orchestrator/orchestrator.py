@@ -175,10 +175,14 @@ class Orchestrator:
         if self._is_set_up:
             return
         from rollflow.inference.setup import get_inference_client
+        from rollflow.tracking import check_backends, open_sinks
 
         config = self.config
         self._exit_stack = contextlib.AsyncExitStack()
         try:
+            check_backends(config)  # a missing tracking package fails before any model loads
+            # config.json records the renderer the run uses, not ``auto``.
+            self.config = config = await anyio.to_thread.run_sync(_with_resolved_renderer, config)
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
             # The data first: a bad file fails before anything is written, and epochs set the run's length.
@@ -225,6 +229,10 @@ class Orchestrator:
                         truncate_jsonl_after_step(self.run_dir / name, -1)
             self._sinks = [JsonlWriter(self.run_dir / METRICS_FILE), *self._extra_sinks]
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
+            # The tracking backends ([logging]) come after metrics.jsonl, before the caller's sinks.
+            self._sinks[1:1] = await anyio.to_thread.run_sync(
+                open_sinks, config, self.run_dir, self.state.step
+            )
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._exit_stack.aclose()
@@ -247,7 +255,8 @@ class Orchestrator:
         with anyio.CancelScope(shield=True):
             await self._stop_generation()
             for sink in self._sinks:
-                sink.close()
+                # wandb and MLflow sinks flush to their stores (and wandb stops its service) on close.
+                await anyio.to_thread.run_sync(sink.close)
             if self._rollouts is not None:
                 self._rollouts.close()
             await self._exit_stack.aclose()  # releases the run directory's lock last
@@ -325,7 +334,7 @@ class Orchestrator:
         check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
         tokenizer = load_tokenizer(model_dir)
-        renderer = create_chat_renderer(tokenizer, config.model)
+        renderer = create_chat_renderer(tokenizer, config.model, model_dir)
         spec = TrainerSpec(
             model_dir=model_dir,
             config=config.trainer,
@@ -611,6 +620,16 @@ class Orchestrator:
         self.history.append(metrics)
         for sink in self._sinks:
             sink.log(metrics)
+        every = self.config.logging.samples_every
+        if every and batch.step % every == 0:
+            rows = [
+                (batch.step, group.prompt_index, s.sample_index, s.reward, s.masked, s.completion_text)
+                for group in batch.groups
+                for s in group.samples
+            ][: self.config.logging.samples_max]
+            for sink in self._sinks:
+                if hasattr(sink, "log_samples"):
+                    sink.log_samples(batch.step, rows)
         assert self._rollouts is not None
         for group in batch.groups:
             self._rollouts.log(
@@ -683,3 +702,13 @@ def _staleness_metrics(staleness: list[int]) -> dict[str, float]:
         "staleness_max": max(staleness),
         **{f"staleness_hist_{k}": counts[k] for k in sorted(counts)},
     }
+
+
+def _with_resolved_renderer(config: RunConfig) -> RunConfig:
+    """Blocking: ``config`` with ``model.renderer = "auto"`` replaced by the renderer it resolves to."""
+    from rollflow.models.loading import resolve_model_path, resolve_renderer_name
+
+    if config.model.renderer != "auto":
+        return config
+    name = resolve_renderer_name(config.model, resolve_model_path(config.model.path))
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, renderer=name))
