@@ -52,7 +52,10 @@ def _field_docs() -> dict[str, dict[str, str]]:
 
 
 def _section_type(annotation: Any) -> type | None:
-    """The Section class a field holds (``AgentConfig | None`` included), else None."""
+    """The Section class a field holds (``AgentConfig | None`` included), else None. A list of sections
+    (``data.rewards``) is a plain key: its default is a value, not a table of keys."""
+    if getattr(annotation, "__origin__", None) is list:
+        return None
     for candidate in (annotation, *getattr(annotation, "__args__", ())):
         if isinstance(candidate, type) and issubclass(candidate, config_module.Section):
             return candidate
