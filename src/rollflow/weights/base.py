@@ -503,6 +503,22 @@ async def servers_step(what: str, call: Awaitable[Any], timeout_s: float, server
         ) from exc
 
 
+async def init_servers(sender: WeightSender, client: Any, what: str, timeout_s: float) -> None:
+    """Send ``sender.init_info`` to every server (``/init_weight_transfer_engine``) within ``timeout_s``.
+
+    Raises:
+        WeightTransferTimeoutError: naming ``what`` (the sender is then broken).
+    """
+    try:
+        with anyio.fail_after(timeout_s):
+            await client.init_weight_update_communicator(sender.init_info)
+    except TimeoutError as exc:
+        sender.broken = "the servers never initialized"
+        raise WeightTransferTimeoutError(
+            f"initializing the {what} transfer on the servers took longer than {timeout_s:g} s"
+        ) from exc
+
+
 def _blames_the_trainer(error: BaseException) -> bool:
     """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
     failures = getattr(error, "failures", None)

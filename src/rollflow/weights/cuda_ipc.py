@@ -37,6 +37,7 @@ from rollflow.weights.base import (
     WeightTransferTimeoutError,
     as_source,
     check_transfer_dtype,
+    init_servers,
     new_transfer_id,
 )
 from rollflow.weights.packing import (
@@ -146,14 +147,7 @@ class CudaIpcSender(WeightSender):
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await client.init_weight_update_communicator(self.init_info)
-        except TimeoutError as exc:
-            self.broken = "the servers never initialized"
-            raise WeightTransferTimeoutError(
-                f"initializing the CUDA IPC transfer on the servers took longer than {self.timeout_s:g} s"
-            ) from exc
+        await init_servers(self, client, "CUDA IPC", self.timeout_s)
 
     async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
         source = as_source(source)
