@@ -177,6 +177,8 @@ def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_p
         ("step:3", "thread", "local", "process"),
         # Mid-checkpoint: the trainer's files written, state.json not yet.
         ("checkpoint:4", "thread", "local", "group"),
+        # Two data-parallel trainer workers (trainer.num_workers = 2) get the group's SIGTERM mid-step too.
+        ("step:3", "workers", "local", "group"),
     ],
 )
 def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
@@ -184,19 +186,14 @@ def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
 ):
     run_dir = tmp_path / "runs" / "quickstart"
     env = {"ROLLFLOW_INFERENCE_MODE": inference_mode}
+    trainer = "trainer.num_workers=2" if placement == "workers" else f"trainer.placement='{placement}'"
     process, marker = start_paused(
-        tmp_path,
-        phase,
-        "--set",
-        f"trainer.placement='{placement}'",
-        "--set",
-        "inference.router_port=0",
-        env=env,
+        tmp_path, phase, "--set", trainer, "--set", "inference.router_port=0", env=env
     )
     try:
         wait_for(marker, process)
         children = descendants(process.pid)
-        if placement == "process":
+        if placement in ("process", "workers"):
             assert any("multiprocessing" in cmd for cmd in still_running(children).values())
         if inference_mode == "http":
             assert sum("rollflow serve" in cmd for cmd in still_running(children).values()) == 2

@@ -189,7 +189,7 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
     try:
         trainer = _build(spec)
     except Exception as error:
-        conn.send(_error_reply(error))
+        conn.send(error_reply(error))
         return
     conn.send(("ok", None, ""))
     while True:
@@ -206,7 +206,7 @@ def _serve(conn: Connection, spec: TrainerSpec) -> None:
             else:
                 reply = ("ok", getattr(trainer, method)(*args), "")
         except Exception as error:
-            reply = _error_reply(error)
+            reply = error_reply(error)
         try:
             conn.send(reply)
         except OSError:
@@ -220,13 +220,16 @@ def _build(spec: TrainerSpec) -> Any:
     return Trainer(load_causal_lm(spec.model_dir), **spec.trainer_kwargs())
 
 
-def _error_reply(error: Exception) -> tuple[str, Exception, str]:
-    """The exception itself when it pickles (so the parent raises the same type), else a stand-in."""
+def error_reply(
+    error: Exception, stand_in: type[RollflowError] = TrainerProcessError
+) -> tuple[str, Exception, str]:
+    """A child's reply for ``error``: the exception itself when it pickles (so the parent raises the same
+    type), else a ``stand_in`` naming it; with the child's traceback."""
     import pickle
 
     details = traceback.format_exc()
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        error = TrainerProcessError(f"{type(error).__name__}: {error}")
+        error = stand_in(f"{type(error).__name__}: {error}")
     return ("error", error, details)

@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +35,7 @@ import structlog
 from rollflow.errors import ConfigError, RollflowError
 from rollflow.messages import PackedBatch, StepResult
 from rollflow.train.handle import WeightPush
-from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec
+from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec, error_reply
 
 log = structlog.get_logger(__name__)
 
@@ -278,13 +277,15 @@ def _check_devices(config: Any) -> str:
 def _serve_rank(
     conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int, parent: int
 ) -> None:
-    # Ctrl-C in a terminal reaches the whole process group; the parent decides when the workers end.
+    # Ctrl-C in a terminal, and SIGTERM from `timeout`, systemd or Slurm, reach the whole process group; the
+    # parent finishes the step in progress (a checkpoint-safe stop) and then decides when the workers end.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     try:
         trainer = _start_rank(conn, spec, rank, world_size, device, threads)
     except Exception as error:
-        conn.send(_error_reply(error))
+        conn.send(error_reply(error, TrainerWorkerError))
         return
     conn.send(("ok", None, ""))
     while True:
@@ -302,7 +303,7 @@ def _serve_rank(
         try:
             reply: tuple[str, Any, str] = ("ok", _run(trainer, method, args), "")
         except Exception as error:
-            reply = _error_reply(error)
+            reply = error_reply(error, TrainerWorkerError)
         conn.send(reply)
 
 
@@ -421,15 +422,3 @@ def _exit_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
-
-
-def _error_reply(error: Exception) -> tuple[str, Exception, str]:
-    """The exception itself when it pickles (so the parent raises the same type), else a stand-in."""
-    import pickle
-
-    details = traceback.format_exc()
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        error = TrainerWorkerError(f"{type(error).__name__}: {error}")
-    return ("error", error, details)
