@@ -226,12 +226,59 @@ class TrainerConfig(Section):
     never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
     logits in one piece (the plain ``lm_head``), e.g. to compare."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
-    """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
+    """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean (Dr. GRPO's advantage);
+    ``rloo``: leave-one-out mean."""
+    ppo_epochs: Positive = 1
+    """Passes over each step's batch (PPO's epochs; verl ``ppo_epochs``, TRL ``num_iterations``). Each pass
+    takes ``mini_batches`` optimizer updates, so a step takes ``ppo_epochs * mini_batches``. 1 (with
+    ``mini_batches = 1``): one update per step, on-policy, where the PPO ratio stays at 1 (up to stale
+    samples and engine mismatch) and ``clip_low`` / ``clip_high`` hardly ever act. The ratio is always taken
+    against logprobs fixed at the start of the step (see ``off_policy``), so from the second update on it
+    measures how far the updates moved the policy and the clip bounds that. The learning-rate schedule
+    counts steps, not updates; per-pass metrics are logged as ``ppo_epoch_N/*`` when this is above 1."""
+    mini_batches: Positive = 1
+    """Optimizer updates per pass over the step's batch: its prompt groups, in batch order, are split into
+    this many mini-batches of whole groups (a group's samples are never split across updates; each
+    mini-batch is then split across ``num_workers`` ranks and into micro-batches). Must divide
+    ``orchestrator.prompts_per_step``. Each update normalises its loss over its own mini-batch (all ranks)
+    per ``loss_agg``; 1 trains the whole step at once."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"] = "token_mean"
+    """How each update's per-token losses become one number (``rollflow.train.aggregation``), over the
+    update's mini-batch on all ranks. ``token_mean``: the sum over every loss token divided by their count,
+    so every token weighs the same and long completions weigh more (DAPO, Yu et al. 2025).
+    ``seq_mean_token_mean``: each sequence's token mean, then the mean over sequences (the original GRPO,
+    Shao et al. 2024): a token of a short completion weighs more than one of a long completion.
+    ``seq_mean_token_sum``: each sequence's token sum, then the mean over sequences. ``constant``: each
+    sequence's token sum divided by ``constant_norm``, then the mean over sequences: Dr. GRPO (Liu et al.
+    2025), whose code divides by a fixed MAX_TOKENS rather than by any length, so no length biases the
+    gradient. Metrics (clip fraction, ratio, KL, entropy) stay token means whatever this is."""
+    constant_norm: PositiveFloat | None = None
+    """``loss_agg = "constant"`` only (required there): the constant each sequence's token sum is divided
+    by; Dr. GRPO uses the generation budget, ``sampling.max_tokens``."""
     clip_low: NonNegativeFloat = 0.2
     clip_high: NonNegativeFloat = 0.2
-    """PPO ratio clip range: [1 - clip_low, 1 + clip_high]."""
+    """PPO ratio clip range: [1 - clip_low, 1 + clip_high]; ``clip_high > clip_low`` is DAPO's clip-higher.
+    It only acts when the ratio moves away from 1: from the second update of a step on (``ppo_epochs`` or
+    ``mini_batches`` above 1), or, with ``off_policy = "none"``, on tokens whose behaviour logprob differs
+    from the trainer's (stale samples of the async modes, engine/trainer mismatch). With ``tis`` or
+    ``decoupled`` and one update per step the ratio is exactly 1 and the clip never binds."""
     kl_coef: NonNegativeFloat = 0.0
-    """Weight of the k3 KL estimate to the initial (reference) policy; 0 disables it and the reference model."""
+    """Weight of the KL penalty to the initial (reference) policy (estimated per ``kl_estimator``, applied
+    per ``kl_in``); 0 disables it and the reference model."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
+    """Per-token estimate of KL(policy || reference) from the sampled token's logprobs, with
+    ``log_ratio = log pi - log pi_ref`` (Schulman's estimators): ``k1``: ``log_ratio`` (unbiased, can be
+    negative); ``k2``: ``log_ratio ** 2 / 2``; ``k3``: ``exp(-log_ratio) + log_ratio - 1`` (unbiased, never
+    negative, the GRPO paper's); ``low_var_k3``: k3 with ``log_ratio`` clamped to [-20, 20] and the result
+    to [-10, 10], as verl's ``low_var_kl``, so one very unlikely token cannot dominate. Only with
+    ``kl_coef > 0``."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes. ``loss``: ``kl_coef * KL`` is added to each token's loss (GRPO), with
+    the gradient of the estimator, at the current weights of every update. ``reward``: before the
+    advantages, each sample's reward loses ``kl_coef`` times the sum of its tokens' KL, measured with the
+    weights at the start of the step (verl's ``use_kl_in_reward``); the advantages are then recomputed per
+    group (``advantage``), so the penalty acts through them, and the loss has no KL term. ``reward``
+    needs ``kl_coef > 0``."""
     num_threads: Positive | None = None
     """Torch threads of a training step; unset keeps torch's count. When generation shares the cores
     (async modes on one machine), fewer threads than cores lets the two overlap instead of contending."""
@@ -588,6 +635,28 @@ def _trainer_errors(config: RunConfig) -> list[str]:
                 f"the run can produce ({key} = {longest}): no micro-batch could hold it; raise "
                 f"trainer.micro_batch_tokens to at least {longest} or lower {key}"
             )
+    prompts = config.orchestrator.prompts_per_step
+    if prompts % trainer.mini_batches:
+        errors.append(
+            f"trainer.mini_batches = {trainer.mini_batches} does not divide orchestrator.prompts_per_step = "
+            f"{prompts}: mini-batches are whole prompt groups ({prompts} % {trainer.mini_batches} = "
+            f"{prompts % trainer.mini_batches}); pick a divisor of {prompts}"
+        )
+    if trainer.loss_agg == "constant" and trainer.constant_norm is None:
+        errors.append(
+            "trainer.loss_agg = 'constant' divides each sequence's token sum by trainer.constant_norm, which is "
+            "unset; set it (Dr. GRPO uses the generation budget, sampling.max_tokens)"
+        )
+    if trainer.loss_agg != "constant" and trainer.constant_norm is not None:
+        errors.append(
+            f"trainer.constant_norm = {trainer.constant_norm} only applies to trainer.loss_agg = 'constant' "
+            f"(got {trainer.loss_agg!r}); unset it or set trainer.loss_agg = 'constant'"
+        )
+    if trainer.kl_in == "reward" and trainer.kl_coef == 0:
+        errors.append(
+            "trainer.kl_in = 'reward' with trainer.kl_coef = 0 puts no penalty in the reward; set "
+            "trainer.kl_coef > 0 (e.g. 0.001) or leave trainer.kl_in = 'loss'"
+        )
     if trainer.num_workers > 1 and trainer.kl_coef > 0:
         errors.append(
             f"trainer.kl_coef = {trainer.kl_coef} needs a reference model, which trainer.num_workers = "

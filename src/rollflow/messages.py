@@ -223,10 +223,28 @@ class RankBatch(msgspec.Struct):
 
     step: int
     micro_batches: list[list[TrainSample]]
+    # Micro-batches of each mini-batch (one optimizer update each, ``trainer.mini_batches``), in order:
+    # consecutive runs of ``micro_batches``, the same on every rank. Empty: one mini-batch of them all.
+    mini_batch_sizes: list[int] = []
 
     @property
     def samples(self) -> list[Sample]:
         return [item.sample for micro_batch in self.micro_batches for item in micro_batch]
+
+    def mini_batch_slices(self) -> list[range]:
+        """Indices into ``micro_batches`` of each mini-batch, in update order.
+
+        Raises:
+            ValueError: ``mini_batch_sizes`` do not add up to the micro-batches.
+        """
+        sizes = self.mini_batch_sizes or [len(self.micro_batches)]
+        if any(size < 0 for size in sizes) or sum(sizes) != len(self.micro_batches):
+            raise ValueError(
+                f"step {self.step}: mini_batch_sizes {sizes} do not split its {len(self.micro_batches)} "
+                "micro-batches; pack the step with rollflow.orchestrator.packing.pack_batch"
+            )
+        starts = [sum(sizes[:index]) for index in range(len(sizes))]
+        return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 class PackedBatch(msgspec.Struct):

@@ -10,6 +10,10 @@
 4. Every rank gets the same number of micro-batches, topped up with empty ones, so that no rank skips a
    forward/backward pass, and with it a collective, that the others run.
 
+With ``trainer.mini_batches = M`` the step's groups, in batch order, are first cut into M runs of whole
+groups (one optimizer update each); steps 2 to 4 then run per mini-batch, so every rank holds the same
+number of micro-batches of each mini-batch (``RankBatch.mini_batch_sizes``) and takes the same updates.
+
 Pure Python: no torch, so it runs anywhere the orchestrator does.
 """
 
@@ -31,6 +35,7 @@ def pack_batch(
     advantage: AdvantageMethod = "grpo",
     micro_batch_size: int = 64,
     micro_batch_tokens: int | None = None,
+    mini_batches: int = 1,
 ) -> PackedBatch:
     """Advantages per group, then the step's trainable samples split across ``num_ranks`` ranks.
 
@@ -41,16 +46,26 @@ def pack_batch(
         micro_batch_size: most samples per micro-batch (``trainer.micro_batch_size``).
         micro_batch_tokens: most padded tokens (rows × longest row) per micro-batch
             (``trainer.micro_batch_tokens``); None: no token budget.
+        mini_batches: optimizer updates per pass over the batch (``trainer.mini_batches``): the groups,
+            in order, are cut into this many runs of equally many whole groups.
 
     Raises:
         ValueError: a trainable sample is longer than ``micro_batch_tokens``, has no tokens, or its logprobs
-            or loss mask do not match its completion tokens.
+            or loss mask do not match its completion tokens; ``mini_batches`` does not divide the groups.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks = {num_ranks}: a trainer has at least one rank")
-    trainable: list[TrainSample] = []
+    num_groups = len(batch.groups)
+    if mini_batches < 1 or num_groups % mini_batches:
+        raise ValueError(
+            f"trainer.mini_batches = {mini_batches} does not divide the {num_groups} prompt groups of step "
+            f"{batch.step}: mini-batches are whole groups; set trainer.mini_batches to a divisor of "
+            "orchestrator.prompts_per_step"
+        )
+    groups_per_mini_batch = num_groups // mini_batches
+    trainable: list[list[TrainSample]] = [[] for _ in range(mini_batches)]
     num_samples = num_masked = 0
-    for group in batch.groups:
+    for group_index, group in enumerate(batch.groups):
         samples = group.samples
         advantages = compute_advantages(
             [s.reward for s in samples],
@@ -64,31 +79,43 @@ def pack_batch(
                 num_masked += 1
                 continue
             check_sample(sample, micro_batch_tokens)
-            trainable.append(TrainSample(sample=sample, advantage=value))
+            trainable[group_index // groups_per_mini_batch].append(
+                TrainSample(sample=sample, advantage=value)
+            )
 
-    per_rank = split_by_tokens(trainable, num_ranks)
-    micro_batches = [
-        micro_batches_by_length(items, micro_batch_size, micro_batch_tokens) for items in per_rank
-    ]
-    count = max(len(rank) for rank in micro_batches)
-    for rank in micro_batches:
-        rank.extend([] for _ in range(count - len(rank)))
+    micro_batches: list[list[list[TrainSample]]] = [[] for _ in range(num_ranks)]
+    mini_batch_sizes: list[int] = []
+    rank_tokens = [0] * num_ranks
+    for items in trainable:
+        per_rank = split_by_tokens(items, num_ranks)
+        runs = [micro_batches_by_length(share, micro_batch_size, micro_batch_tokens) for share in per_rank]
+        # Every rank runs as many passes in each update (empty ones included): the same collectives.
+        count = max(len(rank) for rank in runs)
+        mini_batch_sizes.append(count)
+        for rank, (run, share) in enumerate(zip(runs, per_rank, strict=True)):
+            micro_batches[rank] += run + [[] for _ in range(count - len(run))]
+            rank_tokens[rank] += sum(sample_length(item.sample) for item in share)
 
-    rank_tokens = [sum(sample_length(item.sample) for item in items) for items in per_rank]
+    every_sample = [item for items in trainable for item in items]
     mean_tokens = sum(rank_tokens) / num_ranks
     metrics = {
         "num_samples": float(num_samples),
         "num_masked_samples": float(num_masked),
-        "advantage_abs_mean": math.fsum(abs(item.advantage) for item in trainable) / len(trainable)
-        if trainable
+        "advantage_abs_mean": math.fsum(abs(item.advantage) for item in every_sample) / len(every_sample)
+        if every_sample
         else 0.0,
-        "num_micro_batches": float(count),
+        "num_micro_batches": float(sum(mini_batch_sizes)),
         # Most tokens on one rank over the mean: 1.0 is a perfect split; the step waits for the largest.
         "rank_token_imbalance": max(rank_tokens) / mean_tokens if mean_tokens else 1.0,
     }
+    # One mini-batch needs no sizes (RankBatch's default: all the micro-batches).
+    sizes = mini_batch_sizes if mini_batches > 1 else []
     return PackedBatch(
         step=batch.step,
-        ranks=[RankBatch(step=batch.step, micro_batches=rank) for rank in micro_batches],
+        ranks=[
+            RankBatch(step=batch.step, micro_batches=rank, mini_batch_sizes=list(sizes))
+            for rank in micro_batches
+        ],
         metrics=metrics,
     )
 
@@ -101,6 +128,7 @@ def pack_for_trainer(batch: TrainBatch, config: TrainerConfig, num_ranks: int = 
         advantage=config.advantage,
         micro_batch_size=config.micro_batch_size,
         micro_batch_tokens=config.micro_batch_tokens,
+        mini_batches=config.mini_batches,
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 AdvantageMethod = Literal["grpo", "rloo", "grpo_no_std"]
 
@@ -93,3 +93,37 @@ def _unit_advantages(rewards: list[float], method: AdvantageMethod, epsilon: flo
     # rloo; count >= 2 here: a lone unit is a constant group and returned zeros above.
     total = math.fsum(rewards)
     return [r - (total - r) / (count - 1) for r in rewards]
+
+
+def kl_penalised_advantages(
+    samples: Sequence[Any], kl_sums: Sequence[float], kl_coef: float, method: AdvantageMethod
+) -> list[float]:
+    """``trainer.kl_in = "reward"``: each sample's advantage within its group (``prompt_index``) with
+    ``reward - kl_coef * kl_sum`` as its reward, as verl's ``use_kl_in_reward`` does before its advantages.
+
+    Args:
+        samples: the trainable samples of whole groups (``rollflow.messages.Sample``; masked ones are left
+            out, as they take no part in a baseline).
+        kl_sums: per sample, the sum of its loss tokens' KL estimates to the reference policy.
+        kl_coef: ``trainer.kl_coef``.
+        method: ``trainer.advantage``.
+
+    Raises:
+        ValueError: ``kl_sums`` is not one per sample.
+    """
+    if len(kl_sums) != len(samples):
+        raise ValueError(f"kl_sums must have one entry per sample ({len(kl_sums)} != {len(samples)})")
+    groups: dict[int, list[int]] = {}
+    for index, sample in enumerate(samples):
+        groups.setdefault(sample.prompt_index, []).append(index)
+    advantages = [0.0] * len(samples)
+    for members in groups.values():
+        values = compute_advantages(
+            [samples[i].reward - kl_coef * kl_sums[i] for i in members],
+            [True] * len(members),
+            method,
+            trajectories=[samples[i].trajectory for i in members],
+        )
+        for index, value in zip(members, values, strict=True):
+            advantages[index] = value
+    return advantages

@@ -1,18 +1,20 @@
-"""Token-level PPO-clip policy loss with an optional k3 KL penalty, and the entropy metric.
+"""Token-level PPO-clip policy loss with an optional KL penalty, and the entropy metric.
 
 Where this departs from the GRPO paper (Shao et al. 2024):
 
-- Aggregation is a mean over every loss token of the whole optimizer step (DAPO's token-level mean), not a
-  mean per sequence and then over the group. Each micro-batch divides its token sum by the step's token count,
-  so splitting a step into micro-batches does not change the gradient.
+- Aggregation is by default a mean over every loss token of the update (DAPO's token-level mean), not a
+  mean per sequence and then over the group; ``trainer.loss_agg`` picks another (``aggregation.py``). Each
+  micro-batch's terms are scaled by counts of the whole update, so splitting it into micro-batches or across
+  ranks does not change the gradient.
 - The clip range is ``[1 - clip_low, 1 + clip_high]``; an asymmetric range is DAPO's "clip-higher". Both are
   0.2 by default, which is the paper's symmetric clip.
 - With ``trainer.off_policy = "none"``, ``pi_old`` is the sampler's recorded logprob of each token (the
   behaviour policy), so the ratio also absorbs any trainer/sampler numerical mismatch and policy staleness.
   The other settings take the ratio against the trainer's own weights and weight each token's policy term
   by an importance weight (``token_weights``; see ``off_policy.py``).
-- The KL term is the paper's k3 estimator to the reference policy, added per token with weight ``kl_coef``
-  and aggregated like the policy term.
+- The KL term to the reference policy is the paper's k3 estimator by default (``trainer.kl_estimator``),
+  added per token with weight ``kl_coef`` and aggregated like the policy term (or, with
+  ``trainer.kl_in = "reward"``, left to the trainer, which puts it into the rewards instead).
 
 Logprobs and entropy come from ``model_token_logprobs``: by default from the model's final hidden states and
 the output-embedding weight, a chunk of positions at a time (``chunked_token_logprobs``), so the
@@ -26,6 +28,8 @@ from typing import Any
 
 import structlog
 import torch
+
+from rollflow.train.aggregation import KlEstimator, kl_estimate
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +45,9 @@ class PolicyLoss:
     loss: torch.Tensor  # scalar, differentiable
     clip_fraction: torch.Tensor  # detached: tokens whose PPO objective was clipped
     ratio_mean: torch.Tensor  # detached: pi_new / pi_old
-    kl: torch.Tensor | None  # detached k3 estimate to the reference; None without reference logprobs
+    kl: torch.Tensor | None  # detached KL estimate to the reference; None without reference logprobs
+    # detached k3 estimate of KL(pi_old || pi_new), (r - 1) - log r: how far this update moved the policy.
+    approx_kl: torch.Tensor | None = None
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -307,8 +313,10 @@ def ppo_clip_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     token_weights: torch.Tensor | None = None,
+    loss_scale: torch.Tensor | None = None,
+    kl_estimator: KlEstimator = "k3",
 ) -> PolicyLoss:
-    """Token-level PPO-clip loss ``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * k3``.
+    """Token-level PPO-clip loss ``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * KL``.
 
     All tensors have the same shape (e.g. ``[batch, time]``); only positions where ``loss_mask`` is true
     count. Values at other positions are ignored entirely, even NaN.
@@ -320,11 +328,14 @@ def ppo_clip_loss(
         advantages: each token's advantage (its sample's advantage, broadcast).
         loss_mask: bool, true at the tokens to train on.
         clip_low, clip_high: the ratio clip range ``[1 - clip_low, 1 + clip_high]``.
-        num_step_tokens: loss tokens of the whole optimizer step; sums are divided by it. Defaults to this
-            batch's own count (at least 1).
-        ref_logprobs: reference-policy logprobs for the k3 KL estimate; None disables the KL term.
+        num_step_tokens: loss tokens the statistics are token means over; sums are divided by it, and so is
+            the loss without ``loss_scale``. Defaults to this batch's own count (at least 1).
+        ref_logprobs: reference-policy logprobs for the KL estimate; None disables the KL term.
         kl_coef: weight of the KL term in the loss.
         token_weights: detached per-token weights ``w`` of the policy term (importance weights); None is 1.
+        loss_scale: per-token factors of the loss (``aggregation.token_loss_scale``); None is
+            ``1 / num_step_tokens`` on every token.
+        kl_estimator: ``k1``, ``k2``, ``k3`` or ``low_var_k3`` (``aggregation.kl_estimate``).
     """
     loss_mask = loss_mask.bool()
     if num_step_tokens is None:
@@ -345,18 +356,19 @@ def ppo_clip_loss(
     kl = None
     if ref_logprobs is not None:
         ref_logprobs = torch.where(loss_mask, ref_logprobs, detached_new)
-        log_ref_ratio = ref_logprobs - new_logprobs
-        # Schulman's k3 = r - log r - 1 with r = pi_ref / pi: never negative, low variance.
-        k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1.0
-        per_token = per_token + kl_coef * k3
-        kl = _masked_share(k3.detach(), loss_mask, num_step_tokens)
+        penalty = kl_estimate(new_logprobs, ref_logprobs, kl_estimator)
+        per_token = per_token + kl_coef * penalty
+        kl = _masked_share(penalty.detach(), loss_mask, num_step_tokens)
 
-    loss = torch.where(loss_mask, per_token, torch.zeros_like(per_token)).sum() / num_step_tokens
+    masked = torch.where(loss_mask, per_token, torch.zeros_like(per_token))
+    loss = masked.sum() / num_step_tokens if loss_scale is None else (masked * loss_scale).sum()
+    log_ratio = (detached_new - old_logprobs).detach()
     return PolicyLoss(
         loss=loss,
         clip_fraction=_masked_share((clipped > unclipped).float(), loss_mask, num_step_tokens),
         ratio_mean=_masked_share(ratio.detach(), loss_mask, num_step_tokens),
         kl=kl,
+        approx_kl=_masked_share(torch.expm1(log_ratio) - log_ratio, loss_mask, num_step_tokens),
     )
 
 

@@ -1,17 +1,20 @@
-"""The single-process torch trainer: one optimizer step of the GRPO-family loss per packed batch.
+"""The single-process torch trainer: the optimizer updates of the GRPO-family loss on one packed batch.
 
 It trains on exactly the tokens the sampler produced: each sample's input is ``prompt_token_ids +
 completion_token_ids``, the loss covers the completion tokens only, and the behaviour logprob of each of them
 is the one the sampler recorded. It trains packed batches (``PackedBatch``: the orchestrator's packer computed
 each sample's advantage within its whole group and split the samples into micro-batches per data-parallel rank);
-the loss is a token mean over the whole step, all ranks included (``losses.py``), so micro-batching and the
-split change memory use, not the update.
+a step is ``trainer.ppo_epochs`` passes of one optimizer update per mini-batch of whole groups
+(``trainer.mini_batches``). Each update's loss is normalised over its whole mini-batch, all ranks included
+(``trainer.loss_agg``, ``aggregation.py``), so micro-batching and the split across ranks change memory use,
+not the update.
 Tokens sampled by older policies are corrected per ``trainer.off_policy`` (``off_policy.py``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import time
@@ -26,10 +29,12 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
 from rollflow.messages import PackedBatch, RankBatch, Sample, StepResult
-from rollflow.train import routing_replay
+from rollflow.train import routing_replay, updates
+from rollflow.train.advantages import kl_penalised_advantages
+from rollflow.train.aggregation import UpdateCounts, kl_estimate, token_loss_scale, update_counts
 from rollflow.train.distributed import SINGLE_PROCESS, DataParallel, SingleProcess
 from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
-from rollflow.train.off_policy import OffPolicy, importance_weights
+from rollflow.train.off_policy import ImportanceWeights, OffPolicy, importance_weights
 
 log = structlog.get_logger(__name__)
 
@@ -226,12 +231,22 @@ class Trainer:
         return self.parallel.world_size
 
     def train_step(self, batch: PackedBatch | RankBatch, policy_version: int | None = None) -> StepResult:
-        """Run one optimizer step on ``batch``; blocking (call it from a worker thread).
+        """Run one training step on ``batch``; blocking (call it from a worker thread).
 
-        The update is skipped (``updated=False``, weights and optimizer state untouched) when the batch has
-        no trainable tokens, or when the loss or the gradient norm is not finite. On a data-parallel rank
-        the loss denominator, the metrics and both decisions are the whole step's (all-reduced), so every
-        rank takes the same ones.
+        A step is ``trainer.ppo_epochs`` passes over the batch, each one optimizer update per mini-batch
+        (``trainer.mini_batches``, packed by ``pack_batch``); the PPO ratio of every update is taken against
+        logprobs fixed at the start of the step (``off_policy.py``). An update is skipped (gradients cleared)
+        when its loss or gradient norm is not finite; the step is skipped (``updated=False``, weights and
+        optimizer state untouched) when the batch has no trainable tokens or no update was taken. On a
+        data-parallel rank the loss denominators, the metrics and these decisions are the whole update's
+        (all-reduced), so every rank takes the same ones and the same number of updates.
+
+        Metrics: ``loss``, ``grad_norm``, ``clip_fraction``, ``ratio_mean``, ``approx_kl`` (k3 estimate of
+        KL(start || updated policy) on the sampled tokens) and ``kl`` (KL penalty in the loss) are means over
+        the passes, each pass a token mean (``loss``, ``grad_norm``: the mean over its updates), and with
+        ``ppo_epochs > 1`` also per pass as ``ppo_epoch_N/<name>``; ``entropy`` and
+        ``logprob_mismatch`` describe the policy at the start of the step; ``num_updates`` counts the
+        optimizer updates taken.
 
         With off-policy correction on, the metrics include ``is_weight_mean`` and ``is_weight_max`` (of
         ``pi_trainer / pi_behaviour`` over the loss tokens, before any cap) and ``is_truncated_fraction``
@@ -254,7 +269,7 @@ class Trainer:
         # measurably slower here (pytorch#13757); setting it, even to the same value, turns that off.
         torch.set_num_threads(self.config.num_threads or torch.get_num_threads())
         share, metrics = self._rank_share(batch)
-        metrics["lr"] = self.optimizer.param_groups[0]["lr"]  # what this step's update uses
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]  # what this step's updates use
         micro_batches = [
             build_micro_batch(
                 [item.sample for item in items],
@@ -264,12 +279,9 @@ class Trainer:
             )
             for items in share.micro_batches
         ]
-        # Every micro-batch of every rank divides by the step's token count, so their gradients add up to
-        # the step's mean. One reduction brings the count and the staleness sums of all ranks.
-        lag_sum, lag_count = _staleness_sums(share.samples, policy_version)
-        local = [sum(int(mb.loss_mask.sum()) for mb in micro_batches), lag_sum, lag_count]
-        step_sums = self.parallel.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device))
-        num_loss_tokens, lag_sum, lag_count = (float(value) for value in step_sums.cpu())
+        mini_batches = share.mini_batch_slices()
+        counts, lag_sum, lag_count = self._step_counts(micro_batches, mini_batches, share, policy_version)
+        num_loss_tokens = math.fsum(update.loss_tokens for update in counts)
         metrics["num_loss_tokens"] = num_loss_tokens
         if policy_version is not None:  # after collation, which checks each sample's lengths
             metrics["behaviour_staleness_mean"] = lag_sum / lag_count if lag_count else 0.0
@@ -277,12 +289,159 @@ class Trainer:
             log.warning("skipped optimizer step: no trainable tokens", step=share.step, **metrics)
             return self._skipped(share.step, metrics, started)
 
+        start = self._start_of_step(micro_batches, mini_batches)
+        if self.config.kl_in == "reward":
+            metrics.update(self._kl_into_advantages(share, micro_batches, start, num_loss_tokens))
+        passes: list[list[dict[str, float]]] = []
+        for epoch in range(self.config.ppo_epochs):
+            passes.append(
+                [
+                    self._update(
+                        micro_batches,
+                        indices,
+                        update,
+                        num_loss_tokens,
+                        policy_version,
+                        start,
+                        epoch,
+                        share.step,
+                    )
+                    for indices, update in zip(mini_batches, counts, strict=True)
+                    # The counts are every rank's, so every rank skips the same mini-batches.
+                    if update.loss_tokens > 0
+                ]
+            )
+        metrics.update(updates.step_metrics(passes))
+        # Engine-vs-trainer mismatch is a numerical check: only samples wholly sampled by these weights count.
+        onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
+        mismatch_sum = metrics.pop("logprob_mismatch_sum")
+        metrics["logprob_mismatch"] = mismatch_sum / onpolicy_tokens if onpolicy_tokens else math.nan
+        metrics["logprob_mismatch_tokens"] = onpolicy_tokens
+        if metrics["num_updates"] == 0:
+            return self._skipped(share.step, metrics, started)
+        self.scheduler.step()  # the schedule counts steps that updated, not their updates
+        metrics["skipped_update"] = 0.0
+        metrics["train_time_s"] = time.perf_counter() - started
+        return StepResult(step=share.step, metrics=metrics, updated=True)
+
+    def _step_counts(
+        self,
+        micro_batches: list[MicroBatch],
+        mini_batches: list[range],
+        share: RankBatch,
+        policy_version: int | None,
+    ) -> tuple[list[UpdateCounts], float, float]:
+        """Each mini-batch's loss tokens and sequences over every rank (what its micro-batches divide by, so
+        that their gradients add up to the update's loss however the samples were split), and the staleness
+        sum and count: one reduction for all of them."""
+        local: list[float] = list(_staleness_sums(share.samples, policy_version))
+        for indices in mini_batches:
+            shares = [update_counts(micro_batches[index].loss_mask) for index in indices]
+            local += [sum(tokens for tokens, _ in shares), sum(rows for _, rows in shares)]
+        step_sums = self.parallel.all_reduce(torch.tensor(local, dtype=torch.float64, device=self.device))
+        lag_sum, lag_count, *rest = (float(value) for value in step_sums.cpu())
+        counts = [
+            UpdateCounts(loss_tokens=rest[2 * k], sequences=rest[2 * k + 1]) for k in range(len(mini_batches))
+        ]
+        return counts, lag_sum, lag_count
+
+    def _start_of_step(self, micro_batches: list[MicroBatch], mini_batches: list[range]) -> updates.StepStart:
+        """The policy's logprobs and entropy with the weights at the start of the step, for the micro-batches
+        whose first forward comes after an update of this step (all of them when the KL goes into the
+        rewards), and the reference policy's logprobs (KL penalty); no-grad forwards, before any update.
+        The first mini-batch's own first forward gives its start logprobs, at no extra cost."""
+        count = len(micro_batches)
+        start = updates.StepStart(
+            policy=[None] * count, reference=[None] * count, keep=self.config.ppo_epochs > 1
+        )
+        own_forward = set() if self.config.kl_in == "reward" or not mini_batches else set(mini_batches[0])
+        with torch.no_grad():
+            for index, micro_batch in enumerate(micro_batches):
+                if index not in own_forward:
+                    start.policy[index] = self._token_logprobs(self.model, micro_batch)
+                if self.reference_model is not None:
+                    start.reference[index] = self._token_logprobs(self.reference_model, micro_batch).logprobs
+        return start
+
+    def _kl_into_advantages(
+        self,
+        share: RankBatch,
+        micro_batches: list[MicroBatch],
+        start: updates.StepStart,
+        num_step_tokens: float,
+    ) -> dict[str, float]:
+        """``trainer.kl_in = "reward"``: each sample's reward less ``kl_coef`` times its tokens' KL (start
+        weights against the reference), then its group's advantages again; replaces the micro-batches'
+        advantages in place. Returns the ``kl``, ``kl_reward_penalty_mean`` and ``advantage_abs_mean`` metrics.
+
+        Raises:
+            ValueError: on more than one rank (a group's samples may sit on several).
+        """
+        if self.world_size > 1:
+            raise ValueError(
+                "trainer.kl_in = 'reward' recomputes each group's advantages, which needs all of a group's "
+                "samples on one rank; set trainer.num_workers = 1 or trainer.kl_in = 'loss'"
+            )
+        samples: list[Sample] = []
+        kl_sums: list[float] = []
+        kl_total = 0.0
+        for index, (items, micro_batch) in enumerate(zip(share.micro_batches, micro_batches, strict=True)):
+            policy, reference = start.policy[index], start.reference[index]
+            assert policy is not None and reference is not None  # _start_of_step computed both
+            per_token = kl_estimate(policy.logprobs, reference, self.config.kl_estimator)
+            per_token = torch.where(micro_batch.loss_mask, per_token, torch.zeros_like(per_token))
+            kl_total += float(per_token.sum())
+            samples += [item.sample for item in items]
+            kl_sums += per_token.sum(dim=1).tolist()[: len(items)]  # an empty micro-batch has one blank row
+        advantages = kl_penalised_advantages(samples, kl_sums, self.config.kl_coef, self.config.advantage)
+        first = 0
+        for index, micro_batch in enumerate(micro_batches):
+            rows = len(share.micro_batches[index])
+            if rows:
+                values = torch.tensor(
+                    advantages[first : first + rows], dtype=torch.float32, device=self.device
+                )
+                micro_batches[index] = dataclasses.replace(
+                    micro_batch,
+                    advantages=torch.where(micro_batch.loss_mask, values[:, None], 0.0),
+                )
+            first += rows
+        return {
+            "kl": kl_total / num_step_tokens,
+            "kl_reward_penalty_mean": self.config.kl_coef * math.fsum(kl_sums) / max(len(kl_sums), 1),
+            "advantage_abs_mean": math.fsum(abs(value) for value in advantages) / max(len(advantages), 1),
+        }
+
+    def _update(
+        self,
+        micro_batches: list[MicroBatch],
+        indices: range,
+        counts: UpdateCounts,
+        num_step_tokens: float,
+        policy_version: int | None,
+        start: updates.StepStart,
+        epoch: int,
+        step: int,
+    ) -> dict[str, float]:
+        """One optimizer update on one mini-batch (``indices`` into ``micro_batches``), skipped (gradients
+        cleared, weights untouched) when its loss or gradient norm is not finite. Returns its metrics, the
+        step-wide ones (``*_max``, sums over the step's tokens) already reduced over the ranks, with
+        ``updated`` 1.0 or 0.0."""
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, torch.Tensor] = {}
-        for micro_batch in micro_batches:
-            for name, value in self._forward_backward(
-                micro_batch, int(num_loss_tokens), policy_version
-            ).items():
+        for index in indices:
+            shares, used = self._forward_backward(
+                micro_batches[index],
+                counts,
+                num_step_tokens,
+                policy_version,
+                start_policy=start.policy[index],
+                reference=start.reference[index],
+                first_pass=epoch == 0,
+            )
+            if start.keep:
+                start.policy[index] = used  # later passes take the ratio against the same start logprobs
+            for name, value in shares.items():
                 if name not in totals:
                     totals[name] = value
                 elif name.endswith("_max"):
@@ -291,29 +450,22 @@ class Trainer:
                     totals[name] = totals[name] + value
         self.parallel.sync_gradients(self.model.parameters())
         grad_norm = self.parallel.clip_grad_norm(self.model.parameters(), self.config.max_grad_norm)
-
-        metrics.update(self._reduce_totals(totals))
-        # Engine-vs-trainer mismatch is a numerical check: only samples wholly sampled by these weights count.
-        onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
-        mismatch_sum = metrics.pop("logprob_mismatch_sum")
-        metrics["logprob_mismatch"] = mismatch_sum / onpolicy_tokens if onpolicy_tokens else math.nan
-        metrics["logprob_mismatch_tokens"] = onpolicy_tokens
-        metrics["grad_norm"] = float(grad_norm)
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        result = self._reduce_totals(totals)
+        result["grad_norm"] = float(grad_norm)
+        if not (math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])):
             self.optimizer.zero_grad(set_to_none=True)
             log.warning(
-                "skipped optimizer step: non-finite loss or gradient norm",
-                step=share.step,
-                loss=metrics["loss"],
-                grad_norm=metrics["grad_norm"],
+                "skipped optimizer update: non-finite loss or gradient norm",
+                step=step,
+                ppo_epoch=epoch + 1,
+                loss=result["loss"],
+                grad_norm=result["grad_norm"],
             )
-            return self._skipped(share.step, metrics, started)
-
+            result["updated"] = 0.0
+            return result
         self.optimizer.step()
-        self.scheduler.step()  # the schedule counts updates: a skipped step leaves it where it is
-        metrics["skipped_update"] = 0.0
-        metrics["train_time_s"] = time.perf_counter() - started
-        return StepResult(step=share.step, metrics=metrics, updated=True)
+        result["updated"] = 1.0
+        return result
 
     def _rank_share(self, batch: PackedBatch | RankBatch) -> tuple[RankBatch, dict[str, float]]:
         """This rank's micro-batches, and the packer's step-wide metrics when the whole batch came."""
@@ -343,23 +495,37 @@ class Trainer:
         return reduced
 
     def _forward_backward(
-        self, micro_batch: MicroBatch, num_step_tokens: int, policy_version: int | None = None
-    ) -> dict[str, torch.Tensor]:
-        """Loss and backward of one micro-batch; returns its (detached) shares of the step's metrics.
+        self,
+        micro_batch: MicroBatch,
+        counts: UpdateCounts,
+        num_step_tokens: float,
+        policy_version: int | None = None,
+        *,
+        start_policy: TokenLogprobs | None = None,
+        reference: torch.Tensor | None = None,
+        first_pass: bool = True,
+    ) -> tuple[dict[str, torch.Tensor], TokenLogprobs]:
+        """Loss and backward of one micro-batch; returns its (detached) shares of the update's metrics, and
+        the start-of-step logprobs it used.
 
-        Shares named ``*_max`` are maxima over the micro-batch; the others are sums divided by the step's
-        token count.
+        ``start_policy`` holds the policy's logprobs and entropy at the start of the step; None when no
+        update has happened yet this step, so that this very forward is the start. The loss is scaled per
+        ``trainer.loss_agg`` by the update's ``counts``; the metric shares are sums divided by the step's
+        token count (``*_max`` shares are maxima over the micro-batch). The first pass over the batch also
+        measures the start policy: entropy, engine/trainer mismatch and importance weights.
         """
         mask = micro_batch.loss_mask
         policy = self._token_logprobs(self.model, micro_batch)
         new_logprobs = policy.logprobs
+        if start_policy is None:
+            start_policy = TokenLogprobs(logprobs=new_logprobs.detach(), entropy=policy.entropy)
         importance = None
         if self.off_policy == "none":
             ratio_anchor, token_weights = micro_batch.old_logprobs, None
         else:
-            # The proximal policy is these weights before the step's update, i.e. this very forward: the
-            # ratio is 1 in value but carries the gradient, and the stale part goes into the weights.
-            ratio_anchor = new_logprobs.detach()
+            # The proximal policy is the weights at the start of the step: in the first update, this very
+            # forward (the ratio is 1 in value but carries the gradient); the stale part goes into the weights.
+            ratio_anchor = start_policy.logprobs
             importance = importance_weights(
                 ratio_anchor,
                 micro_batch.old_logprobs,
@@ -368,10 +534,6 @@ class Trainer:
                 cap=self.config.tis_cap if self.off_policy == "tis" else self.config.decoupled_cap,
             )
             token_weights = importance.weights
-        ref_logprobs = None
-        if self.reference_model is not None:
-            with torch.no_grad():
-                ref_logprobs = self._token_logprobs(self.reference_model, micro_batch).logprobs
         result = ppo_clip_loss(
             new_logprobs,
             ratio_anchor,
@@ -380,37 +542,59 @@ class Trainer:
             clip_low=self.config.clip_low,
             clip_high=self.config.clip_high,
             num_step_tokens=num_step_tokens,
-            ref_logprobs=ref_logprobs,
+            ref_logprobs=reference if self.config.kl_in == "loss" else None,
             kl_coef=self.config.kl_coef,
             token_weights=token_weights,
+            loss_scale=token_loss_scale(mask, self.config.loss_agg, counts, self.config.constant_norm),
+            kl_estimator=self.config.kl_estimator,
         )
         result.loss.backward()
 
         with torch.no_grad():
-            # Both measured on this forward pass, i.e. before the step's update. The mismatch counts only
-            # samples these very weights sampled throughout: a token sampled after a ``keep`` barrier was
-            # computed over keys and values of the older weights, which no forward of these reproduces.
-            on_policy = mask
-            if policy_version is not None:
-                other_version = mask & (micro_batch.token_versions != policy_version)
-                on_policy = mask & ~other_version.any(dim=1, keepdim=True)
-            mismatch = (new_logprobs.detach() - micro_batch.old_logprobs)[on_policy].abs()
-            entropy = policy.entropy[mask]
             shares = {
                 "loss": result.loss.detach(),
                 "clip_fraction": result.clip_fraction,
                 "ratio_mean": result.ratio_mean,
-                "entropy": entropy.sum() / num_step_tokens,
-                "logprob_mismatch_sum": mismatch.sum(),
-                "logprob_mismatch_tokens": on_policy.sum(),
-                "logprob_mismatch_max": _max_or_zero(mismatch),
+                "approx_kl": result.approx_kl,
             }
             if result.kl is not None:
                 shares["kl"] = result.kl
-            if importance is not None:
-                shares["is_weight_mean"] = importance.raw[mask].sum() / num_step_tokens
-                shares["is_weight_max"] = _max_or_zero(importance.raw[mask])
-                shares["is_truncated_fraction"] = importance.capped.sum() / num_step_tokens
+            if first_pass:
+                shares.update(
+                    self._start_measures(
+                        micro_batch, start_policy, importance, num_step_tokens, policy_version
+                    )
+                )
+        return shares, start_policy
+
+    def _start_measures(
+        self,
+        micro_batch: MicroBatch,
+        start_policy: TokenLogprobs,
+        importance: ImportanceWeights | None,
+        num_step_tokens: float,
+        policy_version: int | None,
+    ) -> dict[str, torch.Tensor]:
+        """Shares of the metrics of the start-of-step policy (before any update of the step)."""
+        mask = micro_batch.loss_mask
+        # The mismatch counts only samples these very weights sampled throughout: a token sampled after a
+        # ``keep`` barrier was computed over keys and values of the older weights, which no forward of these
+        # reproduces.
+        on_policy = mask
+        if policy_version is not None:
+            other_version = mask & (micro_batch.token_versions != policy_version)
+            on_policy = mask & ~other_version.any(dim=1, keepdim=True)
+        mismatch = (start_policy.logprobs - micro_batch.old_logprobs)[on_policy].abs()
+        shares = {
+            "entropy": start_policy.entropy[mask].sum() / num_step_tokens,
+            "logprob_mismatch_sum": mismatch.sum(),
+            "logprob_mismatch_tokens": on_policy.sum(),
+            "logprob_mismatch_max": _max_or_zero(mismatch),
+        }
+        if importance is not None:
+            shares["is_weight_mean"] = importance.raw[mask].sum() / num_step_tokens
+            shares["is_weight_max"] = _max_or_zero(importance.raw[mask])
+            shares["is_truncated_fraction"] = importance.capped.sum() / num_step_tokens
         return shares
 
     def _token_logprobs(self, model: torch.nn.Module, micro_batch: MicroBatch) -> TokenLogprobs:
