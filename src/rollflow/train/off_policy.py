@@ -13,13 +13,14 @@ come from several policy versions. The *proximal* policy is the trainer's weight
 
 Where this departs from the papers:
 
-- The proximal policy costs no extra forward pass. AReaL recomputes proximal logprobs over the batch before
-  its minibatch updates, and the TIS write-up (Yao et al. 2025) recomputes ``pi_old`` on the trainer. Here
-  one ``train_step`` is one optimizer step, so the weights at the start of the step are the ones each
-  micro-batch's forward runs with: the proximal logprobs are that forward's logprobs, detached. ``r`` is
-  therefore exactly 1 in value and the clip never binds within a step; ``r`` carries the gradient
-  (``grad r = grad log pi_theta``). Reusing one batch for several optimizer steps, where the clip around the
-  proximal policy would bind, is not supported.
+- The proximal policy costs as few extra forward passes as it can. AReaL recomputes proximal logprobs over
+  the batch before its minibatch updates, and the TIS write-up (Yao et al. 2025) recomputes ``pi_old`` on the
+  trainer. Here the first update of a step runs with the weights at its start, so the proximal logprobs of
+  its micro-batches are that forward's own, detached (``r`` is exactly 1 in value and carries the gradient,
+  ``grad r = grad log pi_theta``); only the micro-batches of later mini-batches (``trainer.mini_batches``)
+  get a no-grad forward before the first update. Later passes (``trainer.ppo_epochs``) reuse them all, so
+  ``r`` and ``w`` of every update of a step are against the same proximal policy, and from the second
+  update on the clip around it binds (``updates.py``). With one update per step it never does.
 - Weights are per token, never per sequence. A trajectory whose tokens came from different policy versions
   is weighted segment by segment through each token's own behaviour logprob; ``Sample.policy_versions``
   only feeds the staleness metric.
