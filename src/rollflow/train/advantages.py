@@ -4,8 +4,10 @@
   ``std`` is the population standard deviation (ddof=0, so a group of one valid sample is defined) and a group
   whose valid rewards are all equal gets exact zeros instead of ``0 / eps`` rounding noise.
 - ``grpo_no_std``: ``r - mean``, as in Dr. GRPO (Liu et al. 2025), which drops the std division because it
-  up-weights groups that are nearly all right or all wrong. Dr. GRPO's other change (no per-sequence length
-  normalisation) is a property of the loss, where rollflow already takes a token mean over the whole step.
+  up-weights groups that are nearly all right or all wrong. Dr. GRPO's other change is in the loss: each
+  sequence's token sum divided by a constant (the generation budget) instead of by its length, which is
+  ``trainer.loss_agg = "constant"`` with ``trainer.constant_norm`` (the default ``token_mean`` is DAPO's
+  normaliser, not Dr. GRPO's; see ``aggregation.py``).
 - ``rloo`` (Kool et al. 2019; Ahmadian et al. 2024): ``r - mean(other valid samples)``. Departs from the
   paper in that the advantage feeds the token-level PPO-clip loss rather than a plain REINFORCE gradient, and a
   group with a single valid sample (no leave-one-out baseline) gets advantage 0.
