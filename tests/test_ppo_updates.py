@@ -228,13 +228,19 @@ def test_fsdp2_workers_take_the_same_updates_as_one_trainer(tiny_model_dir, base
         workers.close()
 
 
-async def test_a_run_with_several_updates_per_step_logs_each_pass(tmp_path):
+async def test_a_run_in_a_trainer_process_logs_each_pass(tmp_path):
     from rollflow import Orchestrator
 
     from .test_orchestrator import read_jsonl, small_config
 
+    # In a child process (``placement = "process"``): the same updates travel through its pipe.
     config = small_config(
-        tmp_path, "orchestrator.steps=2", "trainer.ppo_epochs=2", "trainer.mini_batches=2", "trainer.lr=1e-2"
+        tmp_path,
+        "orchestrator.steps=2",
+        "trainer.ppo_epochs=2",
+        "trainer.mini_batches=2",
+        "trainer.lr=1e-2",
+        "trainer.placement='process'",
     )
     async with Orchestrator(config) as orchestrator:
         metrics = await orchestrator.run()
