@@ -183,11 +183,12 @@ class TrainerConfig(Section):
     """Peak AdamW learning rate (finite, > 0); see ``lr_schedule``. Like every number in the config, inf and nan
     are refused."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate over the run's ``orchestrator.steps`` optimizer steps, after ``warmup_steps`` of linear
+    """Learning rate over the run's ``orchestrator.steps`` training steps, after ``warmup_steps`` of linear
     warm-up from 0 (transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
     ``cosine`` follows half a cosine to 0. Saved in checkpoints, so a resumed run continues it."""
     warmup_steps: NonNegative = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    """Training steps of linear warm-up from 0 to ``lr`` (a step's ``ppo_epochs * mini_batches`` optimizer
+    updates share its rate)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the trainer's model, gradients and optimizer state live. ``auto``: CUDA when torch sees a GPU,
     else the CPU."""

@@ -3,8 +3,9 @@
 ``Trainer`` calls these through ``Trainer.parallel``: ``SingleProcess`` (the default: every operation is local)
 or ``DataParallel`` (set by a worker of ``rollflow.train.workers`` once its process group is up).
 
-Gradients are *summed* over ranks, never averaged: each rank's loss is already divided by the step's loss
-tokens over all ranks, so the sum is the gradient of the step's token mean however the samples were split.
+Gradients are *summed* over ranks, never averaged: each rank's loss is already divided by the update's counts
+over all ranks (its mini-batch's loss tokens or sequences, ``aggregation.py``), so the sum is the gradient of
+the update's loss however the samples were split.
 """
 
 from __future__ import annotations
