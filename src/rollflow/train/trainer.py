@@ -242,11 +242,11 @@ class Trainer:
         (all-reduced), so every rank takes the same ones and the same number of updates.
 
         Metrics: ``loss``, ``grad_norm``, ``clip_fraction``, ``ratio_mean``, ``approx_kl`` (k3 estimate of
-        KL(start || updated policy) on the sampled tokens) and ``kl`` (KL penalty in the loss) are means over
-        the passes, each pass a token mean (``loss``, ``grad_norm``: the mean over its updates), and with
-        ``ppo_epochs > 1`` also per pass as ``ppo_epoch_N/<name>``; ``entropy`` and
-        ``logprob_mismatch`` describe the policy at the start of the step; ``num_updates`` counts the
-        optimizer updates taken.
+        KL(anchor || policy) on the sampled tokens, the anchor being the ratio's: behaviour or start
+        logprobs) and ``kl`` (KL penalty in the loss) are means over the passes, each pass a token mean
+        (``loss``, ``grad_norm``: the mean over its updates), and with ``ppo_epochs > 1`` also per pass as
+        ``ppo_epoch_N/<name>``; ``entropy`` and ``logprob_mismatch`` describe the policy at the start of the
+        step; ``num_updates`` counts the optimizer updates taken.
 
         With off-policy correction on, the metrics include ``is_weight_mean`` and ``is_weight_max`` (of
         ``pi_trainer / pi_behaviour`` over the loss tokens, before any cap) and ``is_truncated_fraction``
