@@ -225,6 +225,16 @@ class TrainerConfig(Section):
     backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
     never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
     logits in one piece (the plain ``lm_head``), e.g. to compare."""
+    sampling_mask: Literal["replay", "ignore"] = "replay"
+    """What the trainer does with the sampler's top-k/top-p truncation (``sampling.top_k > 0`` or
+    ``sampling.top_p < 1``, or an agent's own values); without truncation both are the same. ``replay``: the
+    engine records each token's kept set (one int, ``Sample.kept_counts``) and the trainer's logprobs, entropy
+    and KL are those of the softmax renormalised over that set, i.e. of the policy that sampled (entropy is
+    then the sampler's; ``rollflow.train.losses``). ``ignore``: train the full softmax at the temperature, as
+    if nothing were cut: the model's own distribution keeps its tail, and the ratio's anchor is moved onto the
+    full softmax. Servers rollflow does not start must return processed logprobs (vLLM:
+    ``--logprobs-mode processed_logprobs``); vLLM records no kept sets, so its samples train the full softmax
+    either way."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
     """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
     clip_low: NonNegativeFloat = 0.2
