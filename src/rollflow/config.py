@@ -139,6 +139,12 @@ class InferenceConfig(Section):
     """How much lower than rollflow's own the CPU priority of the servers and router it starts is (as in
     ``nice``). On a machine where they share CPU cores with the trainer, a positive value keeps their
     frequent wake-ups from preempting training steps (the slower stage when the async modes overlap)."""
+    check_logprobs: bool = True
+    """``http`` mode: at start-up, check with two short requests per server that its logprobs are those the
+    trainer recomputes (after temperature and top-k/top-p: vLLM's ``--logprobs-mode processed_logprobs``,
+    which rollflow passes to the vLLM servers it starts); a server that reports vLLM's default raw logprobs
+    fails the run with an error naming the flag (``rollflow.inference.logprob_check``). Turn it off only for
+    a server that cannot sample ``n`` one-token completions with ``top_k``."""
     num_engines: Positive = 1
     max_batch_size: Positive = 64
     """Sequences decoded together by one engine (its KV-cache slots)."""

@@ -117,14 +117,14 @@ class GenerateOutput(msgspec.Struct):
     # Policy version that produced each token; differs within one output only if weights changed mid-request.
     policy_versions: list[int]
     prompt_len: int = 0
-    # Sampling mask, one int per token: the sampler kept the n most likely tokens (scaled logits in descending
-    # order, ties to the lower token id) and drew from those; 0 for a token drawn from the whole vocabulary.
-    # None: no token was cut (no top-k/top-p), or the engine does not record it (vLLM).
-    kept_counts: list[int] | None = None
     # MoE routing replay: the top-k expert ids of every token the engine ran, a numpy integer array
     # [prompt_len + len(token_ids) - 1, moe_layers, topk] (the last sampled token is never run), or None when
     # the engine does not return them. Encode it with ``rollflow.inference.routed_experts.pack_routed_experts``.
     routed_experts: Any = None
+    # Sampling mask, one int per token: the sampler kept the n most likely tokens (scaled logits in descending
+    # order, ties to the lower token id) and drew from those; 0 for a token drawn from the whole vocabulary.
+    # None: no token was cut (no top-k/top-p), or the engine does not record it (vLLM).
+    kept_counts: list[int] | None = None
 
 
 def join_kept_counts(pieces: list[tuple[int, list[int] | None]]) -> list[int] | None:
