@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollflow.config import TrainerConfig
+from rollflow.config import TrainerConfig, load_config
+from rollflow.errors import ConfigError
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.sampler import sample
 from rollflow.messages import FinishReason, GenerateRequest, Sample, SamplingParams
@@ -212,3 +213,28 @@ def test_kept_counts_must_match_the_completion():
     )
     with pytest.raises(ValueError, match="1 kept counts for 2 completion tokens"):
         build_micro_batch([sample], [1.0], pad_token_id=0)
+
+
+# ---------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.sampling_mask='auto'", "trainer.sampling_mask"),
+        ("trainer.sampling_mask='Replay'", "trainer.sampling_mask"),
+        ("trainer.sampling_mask=1", "trainer.sampling_mask"),
+        ("trainer.sampling_mask=true", "trainer.sampling_mask"),
+        ("inference.check_logprobs='yes'", "inference.check_logprobs"),
+        ("inference.check_logprobs=0", "inference.check_logprobs"),
+    ],
+)
+def test_bad_sampling_mask_and_check_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=f"invalid value for '{key}'"):
+        load_config([], [override])
+
+
+def test_sampling_mask_defaults_to_replay_and_takes_ignore():
+    assert load_config([], []).trainer.sampling_mask == "replay"
+    assert load_config([], ["trainer.sampling_mask='ignore'"]).trainer.sampling_mask == "ignore"
+    assert load_config([], ["inference.check_logprobs=false"]).inference.check_logprobs is False

@@ -239,8 +239,9 @@ class TrainerConfig(Section):
     then the sampler's; ``rollflow.train.losses``). ``ignore``: train the full softmax at the temperature, as
     if nothing were cut: the model's own distribution keeps its tail, and the ratio's anchor is moved onto the
     full softmax. Servers rollflow does not start must return processed logprobs (vLLM:
-    ``--logprobs-mode processed_logprobs``); vLLM records no kept sets, so its samples train the full softmax
-    either way."""
+    ``--logprobs-mode processed_logprobs``; ``inference.check_logprobs``). vLLM records no kept sets: the
+    client fills in ``top_k`` for a top-k-only request, but tokens a vLLM top-p cut are trained on the full
+    softmax against a renormalised behaviour logprob (their mismatch shows in ``logprob_mismatch``)."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
     """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean; ``rloo``: leave-one-out mean."""
     clip_low: NonNegativeFloat = 0.2

@@ -54,6 +54,7 @@ async def check_server_logprobs(
     api_key: str | None = None,
     model: str | None = None,
     timeout_s: float = 120.0,
+    top_p: float = 1.0,
 ) -> None:
     """Check every server in ``server_urls`` (see the module docstring), one after the other.
 
@@ -64,6 +65,8 @@ async def check_server_logprobs(
         api_key: bearer token of the servers.
         model: the ``model`` field of the requests (None: the server's default).
         timeout_s: limit of each request.
+        top_p: the run's ``sampling.top_p``: below 1, a server that records no kept sets (vLLM) is warned
+            about, since the trainer cannot replay its top-p sets (``trainer.sampling_mask``).
 
     Raises:
         ConfigError: a server's logprobs are not the sampling distribution's; the message names the server,
@@ -76,7 +79,14 @@ async def check_server_logprobs(
         headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
     ) as session:
         for url in server_urls:
-            draws = [await _draw(session, url.rstrip("/"), t, model) for t in temperatures]
+            results = [await _draw(session, url.rstrip("/"), t, model) for t in temperatures]
+            draws = [draw for draw, _ in results]
+            if top_p < 1.0 and not all(records for _, records in results):
+                log.warning(
+                    "server records no top-p kept sets (kept_counts): its top-p tokens train on the full softmax",
+                    server=url,
+                    top_p=top_p,
+                )
             problem = logprob_problem(dict(zip(temperatures, draws, strict=True)))
             if problem == "inconclusive":
                 log.warning(
@@ -95,8 +105,9 @@ async def check_server_logprobs(
 
 async def _draw(
     session: aiohttp.ClientSession, url: str, temperature: float, model: str | None
-) -> dict[int, float]:
-    """``{token: logprob}`` of ``SAMPLES`` one-token samples with ``top_k = 2`` at ``temperature``."""
+) -> tuple[dict[int, float], bool]:
+    """``{token: logprob}`` of ``SAMPLES`` one-token samples with ``top_k = 2`` at ``temperature``, and
+    whether the server recorded their kept sets (``kept_counts``: rollflow's servers do, vLLM does not)."""
     payload: dict[str, Any] = {
         "prompt": CHECK_PROMPT,
         "max_tokens": 1,
@@ -122,7 +133,7 @@ async def _draw(
     for choice in body["choices"]:
         token = int(choice["token_ids"][0])
         draws.setdefault(token, float(choice["logprobs"]["token_logprobs"][0]))
-    return draws
+    return draws, all("kept_counts" in choice for choice in body["choices"])
 
 
 def logprob_problem(draws: dict[float, dict[int, float]]) -> str | None:

@@ -156,6 +156,7 @@ async def get_inference_client(
                 config.sampling.temperature,
                 api_key=api_key,
                 timeout_s=inference.request_timeout_s,
+                top_p=config.sampling.top_p,
             )
         log.info("inference client ready", data_url=proxy_url, servers=server_urls)
         yield client
