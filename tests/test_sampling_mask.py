@@ -169,6 +169,22 @@ async def test_trainer_renormalised_logprobs_equal_the_engines(varied_model, tru
     assert bool((full.logprobs[mask] < policy.logprobs[mask]).all())  # the tail holds mass
 
 
+async def test_reference_logprobs_and_kl_are_over_the_kept_sets_too(varied_model):
+    """The KL term's reference logprobs are renormalised like the policy's: with the reference equal to the
+    policy they equal the engine's, and a training step reports a zero KL and the sampler's entropy."""
+    samples = await engine_samples(varied_model, TRUNCATIONS["both"])
+    trainer = trainer_for(varied_model, kl_coef=0.1)
+    batch = build_micro_batch(samples, [1.0, -1.0, 0.5], pad_token_id=0)
+    with torch.no_grad():
+        reference = trainer._token_logprobs(trainer.reference_model, batch)
+    assert float((reference.logprobs - batch.old_logprobs)[batch.loss_mask].abs().max()) < 1e-5
+    metrics = trainer._forward_backward(batch, int(batch.loss_mask.sum()))
+    assert abs(float(metrics["kl"])) < 1e-6
+    assert float(metrics["logprob_mismatch_sum"]) / float(metrics["logprob_mismatch_tokens"]) < 1e-5
+    mask = batch.loss_mask
+    assert float(metrics["entropy"]) <= float(batch.kept_counts[mask].float().log().mean()) + 1e-5
+
+
 async def test_renormalised_gradient_of_the_chunked_path_equals_autograd_on_full_logits(varied_model):
     samples = await engine_samples(varied_model, TRUNCATIONS["both"])
     batch = build_micro_batch(samples, [1.0] * len(samples), pad_token_id=0)
