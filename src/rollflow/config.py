@@ -236,9 +236,9 @@ class TrainerConfig(Section):
     ``sampling.top_p < 1``, or an agent's own values); without truncation both are the same. ``replay``: the
     engine records each token's kept set (one int, ``Sample.kept_counts``) and the trainer's logprobs, entropy
     and KL are those of the softmax renormalised over that set, i.e. of the policy that sampled (entropy is
-    then the sampler's; ``rollflow.train.losses``). ``ignore``: train the full softmax at the temperature, as
-    if nothing were cut: the model's own distribution keeps its tail, and the ratio's anchor is moved onto the
-    full softmax. Servers rollflow does not start must return processed logprobs (vLLM:
+    then the sampler's; ``rollflow.train.losses``); tokens outside the set get no gradient, so what the model
+    does without truncation is not trained. ``ignore``: train the full softmax at the temperature, as if
+    nothing were cut (the ratio's anchor is moved onto it; entropy is the full softmax's). Servers rollflow does not start must return processed logprobs (vLLM:
     ``--logprobs-mode processed_logprobs``; ``inference.check_logprobs``). vLLM records no kept sets: the
     client fills in ``top_k`` for a top-k-only request, but tokens a vLLM top-p cut are trained on the full
     softmax against a renormalised behaviour logprob (their mismatch shows in ``logprob_mismatch``)."""
