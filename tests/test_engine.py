@@ -58,10 +58,14 @@ def request(prompt: list[int], params: SamplingParams = GREEDY, request_id: str 
 
 
 def hf_logprobs(model, prompt: list[int], output: GenerateOutput, temperature: float = 1.0) -> list[float]:
-    """log_softmax(logits / temperature) of a full forward on prompt + output, at the output tokens."""
+    """log_softmax(logits / temperature) of a full forward on prompt + output, at the output tokens, over
+    each token's kept set (its ``kept_counts`` largest scaled logits) when the output records them."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + output.token_ids])).logits[0]
     scaled = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+    for row, count in enumerate(output.kept_counts or []):
+        if count:
+            scaled[row, scaled[row].sort(descending=True, stable=True).indices[count:]] = float("-inf")
     logprobs = torch.log_softmax(scaled, dim=-1)
     return logprobs.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0].tolist()
 
@@ -95,12 +99,13 @@ async def test_greedy_matches_hf_generate(engine, varied_model):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_logprobs_match_hf_forward(engine, varied_model, temperature):
     prompts = make_prompts([4, 11, 23], seed=1)
-    # top_k filters the draw, not the reported logprob: it must still be the unfiltered one.
+    # top_k filters the draw and the reported logprob: renormalised over the 20 tokens kept.
     params = SamplingParams(max_tokens=20, temperature=temperature, top_k=20, seed=7)
     outputs = await asyncio.gather(*(engine.generate(request(p, params)) for p in prompts))
     diffs = []
     for prompt, output in zip(prompts, outputs, strict=True):
         assert len(output.logprobs) == len(output.token_ids) == 20
+        assert output.kept_counts == [20] * 20
         expected = hf_logprobs(varied_model, prompt, output, temperature)
         diffs += [abs(a - b) for a, b in zip(output.logprobs, expected, strict=True)]
     mean_diff = sum(diffs) / len(diffs)
@@ -267,9 +272,11 @@ async def test_temperature_zero_and_top_k_one_are_greedy(engine, varied_model):
     top_one = await asyncio.gather(*(engine.generate(request(p, top1)) for p in prompts))
     for g, t, prompt in zip(greedy, top_one, prompts, strict=True):
         assert t.token_ids == g.token_ids
-        # Temperature 0 reports plain log_softmax; top_k=1 at 0.8 reports log_softmax(logits / 0.8), not 0.
+        # Temperature 0 reports plain log_softmax; top_k=1 draws from one token: logprob 0, one token kept.
         assert g.logprobs == pytest.approx(hf_logprobs(varied_model, prompt, g), abs=1e-4)
-        assert t.logprobs == pytest.approx(hf_logprobs(varied_model, prompt, t, 0.8), abs=1e-4)
+        assert g.kept_counts is None
+        assert t.logprobs == [0.0] * len(t.token_ids)
+        assert t.kept_counts == [1] * len(t.token_ids)
 
 
 async def test_stop_token_ends_generation_and_is_included(engine):

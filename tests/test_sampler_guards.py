@@ -74,7 +74,7 @@ def test_sampler_draws_a_possible_token_with_a_finite_logprob_for_every_accepted
         torch.Generator().manual_seed(p.seed) if p.seed is not None and p.temperature > 0 else None
         for p in row_params
     ]
-    tokens, logprobs = sample(logits, row_params, generators, torch.Generator().manual_seed(0))
+    tokens, logprobs, _ = sample(logits, row_params, generators, torch.Generator().manual_seed(0))
     for row, token, logprob in zip(logits, tokens, logprobs, strict=True):
         assert 0 <= token < VOCAB
         assert row[token] != -math.inf, "a masked token was drawn"
@@ -90,7 +90,7 @@ def test_tiny_temperature_and_top_p_keep_the_top_token_where_float32_used_to_giv
     first, a temperature of 1e-5 on logits of 1e38 stays finite, and top_p = 1e-8 keeps the top token."""
     logits = torch.tensor([[3e38, -3e38, 2.9e38, 0.0], [1.0, 5.0, 5.0 - 1e-6, 4.0]], dtype=torch.float32)
     extreme = SamplingParams(temperature=MIN_TEMPERATURE, top_p=MIN_TOP_P)
-    tokens, logprobs = sample(logits, [extreme, extreme], [None, None], torch.Generator().manual_seed(0))
+    tokens, logprobs, _ = sample(logits, [extreme, extreme], [None, None], torch.Generator().manual_seed(0))
     assert tokens[0] == 0 and tokens[1] in (1, 2)
     assert all(math.isfinite(v) for v in logprobs)
 

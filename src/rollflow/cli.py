@@ -231,6 +231,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
     )
+    serve.add_argument(
+        "--logprobs-mode",
+        choices=["processed_logprobs", "raw_logprobs"],
+        default="processed_logprobs",
+        help="vLLM's flag: processed_logprobs (default) reports the logprob of the distribution each token was "
+        "drawn from (after temperature and top-k/top-p), what the trainer recomputes; raw_logprobs reports "
+        "log_softmax(logits) before both, like a vLLM started without the flag (for tests)",
+    )
     _add_http_limits(serve)
 
     router = commands.add_parser(

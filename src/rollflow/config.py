@@ -139,6 +139,12 @@ class InferenceConfig(Section):
     """How much lower than rollflow's own the CPU priority of the servers and router it starts is (as in
     ``nice``). On a machine where they share CPU cores with the trainer, a positive value keeps their
     frequent wake-ups from preempting training steps (the slower stage when the async modes overlap)."""
+    check_logprobs: bool = True
+    """``http`` mode: at start-up, check with two short requests per server that its logprobs are those the
+    trainer recomputes (after temperature and top-k/top-p: vLLM's ``--logprobs-mode processed_logprobs``,
+    which rollflow passes to the vLLM servers it starts); a server that reports vLLM's default raw logprobs
+    fails the run with an error naming the flag (``rollflow.inference.logprob_check``). Turn it off only for
+    a server that cannot sample ``n`` one-token completions with ``top_k``."""
     num_engines: Positive = 1
     max_batch_size: Positive = 64
     """Sequences decoded together by one engine (its KV-cache slots)."""
@@ -226,6 +232,17 @@ class TrainerConfig(Section):
     backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
     never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
     logits in one piece (the plain ``lm_head``), e.g. to compare."""
+    sampling_mask: Literal["replay", "ignore"] = "replay"
+    """What the trainer does with the sampler's top-k/top-p truncation (``sampling.top_k > 0`` or
+    ``sampling.top_p < 1``, or an agent's own values); without truncation both are the same. ``replay``: the
+    engine records each token's kept set (one int, ``Sample.kept_counts``) and the trainer's logprobs, entropy
+    and KL are those of the softmax renormalised over that set, i.e. of the policy that sampled (entropy is
+    then the sampler's; ``rollflow.train.losses``); tokens outside the set get no gradient, so what the model
+    does without truncation is not trained. ``ignore``: train the full softmax at the temperature, as if
+    nothing were cut (the ratio's anchor is moved onto it; entropy is the full softmax's). Servers rollflow does not start must return processed logprobs (vLLM:
+    ``--logprobs-mode processed_logprobs``; ``inference.check_logprobs``). vLLM records no kept sets: the
+    client fills in ``top_k`` for a top-k-only request, but tokens a vLLM top-p cut are trained on the full
+    softmax against a renormalised behaviour logprob (their mismatch shows in ``logprob_mismatch``)."""
     advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
     """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean (Dr. GRPO's advantage);
     ``rloo``: leave-one-out mean."""

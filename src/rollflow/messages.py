@@ -110,7 +110,8 @@ class GenerateOutput(msgspec.Struct):
 
     request_id: str
     token_ids: list[int]
-    # log p(token) under the sampling distribution after temperature, before top-k/top-p filtering.
+    # log p(token) under the distribution it was drawn from: after temperature, renormalised over the tokens
+    # top-k/top-p kept (vLLM's processed logprobs); see ``kept_counts``.
     logprobs: list[float]
     finish_reason: FinishReason
     # Policy version that produced each token; differs within one output only if weights changed mid-request.
@@ -120,6 +121,21 @@ class GenerateOutput(msgspec.Struct):
     # [prompt_len + len(token_ids) - 1, moe_layers, topk] (the last sampled token is never run), or None when
     # the engine does not return them. Encode it with ``rollflow.inference.routed_experts.pack_routed_experts``.
     routed_experts: Any = None
+    # Sampling mask, one int per token: the sampler kept the n most likely tokens (scaled logits in descending
+    # order, ties to the lower token id) and drew from those; 0 for a token drawn from the whole vocabulary.
+    # None: no token was cut (no top-k/top-p), or the engine does not record it (vLLM).
+    kept_counts: list[int] | None = None
+
+
+def join_kept_counts(pieces: list[tuple[int, list[int] | None]]) -> list[int] | None:
+    """The kept counts of consecutive pieces of ``(token count, kept counts or None)``: None if no piece
+    has any, else one list with 0 for the tokens of pieces without."""
+    if all(not counts for _, counts in pieces):
+        return None
+    joined: list[int] = []
+    for length, counts in pieces:
+        joined += counts if counts else [0] * length
+    return joined
 
 
 class GenerateChunk(msgspec.Struct):
@@ -137,6 +153,8 @@ class GenerateChunk(msgspec.Struct):
     # The whole output's ``GenerateOutput.routed_experts``, on the last chunk only (routes are per token run,
     # including prompt tokens, so they do not split by chunk).
     routed_experts: Any = None
+    # ``GenerateOutput.kept_counts`` of this chunk's tokens; None: none of them was cut.
+    kept_counts: list[int] | None = None
 
 
 class RolloutRequest(msgspec.Struct, frozen=True):
@@ -171,6 +189,10 @@ class Sample(msgspec.Struct):
     # The agent trajectory (within its group) the sample was composed from: samples of one trajectory count
     # once in the group's baseline. None: the sample is a trajectory of its own (single turn).
     trajectory: int | None = None
+    # Per completion token, the sampler's kept count (``GenerateOutput.kept_counts``; 0 where nothing was cut
+    # and on tokens that were not sampled); None: no token was cut. The trainer replays it
+    # (``trainer.sampling_mask``).
+    kept_counts: list[int] | None = None
 
     @property
     def min_policy_version(self) -> int:

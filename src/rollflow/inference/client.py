@@ -11,13 +11,16 @@ import contextlib
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rollflow.messages import GenerateChunk, GenerateOutput, GenerateRequest
+from rollflow.messages import GenerateChunk, GenerateOutput, GenerateRequest, join_kept_counts
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.engine import TorchEngine
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+# vLLM's ``--logprobs-mode`` values a torch engine serves: ``processed_logprobs`` (after temperature and
+# top-k/top-p, what the trainer recomputes) and ``raw_logprobs`` (vLLM's default, before both).
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 
 @runtime_checkable
@@ -129,10 +132,12 @@ async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput
     token_ids: list[int] = []
     logprobs: list[float] = []
     policy_versions: list[int] = []
+    kept_counts: list[tuple[int, list[int] | None]] = []
     async for chunk in chunks:
         token_ids += chunk.token_ids
         logprobs += chunk.logprobs
         policy_versions += chunk.policy_versions
+        kept_counts.append((len(chunk.token_ids), chunk.kept_counts))
         if chunk.finish_reason is not None:
             return GenerateOutput(
                 request_id=chunk.request_id,
@@ -142,5 +147,6 @@ async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput
                 policy_versions=policy_versions,
                 prompt_len=chunk.prompt_len,
                 routed_experts=chunk.routed_experts,
+                kept_counts=join_kept_counts(kept_counts),
             )
     raise ValueError("the generation stream ended without a finish reason")

@@ -43,6 +43,37 @@ DEFAULT_CONNECTION_LIMIT = 10_000
 _PAUSED_RETRY_S = (0.02, 0.5)
 
 
+def _kept_counts(
+    choice: Mapping[str, Any], num_tokens: int, params: SamplingParams, url: str
+) -> list[int] | None:
+    """The choice's per-token kept counts (``GenerateOutput.kept_counts``).
+
+    rollflow's server sends ``kept_counts`` when top-k/top-p cut a token's vocabulary. vLLM sends none; its
+    top-k alone keeps ``top_k`` tokens (ties at the boundary aside), so that count is filled in, while a top-p
+    set cannot be rebuilt and stays unrecorded (the trainer then trains the full softmax on those tokens).
+
+    Raises:
+        RemoteInferenceError: ``kept_counts`` is not one non-negative int per token.
+    """
+    counts = choice.get("kept_counts")
+    if counts is None:
+        # rollflow's server omits them when nothing was cut (top_k >= vocabulary): a count that large cuts
+        # nothing for the trainer either.
+        if params.top_k > 0 and params.top_p >= 1.0 and num_tokens:
+            return [params.top_k] * num_tokens
+        return None
+    if (
+        not isinstance(counts, list)
+        or len(counts) != num_tokens
+        or not all(type(count) is int and count >= 0 for count in counts)
+    ):
+        raise RemoteInferenceError(
+            f"kept_counts from {url} must be one integer >= 0 per token ({num_tokens}), got {str(counts)[:200]}",
+            url=url,
+        )
+    return counts
+
+
 def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
     """vLLM sampling fields of ``params``, with logprobs of the sampled tokens; like in-process engines, the
     request stops only on its ``stop_token_ids`` (callers add eos there)."""
@@ -549,6 +580,7 @@ class RemoteInferenceClient:
             # The whole stream's routes, on its last chunk only; rows are checked against the assembled
             # output by whoever assembles it.
             routed_experts=_routed_experts(choice, url, None) if finish_reason is not None else None,
+            kept_counts=_kept_counts(choice, len(token_ids), request.sampling, url),
         )
 
     def _token_versions(
@@ -596,6 +628,7 @@ class RemoteInferenceClient:
             policy_versions=policy_versions,
             prompt_len=prompt_len,
             routed_experts=_routed_experts(choice, url, prompt_len + len(token_ids)),
+            kept_counts=_kept_counts(choice, len(token_ids), request.sampling, url),
         )
 
     async def chat_completion(self, body: Mapping[str, Any]) -> dict[str, Any]:

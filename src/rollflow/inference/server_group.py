@@ -128,6 +128,8 @@ def build_vllm_server_command(
       ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), else ``nccl``, unless ``weight_transfer_backend`` says otherwise.
     - ``--enable-sleep-mode`` when colocated, so the trainer can take the GPU memory back between rollouts.
     - ``--enable-return-routed-experts`` with ``return_routed_experts`` (MoE routing replay).
+    - ``--logprobs-mode processed_logprobs``: logprobs after temperature and top-k/top-p, what the trainer
+      recomputes (vLLM's default, ``raw_logprobs``, is before both; ``rollflow.inference.logprob_check``).
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment.
@@ -151,6 +153,7 @@ def build_vllm_server_command(
         json.dumps({"backend": backend}),
         "--enable-scale-out",
     ]
+    command += ["--logprobs-mode", "processed_logprobs"]
     if colocate:
         command.append("--enable-sleep-mode")
     if max_model_len is not None:

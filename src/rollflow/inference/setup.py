@@ -73,9 +73,11 @@ async def get_inference_client(
         ServerStartError: a server did not become ready within ``inference.startup_timeout_s``.
         ServerStartError: also when the router could not listen (``inference.router_port`` taken: set it to
             0 for a free one).
+        ConfigError: a server reports logprobs the trainer does not recompute (``inference.check_logprobs``).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
     """
     from rollflow.config import resolve_api_key
+    from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router_process import RouterProcess
     from rollflow.inference.server_group import ServerGroup
@@ -148,6 +150,14 @@ async def get_inference_client(
             drop_unreachable_servers=len(server_urls) > 1,
         )
         stack.push_async_callback(client.close)
+        if inference.check_logprobs:
+            await check_server_logprobs(
+                server_urls,
+                config.sampling.temperature,
+                api_key=api_key,
+                timeout_s=inference.request_timeout_s,
+                top_p=config.sampling.top_p,
+            )
         log.info("inference client ready", data_url=proxy_url, servers=server_urls)
         yield client
     finally:

@@ -16,10 +16,11 @@ its samples are masked as ``"timeout"``; an exception, a non-zero exit or a rewa
 masks them as ``"error"``. Either way the group goes on. Every trajectory contributes at least one sample (an
 empty masked one when the model was never called), so it is visible in the group and in the counts.
 
-Requests sample at ``sampling.temperature`` and ``sampling.top_p``, which the trainer's PPO ratio assumes:
-with ``agent.enforce_sampling`` (the default) an agent's own ``temperature`` or ``top_p`` is overridden and
-counted (``agent_sampling_overridden``). Pass ``task.seed`` (plus the turn number) as ``seed`` for
-reproducible sampling.
+Requests sample at ``sampling.temperature``, ``sampling.top_p`` and ``sampling.top_k``, which the trainer's
+PPO ratio assumes: with ``agent.enforce_sampling`` (the default) an agent's own ``temperature``, ``top_p`` or
+``top_k`` is overridden and counted (``agent_sampling_overridden``). Where top-k/top-p cut the vocabulary,
+the samples carry each sampled token's kept set (``Sample.kept_counts``) for ``trainer.sampling_mask``. Pass
+``task.seed`` (plus the turn number) as ``seed`` for reproducible sampling.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from rollflow.messages import (
     Sample,
     SamplingParams,
     ScoredGroup,
+    join_kept_counts,
 )
 from rollflow.rollout.rewards import Rewarder
 from rollflow.rollout.tasks import TaskItem
@@ -91,6 +92,12 @@ class SingleTurnGenerator:
                         finish_reason=continued.finish_reason,
                         policy_versions=output.policy_versions + continued.policy_versions,
                         prompt_len=len(prompt_ids),
+                        kept_counts=join_kept_counts(
+                            [
+                                (len(output.token_ids), output.kept_counts),
+                                (len(continued.token_ids), continued.kept_counts),
+                            ]
+                        ),
                     )
                 else:
                     output = await self._sample(prompt_ids, [], seed + regenerated, output.request_id)
@@ -113,6 +120,7 @@ class SingleTurnGenerator:
                     policy_versions=output.policy_versions,
                     finish_reason=output.finish_reason,
                     completion_text=self.completion_text(prompt_ids, output.token_ids),
+                    kept_counts=output.kept_counts,
                 )
             )
         item = TaskItem(messages=request.messages, answer=request.answer, metadata=request.metadata)

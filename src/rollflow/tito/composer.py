@@ -97,6 +97,7 @@ def _sample(path: list[Node], trained: set[int], *, step_wise: bool) -> TITOSamp
     loss_mask: list[bool] = []
     logprobs: list[float] = []
     versions: list[int] = []
+    kept_counts: list[int] = []  # 0 where nothing was cut, and on tokens that were not sampled
     for node in path:
         tokens = node.token_ids.tolist()
         token_ids += tokens
@@ -104,10 +105,16 @@ def _sample(path: list[Node], trained: set[int], *, step_wise: bool) -> TITOSamp
             loss_mask += node.sampled_mask
             logprobs += [0.0] * node.num_prompt + node.logprobs.tolist()
             versions += [-1] * node.num_prompt + node.policy_versions.tolist()
+            node_counts = node.kept_counts
+            sampled_counts = (
+                node_counts.tolist() if node_counts is not None else [0] * (len(tokens) - node.num_prompt)
+            )
+            kept_counts += [0] * node.num_prompt + sampled_counts
         else:
             loss_mask += [False] * len(tokens)
             logprobs += [0.0] * len(tokens)
             versions += [-1] * len(tokens)
+            kept_counts += [0] * len(tokens)
     split = loss_mask.index(True) if True in loss_mask else len(token_ids)
     if step_wise:
         split = len(token_ids) - (len(path[-1].token_ids) - path[-1].num_prompt)
@@ -128,6 +135,7 @@ def _sample(path: list[Node], trained: set[int], *, step_wise: bool) -> TITOSamp
         loss_mask=completion_mask,
         completion_text=str(last.message.get("content", "")) if last.message else "",
         routed_experts=_experts(path),
+        kept_counts=kept_counts[split:] if any(kept_counts[split:]) else None,
     )
 
 
@@ -182,6 +190,8 @@ def _finalize(sample: TITOSample, trace: Trace, max_seq_len: int, filter_overlon
         sample.logprobs = sample.logprobs[:keep]
         sample.policy_versions = sample.policy_versions[:keep]
         sample.loss_mask = sample.loss_mask[:keep]
+        if sample.kept_counts is not None:
+            sample.kept_counts = sample.kept_counts[:keep]
         sample.finish_reason = FinishReason.LENGTH
         if sample.routed_experts is not None:
             sample.routed_experts = sample.routed_experts[:max_seq_len]

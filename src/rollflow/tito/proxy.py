@@ -127,9 +127,9 @@ class TITOProxy:
         max_body_bytes: larger request bodies get 413.
         drain_timeout_s: how long ``close_session`` waits for requests in flight before cancelling them.
         default_max_tokens, default_temperature, default_top_p: sampling when a request does not say.
-        enforce_sampling: sample at ``default_temperature`` and ``default_top_p`` whatever a request asks
-            (training: the trainer's PPO ratio assumes them); overridden requests are counted in the trace's
-            ``stats.sampling_overridden``.
+        enforce_sampling: sample at ``default_temperature``, ``default_top_p`` and ``default_top_k`` whatever a
+            request asks (training: the trainer's PPO ratio assumes them); overridden requests are counted in
+            the trace's ``stats.sampling_overridden``.
         max_model_len: the engines' context length, if known: a request whose message text alone cannot fit
             it is a 400 (``context_length_exceeded``) before it is rendered (``rollflow.inference.
             prompt_limits``). Large requests are rendered in a worker thread either way.

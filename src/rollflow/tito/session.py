@@ -24,7 +24,14 @@ import structlog
 from rollflow.errors import EngineError, RollflowError
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, sampling_error
+from rollflow.messages import (
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+    join_kept_counts,
+    sampling_error,
+)
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.stops import StopMatcher, cut_at_stop
 from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
@@ -338,6 +345,7 @@ class Session:
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
+        kept_counts: list[tuple[int, list[int] | None]] = []
         routed_experts = None
         for _ in range(settings.max_abort_resubmits + 1):
             sampling = SamplingParams(
@@ -369,6 +377,7 @@ class Session:
                     _cut_output(
                         output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids)
                     )
+            kept_counts.append((len(output.token_ids), output.kept_counts))
             tokens += output.token_ids
             logprobs += output.logprobs
             versions += output.policy_versions
@@ -380,7 +389,10 @@ class Session:
         if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
             finish = FinishReason.LENGTH
         stop = matcher.matched if matcher is not None else None
-        return Sampled(tokens, logprobs, versions, finish.value, routed_experts), stop
+        sampled = Sampled(
+            tokens, logprobs, versions, finish.value, routed_experts, join_kept_counts(kept_counts)
+        )
+        return sampled, stop
 
     async def _generate_streamed(
         self,
@@ -405,6 +417,7 @@ class Session:
         new_tokens: list[int] = []
         new_logprobs: list[float] = []
         versions: list[int] = []
+        kept_counts: list[tuple[int, list[int] | None]] = []
         async with contextlib.aclosing(stream(request)) as chunks:
             async for chunk in chunks:
                 keep = matcher.feed(chunk.token_ids) if matcher is not None else None
@@ -412,6 +425,7 @@ class Session:
                 new_tokens += chunk.token_ids[:count]
                 new_logprobs += chunk.logprobs[:count]
                 versions += chunk.policy_versions[:count]
+                kept_counts.append((count, chunk.kept_counts[:count] if chunk.kept_counts else None))
                 if count:
                     entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
                 if keep is not None:  # a stop string completed: leaving the stream ends the engine request
@@ -422,6 +436,7 @@ class Session:
                         FinishReason.STOP,
                         versions,
                         chunk.prompt_len,
+                        kept_counts=join_kept_counts(kept_counts),
                     )
                 if chunk.finish_reason is not None:
                     return GenerateOutput(
@@ -432,6 +447,7 @@ class Session:
                         versions,
                         chunk.prompt_len,
                         chunk.routed_experts,
+                        kept_counts=join_kept_counts(kept_counts),
                     )
         raise RollflowError("the generation stream ended without a finish reason")
 
@@ -465,6 +481,8 @@ def _cut_output(output: GenerateOutput, keep: int | None, prompt_len: int) -> No
     output.token_ids = output.token_ids[:keep]
     output.logprobs = output.logprobs[:keep]
     output.policy_versions = output.policy_versions[:keep]
+    if output.kept_counts is not None:
+        output.kept_counts = output.kept_counts[:keep]
     output.finish_reason = FinishReason.STOP
     if output.routed_experts is not None:  # rows of the tokens run: the prompt and all but the last kept
         output.routed_experts = output.routed_experts[: prompt_len + keep - 1]

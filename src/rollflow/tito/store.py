@@ -81,6 +81,8 @@ class NodeStore:
         self.finish_names = _Interned()
         self.tools_keys = _Interned()
         self.routed_experts: dict[int, Any] = {}  # sparse: only engines that report routes fill it
+        # Sparse: sampled nodes of which a token was cut by top-k/top-p; the sampler's kept counts.
+        self.kept_counts: dict[int, array] = {}
 
     def __len__(self) -> int:
         return len(self.parent)
@@ -98,6 +100,7 @@ class NodeStore:
         routed_experts: Any = None,
         finish_reason: str | None = None,
         tools_key: bytes | None = None,
+        kept_counts: Sequence[int] | None = None,
     ) -> int:
         """Append a child of ``parent`` (``encoded`` is ``encode_message(message)``) and return its id."""
         node = len(self.parent)
@@ -125,6 +128,8 @@ class NodeStore:
         self.tools.append(self.tools_keys.code(tools_key) if tools_key is not None else -1)
         if routed_experts is not None:
             self.routed_experts[node] = routed_experts
+        if kept_counts is not None and any(kept_counts):
+            self.kept_counts[node] = array("i", kept_counts)
         return node
 
     def _link(self, parent: int, node: int) -> None:
@@ -267,6 +272,12 @@ class Node:
     def policy_versions(self) -> array | None:
         """Policy version of each sampled token, or None for a node that was not sampled."""
         return self._sample_slice(self._store.policy_versions)
+
+    @property
+    def kept_counts(self) -> array | None:
+        """The sampler's kept count of each sampled token (``GenerateOutput.kept_counts``), or None when no
+        token was cut by top-k/top-p (or the node was not sampled)."""
+        return self._store.kept_counts.get(self.id)
 
     @property
     def routed_experts(self) -> Any:

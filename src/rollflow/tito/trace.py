@@ -120,6 +120,7 @@ class Sampled:
     policy_versions: list[int]
     finish_reason: str  # the engine's: stop, length, abort
     routed_experts: Any = None  # [prompt + completion (or one less), layers, topk] integers, or None
+    kept_counts: list[int] | None = None  # per token, the sampler's kept count; None: nothing was cut
 
 
 @dataclass
@@ -523,7 +524,9 @@ class Trace:
         replay_count: int = 1,
     ) -> Turn:
         self._check_open()
-        if not len(sampled.token_ids) == len(sampled.logprobs) == len(sampled.policy_versions):
+        if not len(sampled.token_ids) == len(sampled.logprobs) == len(sampled.policy_versions) or (
+            sampled.kept_counts is not None and len(sampled.kept_counts) != len(sampled.token_ids)
+        ):
             # The store keeps logprobs and versions side by side: a ragged output would shift every later node.
             raise EngineError(
                 f"sampled output is ragged: {len(sampled.token_ids)} tokens, {len(sampled.logprobs)} logprobs, "
@@ -642,6 +645,7 @@ class Trace:
             routed_experts=experts,
             finish_reason=sampled.finish_reason if sampled is not None else None,
             tools_key=tools_key,
+            kept_counts=sampled.kept_counts if sampled is not None else None,
         )
 
 

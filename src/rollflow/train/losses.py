@@ -19,6 +19,14 @@ Where this departs from the GRPO paper (Shao et al. 2024):
 Logprobs and entropy come from ``model_token_logprobs``: by default from the model's final hidden states and
 the output-embedding weight, a chunk of positions at a time (``chunked_token_logprobs``), so the
 ``[batch, time, vocab]`` logits never exist at once, in the forward nor in the backward.
+
+Sampling masks (``trainer.sampling_mask = "replay"``): where the sampler cut the vocabulary (top-k/top-p), each
+token's kept count n rebuilds its kept set from the model's own logits: the n largest scaled logits, ties to
+the lower token id (the sampler's stable descending sort), plus the sampled token itself (a near-tie at the
+boundary that rounding ordered differently must not give it probability 0). Logprobs and entropy are those of
+the softmax renormalised over that set, and its gradient is zero outside it; the reference model (KL) rebuilds
+its own set of the same size. Off-policy, the set is the trained weights' top n, not necessarily the one the
+older sampler kept.
 """
 
 from __future__ import annotations
@@ -74,6 +82,31 @@ class TokenLogprobs:
 
     logprobs: torch.Tensor  # float32, shape of target_ids
     entropy: torch.Tensor  # float32, shape of target_ids, nats of softmax(logits / temperature)
+    # Detached log of the mass the kept set holds under the full softmax (<= 0; 0 where nothing was cut);
+    # None when no kept counts were given.
+    kept_log_mass: torch.Tensor | None = None
+
+
+def kept_set_mask(
+    scaled: torch.Tensor, target_ids: torch.Tensor, kept_counts: torch.Tensor
+) -> torch.Tensor | None:
+    """The sampler's kept set of each row of ``scaled`` [rows, vocab] logits, rebuilt from its kept count.
+
+    Row i keeps its ``kept_counts[i]`` largest entries (a stable descending sort: ties go to the lower token
+    id, as in the sampler) and its target token; a count of 0 (or >= vocab) keeps the whole row. Returns a
+    bool mask, or None when no row is cut.
+    """
+    vocab = scaled.shape[-1]
+    cut = (kept_counts > 0) & (kept_counts < vocab)
+    if not bool(cut.any()):
+        return None
+    counts = torch.where(cut, kept_counts, vocab)
+    order = scaled.detach().sort(dim=-1, descending=True, stable=True).indices
+    ranks = torch.arange(vocab, device=scaled.device)
+    kept = torch.zeros(scaled.shape, dtype=torch.bool, device=scaled.device)
+    kept.scatter_(-1, order, ranks[None] < counts[:, None])
+    kept.scatter_(-1, target_ids[:, None], True)
+    return kept
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -86,31 +119,44 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_ids, temperature, chunk_rows, compute_dtype):
+    def forward(
+        ctx, hidden, weight, target_ids, temperature, chunk_rows, compute_dtype, kept_counts, renormalise
+    ):
         rows = hidden.shape[0]
         logprobs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logprobs)
         logsumexp = torch.empty_like(logprobs)
+        kept_log_mass = torch.zeros_like(logprobs)
         with torch.autocast(hidden.device.type, enabled=False):
             cast_weight = weight.to(compute_dtype)
             for start in range(0, rows, chunk_rows):
                 end = min(start + chunk_rows, rows)
                 logits = _chunk_logits(hidden[start:end], cast_weight, temperature, compute_dtype)
                 chunk_lse = torch.logsumexp(logits, dim=-1)
+                kept = None
+                if kept_counts is not None:
+                    kept = kept_set_mask(logits, target_ids[start:end], kept_counts[start:end])
+                if kept is not None:
+                    kept_lse = torch.logsumexp(logits.masked_fill(~kept, float("-inf")), dim=-1)
+                    kept_log_mass[start:end] = kept_lse - chunk_lse
+                    if renormalise:
+                        chunk_lse = kept_lse
                 logsumexp[start:end] = chunk_lse
                 logprobs[start:end] = logits.gather(-1, target_ids[start:end, None]).squeeze(-1) - chunk_lse
                 # H = lse - sum(p * z); the dot product as a batched matmul makes no third [rows, vocab] tensor.
                 probs = (logits - chunk_lse[:, None]).exp_()
+                if kept is not None and renormalise:
+                    probs.masked_fill_(~kept, 0.0)
                 entropy[start:end] = chunk_lse - (probs[:, None, :] @ logits[:, :, None]).reshape(-1)
-                del logits, probs
-        ctx.save_for_backward(hidden, weight, target_ids, logsumexp)
+                del logits, probs, kept
+        ctx.save_for_backward(hidden, weight, target_ids, logsumexp, kept_counts if renormalise else None)
         ctx.temperature, ctx.chunk_rows, ctx.compute_dtype = temperature, chunk_rows, compute_dtype
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        ctx.mark_non_differentiable(entropy, kept_log_mass)
+        return logprobs, entropy, kept_log_mass
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, target_ids, logsumexp = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, _grad_entropy, _grad_kept_log_mass):
+        hidden, weight, target_ids, logsumexp, kept_counts = ctx.saved_tensors
         temperature, chunk_rows, compute_dtype = ctx.temperature, ctx.chunk_rows, ctx.compute_dtype
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -121,8 +167,14 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 end = min(start + chunk_rows, hidden.shape[0])
                 logits = _chunk_logits(hidden[start:end], cast_weight, temperature, compute_dtype)
                 grad = grad_logprobs[start:end, None].float()
-                # d logprob / d z = onehot(target) - softmax(z), with z = logits / temperature.
+                # d logprob / d z = onehot(target) - softmax(z), with z = logits / temperature; renormalised
+                # over a kept set, the softmax is the kept set's and 0 outside it.
                 grad_logits = (logits - logsumexp[start:end, None]).exp_().mul_(-grad)
+                if kept_counts is not None:
+                    kept = kept_set_mask(logits, target_ids[start:end], kept_counts[start:end])
+                    if kept is not None:
+                        grad_logits.masked_fill_(~kept, 0.0)
+                    del kept
                 grad_logits.scatter_add_(-1, target_ids[start:end, None], grad)
                 if temperature != 1.0:
                     grad_logits.div_(temperature)
@@ -139,7 +191,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 del grad_logits
         if want_weight:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _chunk_logits(hidden, weight, temperature: float, compute_dtype: torch.dtype) -> torch.Tensor:
@@ -156,6 +208,8 @@ def chunked_token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
+    kept_counts: torch.Tensor | None = None,
+    renormalise: bool = True,
 ) -> TokenLogprobs:
     """Logprobs and entropy of ``softmax(hidden @ weight.T / temperature)`` without the full logits.
 
@@ -170,6 +224,9 @@ def chunked_token_logprobs(
         target_ids: ``[...]`` token ids.
         temperature: the sampler's temperature.
         chunk_tokens: positions per chunk (>= 1).
+        kept_counts: ``[...]`` long, the sampler's kept count of each target (0: nothing cut), or None.
+        renormalise: with ``kept_counts``, the softmax is renormalised over each kept set (``kept_set_mask``);
+            False keeps the full softmax and only reports ``kept_log_mass``.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens = {chunk_tokens} must be >= 1")
@@ -178,15 +235,21 @@ def chunked_token_logprobs(
         torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     )
     shape = target_ids.shape
-    logprobs, entropy = _ChunkedLogprobs.apply(
+    logprobs, entropy, kept_log_mass = _ChunkedLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         target_ids.reshape(-1),
         float(temperature),
         int(chunk_tokens),
         compute_dtype,
+        None if kept_counts is None else kept_counts.reshape(-1),
+        bool(renormalise),
     )
-    return TokenLogprobs(logprobs=logprobs.reshape(shape), entropy=entropy.reshape(shape))
+    return TokenLogprobs(
+        logprobs=logprobs.reshape(shape),
+        entropy=entropy.reshape(shape),
+        kept_log_mass=None if kept_counts is None else kept_log_mass.reshape(shape),
+    )
 
 
 def model_token_logprobs(
@@ -197,6 +260,8 @@ def model_token_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
     positions: torch.Tensor | None = None,
+    kept_counts: torch.Tensor | None = None,
+    renormalise: bool = True,
     **forward_kwargs: Any,
 ) -> TokenLogprobs:
     """The model's logprob of each next token ``input_ids[:, 1:]``, and its entropy there.
@@ -216,6 +281,9 @@ def model_token_logprobs(
         chunk_tokens: positions per chunk of logits; 0 disables chunking.
         positions: optional ``[batch, time - 1]`` bool mask of the positions wanted (e.g. the loss mask);
             only those are projected, the others are 0 in both results.
+        kept_counts: optional ``[batch, time - 1]`` long, the sampler's kept count of each next token (0:
+            nothing cut); see the module docstring.
+        renormalise: with ``kept_counts``, renormalise over the kept sets (else only report their mass).
         forward_kwargs: passed on to the model's forward.
     """
     targets = input_ids[:, 1:]
@@ -230,25 +298,68 @@ def model_token_logprobs(
         )
         hidden = output.hidden_states[-1][:, :-1]
         weight = model.get_output_embeddings().weight
+        masking = {"kept_counts": kept_counts, "renormalise": renormalise}
         if positions is None:
             return chunked_token_logprobs(
-                hidden, weight, targets, temperature=temperature, chunk_tokens=chunk_tokens
+                hidden, weight, targets, temperature=temperature, chunk_tokens=chunk_tokens, **masking
             )
+        if kept_counts is not None:
+            masking["kept_counts"] = kept_counts[positions]
         picked = chunked_token_logprobs(
-            hidden[positions], weight, targets[positions], temperature=temperature, chunk_tokens=chunk_tokens
+            hidden[positions],
+            weight,
+            targets[positions],
+            temperature=temperature,
+            chunk_tokens=chunk_tokens,
+            **masking,
         )
         return TokenLogprobs(
-            logprobs=_scatter(picked.logprobs, positions), entropy=_scatter(picked.entropy, positions)
+            logprobs=_scatter(picked.logprobs, positions),
+            entropy=_scatter(picked.entropy, positions),
+            kept_log_mass=None if kept_counts is None else _scatter(picked.kept_log_mass, positions),
         )
     output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **forward_kwargs)
     # Drop the last position: it predicts a token after the sequence, which has no target.
     logits = output.logits[:, :-1]
+    if kept_counts is not None:
+        return _kept_set_logprobs(logits, targets, temperature, kept_counts, renormalise, positions)
     logprobs = token_logprobs(logits, targets, temperature)
     if positions is None:
         return TokenLogprobs(logprobs=logprobs, entropy=entropy_from_logits(logits.detach(), temperature))
     logprobs = torch.where(positions, logprobs, torch.zeros_like(logprobs))
     entropy = _scatter(entropy_from_logits(logits.detach()[positions], temperature), positions)
     return TokenLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def _kept_set_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    kept_counts: torch.Tensor,
+    renormalise: bool,
+    positions: torch.Tensor | None,
+) -> TokenLogprobs:
+    """``model_token_logprobs`` on full logits with kept counts: the plain autograd form of what
+    ``chunked_token_logprobs`` computes (masked entries are -inf, so their gradient is 0)."""
+    if positions is None:
+        positions = torch.ones(targets.shape, dtype=torch.bool, device=targets.device)
+    scaled = logits[positions].float() / temperature
+    picked_targets = targets[positions]
+    full_lse = torch.logsumexp(scaled, dim=-1)
+    kept = kept_set_mask(scaled, picked_targets, kept_counts[positions])
+    masked = scaled if kept is None else scaled.masked_fill(~kept, float("-inf"))
+    kept_lse = torch.logsumexp(masked, dim=-1)
+    trained = masked if renormalise else scaled
+    lse = kept_lse if renormalise else full_lse
+    logprobs = trained.gather(-1, picked_targets[:, None]).squeeze(-1) - lse
+    with torch.no_grad():
+        probs = (trained - lse[:, None]).exp()
+        entropy = lse - (probs * scaled).sum(dim=-1)
+    return TokenLogprobs(
+        logprobs=_scatter(logprobs, positions),
+        entropy=_scatter(entropy, positions),
+        kept_log_mass=_scatter((kept_lse - full_lse).detach(), positions),
+    )
 
 
 def _scatter(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

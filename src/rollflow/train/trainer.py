@@ -62,6 +62,9 @@ class MicroBatch:
     # [batch, time, moe_layers, topk] long expert ids the sampler routed each input token to (-1 unknown), for
     # MoE routing replay; None when no sample carries routes.
     routed_experts: torch.Tensor | None = None
+    # [batch, time - 1] long kept count of each completion token (the sampler's top-k/top-p set, 0: nothing
+    # cut), for ``trainer.sampling_mask``; None when no sample carries them.
+    kept_counts: torch.Tensor | None = None
 
 
 def build_micro_batch(
@@ -106,6 +109,7 @@ def build_micro_batch(
     token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
     token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
     routes = routing_replay.collate_routes(samples, time_len)
+    kept_counts = _collate_kept_counts(samples, lengths, time_len)
     for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
         prompt_len = len(sample.prompt_token_ids)
         input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -130,7 +134,33 @@ def build_micro_batch(
         advantages=token_advantages.to(device),
         token_versions=token_versions.to(device),
         routed_experts=None if routes is None else routes.to(device),
+        kept_counts=None if kept_counts is None else kept_counts.to(device),
     )
+
+
+def _collate_kept_counts(
+    samples: Sequence[Sample], lengths: Sequence[int], time_len: int
+) -> torch.Tensor | None:
+    """``MicroBatch.kept_counts``: each sample's kept counts at its completion positions; None if none has any.
+
+    Raises:
+        ValueError: a sample's ``kept_counts`` and ``completion_token_ids`` differ in length.
+    """
+    if all(sample.kept_counts is None for sample in samples):
+        return None
+    counts = torch.zeros((len(samples), time_len - 1), dtype=torch.long)
+    for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
+        if sample.kept_counts is None:
+            continue
+        if len(sample.kept_counts) != len(sample.completion_token_ids):
+            raise ValueError(
+                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has "
+                f"{len(sample.kept_counts)} kept counts for {len(sample.completion_token_ids)} completion tokens"
+            )
+        first = max(len(sample.prompt_token_ids) - 1, 0)
+        skipped = first - (len(sample.prompt_token_ids) - 1)
+        counts[row, first : length - 1] = torch.tensor(sample.kept_counts[skipped:], dtype=torch.long)
+    return counts
 
 
 class Trainer:
@@ -516,6 +546,7 @@ class Trainer:
         """
         mask = micro_batch.loss_mask
         policy = self._token_logprobs(self.model, micro_batch)
+        micro_batch = self._behaviour_on_trained_support(micro_batch, policy)
         new_logprobs = policy.logprobs
         if start_policy is None:
             start_policy = TokenLogprobs(logprobs=new_logprobs.detach(), entropy=policy.entropy)
@@ -612,7 +643,22 @@ class Trainer:
                 temperature=self.temperature,
                 chunk_tokens=self.config.logprob_chunk_tokens,
                 positions=micro_batch.loss_mask,
+                kept_counts=micro_batch.kept_counts,
+                renormalise=self.config.sampling_mask == "replay",
             )
+
+    def _behaviour_on_trained_support(self, micro_batch: MicroBatch, policy: TokenLogprobs) -> MicroBatch:
+        """The micro-batch with behaviour logprobs of the distribution being trained.
+
+        The sampler's logprobs are over its kept sets (renormalised). ``sampling_mask = "replay"`` trains the
+        same renormalised distribution, so they stand. ``"ignore"`` trains the full softmax: each recorded
+        logprob is moved onto it with the kept set's log mass under these weights (``policy.kept_log_mass``),
+        which is exact for tokens these weights sampled and what training without masks did before.
+        """
+        if self.config.sampling_mask == "replay" or policy.kept_log_mass is None:
+            return micro_batch
+        shifted = micro_batch.old_logprobs + policy.kept_log_mass.detach()
+        return dataclasses.replace(micro_batch, old_logprobs=shifted)
 
     def _skipped(self, step: int, metrics: dict[str, float], started: float) -> StepResult:
         metrics["skipped_update"] = 1.0

@@ -48,9 +48,9 @@ import structlog
 import torch
 
 from rollflow.errors import EngineDeadError, EngineError, EngineGenerateError
-from rollflow.inference.client import PAUSE_MODES, PauseMode
+from rollflow.inference.client import PAUSE_MODES, LogprobsMode, PauseMode
 from rollflow.inference.engine.model_runner import ModelRunner
-from rollflow.inference.engine.sampler import sample
+from rollflow.inference.engine.sampler import Sampled, sample
 from rollflow.messages import (
     FinishReason,
     GenerateChunk,
@@ -111,15 +111,15 @@ class _Reply:
 class _StreamReply:
     """Where the worker sends a streamed request's tokens and its outcome: a queue on the caller's loop.
 
-    The queue receives batches (lists) of items, in order: ``(token, logprob, policy_version)`` per sampled
-    token, then one final ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run
+    The queue receives batches (lists) of items, in order: ``(token, logprob, policy_version, kept_count)``
+    per sampled token, then one final ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run
     in the order they were scheduled, so the caller sees tokens in sampling order and the outcome last.
     """
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     # Worker-owned: tokens sampled but not sent yet, and when tokens were last sent (time.monotonic()).
-    pending: list[tuple[int, float, int]] = field(default_factory=list)
+    pending: list[tuple[int, float, int, int]] = field(default_factory=list)
     last_sent: float = 0.0
 
     @classmethod
@@ -154,6 +154,8 @@ class _Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     policy_versions: list[int] = field(default_factory=list)
+    # The sampler's kept count of each token (0: nothing cut); see ``rollflow.inference.engine.sampler``.
+    kept_counts: list[int] = field(default_factory=list)
     slot: int = -1
     # Prompt tokens whose keys and values the slot already held at admission (prefix cache); 0 for a prefill.
     cached_len: int = 0
@@ -183,6 +185,7 @@ class _Sequence:
             policy_versions=self.policy_versions,
             prompt_len=self.prompt_len,
             routed_experts=self.routed_experts(),
+            kept_counts=self.kept_counts if any(self.kept_counts) else None,
         )
 
 
@@ -214,10 +217,15 @@ class TorchEngine:
             docstring); False prefills every prompt from scratch.
         return_routed_experts: record each token's top-k expert ids per MoE layer and return them as
             ``GenerateOutput.routed_experts`` (see the module docstring); MoE models only. Off, nothing is recorded.
+        logprobs_mode: vLLM's ``--logprobs-mode`` values. ``processed_logprobs``: the logprob of the
+            distribution each token was drawn from (after temperature, renormalised over the tokens top-k/top-p
+            kept), what the trainer recomputes. ``raw_logprobs``: ``log_softmax(logits)`` before temperature
+            and truncation, as vLLM returns by default; only to emulate such a server (tests).
 
     Stops only on ``SamplingParams.stop_token_ids`` (callers pass the tokenizer's eos there); the stop token is
-    part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token, before
-    top-k/top-p filtering (plain ``log_softmax`` at temperature 0), matching what the trainer recomputes.
+    part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token over the
+    tokens top-k/top-p kept, renormalised there (plain ``log_softmax`` at temperature 0), and each token's kept
+    set is recorded as ``GenerateOutput.kept_counts``: what the trainer replays (``trainer.sampling_mask``).
 
     Pause modes (vLLM's): ``abort`` ends running requests now with finish reason ``abort`` and their partial
     tokens; ``wait`` returns once running requests finished; ``keep`` freezes running requests with their KV
@@ -250,7 +258,13 @@ class TorchEngine:
         num_threads: int | None = 1,
         enable_prefix_caching: bool = True,
         return_routed_experts: bool = False,
+        logprobs_mode: LogprobsMode = "processed_logprobs",
     ):
+        if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(
+                f"logprobs_mode must be 'processed_logprobs' or 'raw_logprobs', got {logprobs_mode!r}"
+            )
+        self.logprobs_mode = logprobs_mode
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None (keep torch's count), got {num_threads}")
         model.eval()
@@ -402,11 +416,13 @@ class TorchEngine:
                 while not reply.queue.empty():  # merge what arrived meanwhile into one chunk
                     items += reply.queue.get_nowait()
                 chunk = GenerateChunk(request.request_id, [], [], [], prompt_len=sequence.prompt_len)
+                kept_counts: list[int] = []
                 for item in items:
-                    if len(item) == 3:
+                    if len(item) == 4:
                         chunk.token_ids.append(item[0])
                         chunk.logprobs.append(item[1])
                         chunk.policy_versions.append(item[2])
+                        kept_counts.append(item[3])
                         continue
                     output, error = item
                     finished = True
@@ -414,6 +430,8 @@ class TorchEngine:
                         raise error
                     chunk.finish_reason = output.finish_reason
                     chunk.routed_experts = getattr(output, "routed_experts", None)
+                if any(kept_counts):
+                    chunk.kept_counts = kept_counts
                 yield chunk
         finally:
             if not finished:  # the consumer left early or was cancelled: abort the engine request
@@ -818,7 +836,7 @@ class TorchEngine:
         running a row again is safe) and those that still fail are failed; the engine keeps serving the rest."""
         try:
             logits, routes = forward(sequences)
-            finite, good, kept, tokens, logprobs = self._sample_finite_rows(sequences, logits)
+            finite, good, kept, sampled = self._sample_finite_rows(sequences, logits)
         except Exception as exc:
             if len(sequences) == 1:
                 log.exception(
@@ -852,13 +870,13 @@ class TorchEngine:
                 sequence.routes.append(routes[i])
             if not sequence.token_ids:  # its first token: the prompt was run
                 self.total_prompt_tokens += sequence.prompt_len
-        self._append_samples(kept, tokens, logprobs)
+        self._append_samples(kept, sampled)
 
     def _sample_finite_rows(
         self, sequences: list[_Sequence], logits: torch.Tensor
-    ) -> tuple[list[bool], list[int], list[_Sequence], list[int], list[float]]:
+    ) -> tuple[list[bool], list[int], list[_Sequence], Sampled]:
         """Sample the rows whose logits have a finite maximum and no NaN: ``(finite per row, indices of those
-        rows, their sequences, their tokens, their logprobs)``.
+        rows, their sequences, what was sampled for them)``.
 
         On the CPU rows are checked only when sampling says something is wrong (it raised, or gave a non-finite
         logprob, which is what a NaN or +inf logit, or a row of -inf, leads to), so a healthy step pays nothing.
@@ -868,26 +886,35 @@ class TorchEngine:
         # Off the CPU, rows are checked first: CUDA's sampling asserts on the device instead of raising.
         if logits.device.type == "cpu":
             try:
-                tokens, logprobs = sample(logits, params, generators, self._shared_generator)
-                if all(math.isfinite(v) for v in logprobs):
-                    return [True] * len(sequences), list(range(len(sequences))), sequences, tokens, logprobs
+                sampled = self._sample(logits, params, generators)
+                if all(math.isfinite(v) for v in sampled.logprobs):
+                    return [True] * len(sequences), list(range(len(sequences))), sequences, sampled
             except RuntimeError:
                 pass
         finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
         if all(finite):  # not the logits' fault: sample again so that a failure raises
-            tokens, logprobs = sample(logits, params, generators, self._shared_generator)
-            if not all(math.isfinite(v) for v in logprobs):
-                raise RuntimeError(f"sampling gave non-finite logprobs {logprobs} from finite logits")
-            return finite, list(range(len(sequences))), sequences, tokens, logprobs
+            sampled = self._sample(logits, params, generators)
+            if not all(math.isfinite(v) for v in sampled.logprobs):
+                raise RuntimeError(f"sampling gave non-finite logprobs {sampled.logprobs} from finite logits")
+            return finite, list(range(len(sequences))), sequences, sampled
         good = [i for i, ok in enumerate(finite) if ok]
         kept = [sequences[i] for i in good]
         if not kept:
-            return finite, good, kept, [], []
+            return finite, good, kept, Sampled([], [], [])
         index = torch.tensor(good, dtype=torch.long, device=logits.device)
-        tokens, logprobs = sample(
-            logits[index], [s.params for s in kept], [s.generator for s in kept], self._shared_generator
+        sampled = self._sample(logits[index], [s.params for s in kept], [s.generator for s in kept])
+        return finite, good, kept, sampled
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> Sampled:
+        return sample(
+            logits,
+            params,
+            generators,
+            self._shared_generator,
+            raw_logprobs=self.logprobs_mode == "raw_logprobs",
         )
-        return finite, good, kept, tokens, logprobs
 
     def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
         """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,
@@ -924,20 +951,21 @@ class TorchEngine:
         self._slot_last_used[slot] = self._clock
         return slot, best_len, cached_routes
 
-    def _append_samples(self, sequences: list[_Sequence], tokens: list[int], logprobs: list[float]) -> None:
+    def _append_samples(self, sequences: list[_Sequence], sampled: Sampled) -> None:
         version = self.policy_version
-        self.total_generated_tokens += len(tokens)
+        self.total_generated_tokens += len(sampled.tokens)
         finished: list[tuple[int, FinishReason]] = []
-        for sequence, token, logprob in zip(sequences, tokens, logprobs, strict=True):
+        for sequence, token, logprob, kept_count in zip(sequences, *sampled, strict=True):
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
             sequence.policy_versions.append(version)
+            sequence.kept_counts.append(kept_count)
             if token in sequence.stop_token_ids:
                 finished.append((sequence.slot, FinishReason.STOP))
             elif len(sequence.token_ids) >= sequence.max_output_len:
                 finished.append((sequence.slot, FinishReason.LENGTH))
             if type(sequence.reply) is _StreamReply:
-                sequence.reply.pending.append((token, logprob, version))
+                sequence.reply.pending.append((token, logprob, version, kept_count))
                 self._unsent_streams.add(sequence.reply)
         for slot, reason in finished:
             self._finish(slot, reason)  # a stream's outcome goes out with its pending tokens

@@ -1,9 +1,15 @@
 """Token sampling and logprobs for one batch of rows, each with its own ``SamplingParams``.
 
-The logprob reported for a token is ``log_softmax(logits / temperature)`` at that token, taken BEFORE top-k and
-top-p filtering (temperature 0 reports plain ``log_softmax(logits)``). That is what the trainer recomputes: it
-divides its logits by the same temperature and never applies top-k/top-p. With filtering on, the reported
-logprob is therefore not the log-probability of the filtered distribution the token was drawn from.
+The logprob reported for a token is that of the distribution it was drawn from (vLLM's ``processed_logprobs``):
+``log_softmax`` of ``logits / temperature`` over the tokens top-k and top-p kept, renormalised there
+(temperature 0 reports plain ``log_softmax(logits)``). The kept set of each token is recorded as one integer,
+its *kept count* n: the sampler kept the n most likely tokens, ranked by scaled logit, ties broken by the lower
+token id (a stable descending sort), so the trainer rebuilds the same set from its own logits and n
+(``rollflow.train.losses``). 0 means nothing was cut (no top-k/top-p, or they kept the whole vocabulary).
+With top-k and top-p both set, top-k applies first, then top-p on the renormalised top-k tokens (vLLM's order);
+the kept set is a prefix of the same ranking either way, so one count describes the intersection.
+``raw_logprobs`` reports vLLM's ``raw_logprobs`` mode instead: ``log_softmax(logits)`` before temperature and
+truncation, which a trainer at any other temperature does not reproduce (kept for emulating such a server).
 
 Seeded requests draw from their own ``torch.Generator``, one row at a time, so their tokens depend only on their
 seed, prompt and weights, never on which other requests share the batch. Unseeded rows are drawn together
@@ -23,10 +29,20 @@ distribution, it fails a device-side assert, which ends the process.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from rollflow.messages import SamplingParams
+
+
+class Sampled(NamedTuple):
+    """One token per row, with its logprob and its kept count (see the module docstring)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    # The sampler kept the kept_counts[i] most likely tokens of row i; 0: nothing was cut.
+    kept_counts: list[int]
 
 
 def sample(
@@ -34,11 +50,15 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     shared_generator: torch.Generator,
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of ``logits`` [n, vocab]; return the tokens and their logprobs.
+    *,
+    raw_logprobs: bool = False,
+) -> Sampled:
+    """Pick one token per row of ``logits`` [n, vocab]; return the tokens, their logprobs and kept counts.
 
     ``generators[i]`` is row i's own generator (seeded requests) or None (draw from ``shared_generator``).
     Temperature 0 is greedy (argmax of the raw logits); top_k <= 0 and top_p = 1 disable those filters.
+    ``raw_logprobs`` reports ``log_softmax(logits)`` (vLLM's ``raw_logprobs`` mode) instead of the logprob
+    of the distribution the token was drawn from.
     """
     logits = logits.float()  # a no-op for float32 models; half-precision logits are sampled in float32
     temperatures = [p.temperature for p in params]
@@ -46,15 +66,21 @@ def sample(
         # All greedy: the common evaluation case, three calls.
         tokens = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])
-        return tokens.tolist(), logprobs[:, 0].tolist()
+        return Sampled(tokens.tolist(), logprobs[:, 0].tolist(), [0] * len(params))
 
     if logits.device.type != "cpu":
         # On CUDA an invalid distribution is a device-side assert that ends the process, not an exception.
-        return _sample(logits, params, generators, shared_generator, guarded=True)
-    try:
-        return _sample(logits, params, generators, shared_generator, guarded=False)
-    except RuntimeError:  # torch.multinomial refused a row: inf or NaN from an overflow, or no mass left
-        return _sample(logits, params, generators, shared_generator, guarded=True)
+        sampled = _sample(logits, params, generators, shared_generator, guarded=True)
+    else:
+        try:
+            sampled = _sample(logits, params, generators, shared_generator, guarded=False)
+        except RuntimeError:  # torch.multinomial refused a row: inf or NaN from an overflow, or no mass left
+            sampled = _sample(logits, params, generators, shared_generator, guarded=True)
+    if raw_logprobs:
+        tokens = torch.tensor(sampled.tokens, device=logits.device)
+        raw = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+        return Sampled(sampled.tokens, raw.tolist(), sampled.kept_counts)
+    return sampled
 
 
 def _sample(
@@ -64,7 +90,7 @@ def _sample(
     shared_generator: torch.Generator,
     *,
     guarded: bool,
-) -> tuple[list[int], list[float]]:
+) -> Sampled:
     """``sample`` for a batch with at least one sampled row; ``guarded`` subtracts each row's maximum before
     dividing by the temperature and draws rows without mass as their argmax."""
     temperatures = [p.temperature for p in params]
@@ -95,21 +121,37 @@ def _sample(
     sampled_params = [params[i] for i in sampled_rows]
     filtered = any(p.top_k > 0 or p.top_p < 1.0 for p in sampled_params)
     if filtered:
-        probs, order = _filtered_probs(sampled_scaled, sampled_params)
+        probs, order, counts = _filtered_probs(sampled_scaled, sampled_params)
     else:
-        probs, order = sampled_logprobs.exp(), None
+        probs, order, counts = sampled_logprobs.exp(), None, None
     if guarded:
         probs = _argmax_where_massless(probs)
     picks = _draw(probs, [generators[i] for i in sampled_rows], shared_generator)
+    kept_counts = [0] * len(params)
+    picked_logprobs = None
     if order is not None:
+        # The logprob of the kept set, renormalised: log_softmax over the first ``counts`` sorted entries.
+        vocab = sampled_scaled.shape[-1]
+        ranks = torch.arange(vocab, device=logits.device)
+        kept_sorted = sampled_scaled.gather(1, order).masked_fill(
+            ranks[None] >= counts[:, None], float("-inf")
+        )
+        picked_logprobs = torch.log_softmax(kept_sorted, dim=-1).gather(1, picks[:, None])[:, 0]
         picks = order.gather(1, picks[:, None])[:, 0]
+        for row, count in zip(sampled_rows, counts.tolist(), strict=True):
+            kept_counts[row] = count if count < vocab else 0
     if sampled_index is None:
         tokens = picks
     else:
         tokens[sampled_index] = picks
 
     logprobs = logprobs_all.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()
+    if picked_logprobs is not None:
+        if sampled_index is None:
+            logprobs = picked_logprobs
+        else:
+            logprobs[sampled_index] = picked_logprobs
+    return Sampled(tokens.tolist(), logprobs.tolist(), kept_counts)
 
 
 def _argmax_where_massless(probs: torch.Tensor) -> torch.Tensor:
@@ -130,10 +172,11 @@ def _argmax_where_massless(probs: torch.Tensor) -> torch.Tensor:
 
 def _filtered_probs(
     scaled: torch.Tensor, params: Sequence[SamplingParams]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k then top-p (vLLM's order) on temperature-scaled logits.
 
-    Returns the renormalized probabilities in descending-logit order and that order (to map picks back).
+    Returns the renormalized probabilities in descending-logit order, that order (to map picks back), and
+    each row's kept count (the kept tokens are the first ``count`` of the order).
     """
     vocab = scaled.shape[-1]
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
@@ -149,7 +192,9 @@ def _filtered_probs(
         drop = mass_before >= top_p[:, None]
         drop[:, 0] = False  # the most likely token always stays, whatever rounding does
         probs = probs.masked_fill(drop, 0.0)
-    return probs, order
+        # mass_before only grows along a row, so the dropped tokens are a suffix and the kept ones a prefix.
+        top_k = torch.minimum(top_k, vocab - drop.sum(dim=-1))
+    return probs, order, top_k.clamp(max=vocab)
 
 
 def _draw(

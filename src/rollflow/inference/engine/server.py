@@ -14,7 +14,11 @@ entry point. Where it departs from vLLM:
 - A dead engine (its loop died) answers 503 with error ``type`` ``EngineDeadError``, ``/health`` included, where
   a pause answers ``ServiceUnavailableError``; vLLM answers 500 and exits. Weights holding inf or NaN are a 400
   naming the tensors, and the weights in use stay.
-- Every choice also carries ``policy_versions``: the policy version that sampled each token.
+- Every choice also carries ``policy_versions``: the policy version that sampled each token, and, when top-k or
+  top-p cut a token's vocabulary, ``kept_counts``: per token, how many of the most likely tokens the sampler
+  kept (``GenerateOutput.kept_counts``, one int a token). Logprobs are vLLM's ``processed_logprobs`` (after
+  temperature, over the kept set); ``--logprobs-mode raw_logprobs`` serves vLLM's default instead, to
+  emulate a vLLM started without the flag.
 - ``/pause?mode=wait`` returns once running requests finished; requests still queued behind a full batch start
   after ``/resume`` (vLLM drains those too).
 
@@ -196,6 +200,7 @@ class EngineServer:
         api_key: str | None = None,
         return_routed_experts: bool = False,
         device: str = "auto",
+        logprobs_mode: str = "processed_logprobs",
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
@@ -203,6 +208,7 @@ class EngineServer:
         ``max_model_len`` defaults to the model's ``max_position_embeddings``, at most 2048.
         ``return_routed_experts`` (MoE models): generate responses carry each choice's ``routed_experts``.
         ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``; the engine computes in float32.
+        ``logprobs_mode``: vLLM's ``--logprobs-mode`` (``TorchEngine``'s ``logprobs_mode``).
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
@@ -230,6 +236,7 @@ class EngineServer:
             max_batch_size=max_batch_size,
             max_model_len=max_model_len,
             return_routed_experts=return_routed_experts,
+            logprobs_mode=logprobs_mode,
         )
         try:
             renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))
@@ -757,6 +764,7 @@ async def serve(
     return_routed_experts: bool = False,
     http_limits: HttpLimits | None = None,
     device: str = "auto",
+    logprobs_mode: str = "processed_logprobs",
     ready: Callable[[dict[str, Any]], None] | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
@@ -781,6 +789,7 @@ async def serve(
             return_routed_experts=return_routed_experts,
             http_limits=http_limits,
             device=device,
+            logprobs_mode=logprobs_mode,
         )
     except RollflowError:
         raise
@@ -835,6 +844,7 @@ def main(args: Any) -> int:
             return_routed_experts=args.enable_return_routed_experts,
             http_limits=http_limits_from_args(args),
             device=args.device,
+            logprobs_mode=args.logprobs_mode,
             ready=ready,
         )
     )

@@ -62,6 +62,12 @@ def _json(payload: Any) -> web.Response:
     return web.Response(body=msgspec.json.encode(payload), content_type="application/json")
 
 
+def _kept_counts(output: GenerateOutput | GenerateChunk) -> dict[str, list[int]]:
+    """The choice's ``kept_counts`` field (rollflow's extension: the sampler's kept count of each token, see
+    ``GenerateOutput.kept_counts``), only when a token was cut, so untruncated responses stay vLLM's."""
+    return {} if output.kept_counts is None else {"kept_counts": output.kept_counts}
+
+
 def _logprob(value: float) -> float:
     return value if math.isfinite(value) else CLAMPED_LOGPROB
 
@@ -293,6 +299,7 @@ class DataPlane:
                     "logprobs": logprobs,
                     "routed_experts": _routed_experts(output),
                     "policy_versions": output.policy_versions,
+                    **_kept_counts(output),
                 }
             )
         return _json(
@@ -389,6 +396,7 @@ class DataPlane:
                 "stop_reason": self._stop_reason(output, spec.stop_token_ids),
                 "prompt_logprobs": None,
                 "policy_versions": output.policy_versions,
+                **_kept_counts(output),
             }
             if body.logprobs is not None:
                 choice["logprobs"] = self._completion_logprobs(output, bool(body.return_tokens_as_token_ids))
@@ -528,6 +536,7 @@ class DataPlane:
                 "finish_reason": output.finish_reason.value,
                 "stop_reason": self._stop_reason(output, user_stop_ids),
                 "policy_versions": output.policy_versions,
+                **_kept_counts(output),
             }
             if choice["message"].get("tool_calls") and output.finish_reason is FinishReason.STOP:
                 choice["finish_reason"] = "tool_calls"

@@ -10,7 +10,7 @@ Chunk shapes follow vLLM: completions chunks carry ``text`` (and, with ``return_
 per chunk and ``prompt_token_ids`` in each choice's first chunk); chat chunks carry a ``delta`` (the role
 first, then ``content`` and ``reasoning_content``; tool calls in the choice's last chunk, since the renderer
 parses them from the whole reply), ``token_ids`` per chunk and ``prompt_token_ids`` in the first chunk.
-Every choice chunk also carries ``policy_versions`` of its tokens. With ``stream_options.include_usage`` a
+Every choice chunk also carries ``policy_versions`` of its tokens (and ``kept_counts`` when a token was cut). With ``stream_options.include_usage`` a
 last chunk with no choices carries the usage.
 """
 
@@ -71,6 +71,8 @@ class _Choice:
     logprob_offset: int = 0
     # Policy versions of tokens whose chunk was held back (no stable text yet), sent with the next one.
     pending_versions: list[int] = field(default_factory=list)
+    # Their kept counts (0: nothing cut), likewise.
+    pending_kept_counts: list[int] = field(default_factory=list)
     # Chat: when the reply may be parsed again (perf_counter seconds).
     next_parse_at: float = 0.0
 
@@ -226,6 +228,8 @@ async def stream_completions(
             else None,
             "policy_versions": chunk.policy_versions,
         }
+        if chunk.kept_counts is not None:
+            out["kept_counts"] = chunk.kept_counts
         if body.logprobs is not None:
             logprobs = plane._completion_logprobs(chunk, bool(body.return_tokens_as_token_ids))
             logprobs["text_offset"] = [state.logprob_offset + o for o in logprobs["text_offset"]]
@@ -332,9 +336,13 @@ async def stream_chat(
         if body.return_token_ids:
             out["token_ids"] = chunk.token_ids
         state.pending_versions += chunk.policy_versions
+        state.pending_kept_counts += chunk.kept_counts or [0] * len(chunk.token_ids)
         if not delta and chunk.finish_reason is None and not body.logprobs and not body.return_token_ids:
             return []  # nothing to show yet (text held back until stable)
         out["policy_versions"], state.pending_versions = state.pending_versions, []
+        if any(state.pending_kept_counts):
+            out["kept_counts"] = state.pending_kept_counts
+        state.pending_kept_counts = []
         return [envelope([out], bool(options.continuous_usage_stats))]
 
     def closing() -> list[bytes]:
