@@ -37,7 +37,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import RollflowError
+from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner
 from rollflow.inference.http_limits import HttpLimits
@@ -47,7 +47,7 @@ from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer, normalize_tools
 from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
 from rollflow.tito.stops import hold_back
-from rollflow.tito.trace import Trace, TraceSealedError, Turn
+from rollflow.tito.trace import Trace, Turn
 from rollflow.tito.wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -60,7 +60,6 @@ from rollflow.tito.wire import (
     DeltaToolCall,
     ModelCard,
     ModelList,
-    RequestError,
     ResponseFunction,
     ResponseMessage,
     ResponseToolCall,
@@ -102,8 +101,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=_ENCODER.encode(data), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, *, type: str, param: str | None = None, code: str | None = None):
-    return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+    return _json(error_body(status, message, param=param, code=code), status)
 
 
 def _enc_hook(value: Any) -> Any:
@@ -335,16 +334,15 @@ class TITOProxy:
         except RequestError as error:
             return _json(error.body(), error.status)
         except TraceSealedError as error:
-            return _error(409, str(error), type="invalid_request_error", code="session_closed")
+            return _error(409, str(error), code="session_closed")
         except web.HTTPException as error:
-            kind = "invalid_request_error" if error.status < 500 else "server_error"
-            return _error(error.status, error.reason or error.text or "", type=kind)
+            return _error(error.status, error.reason or error.text or "")
         except RollflowError as error:
             log.exception("tito proxy: request failed")
-            return _error(500, f"{type(error).__name__}: {error}", type="server_error")
+            return _error(500, f"{type(error).__name__}: {error}")
         except Exception as error:  # a bug: say so, keep serving
             log.exception("tito proxy: unexpected error")
-            return _error(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+            return _error(500, f"internal error: {type(error).__name__}: {error}")
 
     def _session(self, request: web.Request) -> Session:
         token = request.match_info["token"]
@@ -540,7 +538,7 @@ class TITOProxy:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
             raise RequestError(
-                "missing or wrong bearer token", status=401, type="authentication_error", code="unauthorized"
+                "missing or wrong bearer token", status=401, code="unauthorized"
             )
 
     def _admin_session(self, request: web.Request) -> Session:

@@ -21,14 +21,21 @@ from typing import Any
 
 import structlog
 
-from rollflow.errors import EngineError, RollflowError
+from rollflow.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    SERVICE_UNAVAILABLE,
+    EngineError,
+    RequestError,
+    RollflowError,
+    TraceSealedError,
+)
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, sampling_error
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.stops import StopMatcher, cut_at_stop
-from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
-from rollflow.tito.wire import ChatCompletionRequest, RequestError, stop_strings
+from rollflow.tito.trace import Sampled, Trace, Turn
+from rollflow.tito.wire import ChatCompletionRequest, stop_strings
 
 log = structlog.get_logger(__name__)
 
@@ -222,19 +229,21 @@ class Session:
         except RequestError:
             raise
         except EngineError as error:
-            if "max_model_len" in str(error):
+            if error.http_status >= 500:  # a failure inside the engine, not the request's: as unavailable
+                raise self._unavailable(error) from None
+            # The request's own fault, local engine or remote server alike: the agent hears the same 4xx.
+            if error.code == CONTEXT_LENGTH_EXCEEDED:
                 self.trace.stats.context_exceeded += 1
                 raise RequestError(
                     f"the prompt does not fit the model's context: {error}",
                     param="messages",
-                    code="context_length_exceeded",
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 ) from None
-            raise RequestError(str(error), param="messages") from None
-        except RollflowError as error:
-            self.trace.errors.append(f"{type(error).__name__}: {error}")
             raise RequestError(
-                f"inference is unavailable: {error}", status=503, type="service_unavailable"
+                str(error), status=error.http_status, param="messages", code=error.code
             ) from None
+        except RollflowError as error:
+            raise self._unavailable(error) from None
         choices = []
         for sampled, stop in samples:
             parsed = renderer.parse(sampled.token_ids, tools, prepared.parse_prompt_ids)
@@ -246,6 +255,12 @@ class Session:
         return await self.trace.commit_choices(
             prepared, choices, response_id=entry.progress.response_id, request_key=request_key
         )
+
+    def _unavailable(self, error: RollflowError) -> RequestError:
+        """A 503 for a failure the agent cannot fix (no server, a dead engine); recorded on the trace, which
+        masks the trajectory."""
+        self.trace.errors.append(f"{type(error).__name__}: {error}")
+        return RequestError(f"inference is unavailable: {error}", status=503, code=SERVICE_UNAVAILABLE)
 
     def _check_sampling(
         self, request: ChatCompletionRequest, sampling_values: tuple[float, float, int]
