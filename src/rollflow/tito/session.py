@@ -29,9 +29,16 @@ from rollflow.errors import (
     RollflowError,
     TraceSealedError,
 )
-from rollflow.inference.client import InferenceClient
+from rollflow.inference.client import InferenceClient, collect_stream, generate_past_aborts
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
-from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, sampling_error
+from rollflow.messages import (
+    FinishReason,
+    GenerateChunk,
+    GenerateOutput,
+    GenerateRequest,
+    SamplingParams,
+    sampling_error,
+)
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.stops import StopMatcher, cut_at_stop
 from rollflow.tito.trace import Sampled, Trace, Turn
@@ -350,17 +357,17 @@ class Session:
             and not settings.return_routed_experts
             and hasattr(self._client, "generate_stream")
         )
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        routed_experts = None
-        for _ in range(settings.max_abort_resubmits + 1):
+        seed = None if request.seed is None else request.seed + index
+
+        async def attempt(so_far: GenerateOutput | None, aborts: int) -> GenerateOutput:
+            tokens = so_far.token_ids if so_far is not None else []
+            logprobs = so_far.logprobs if so_far is not None else []
             sampling = SamplingParams(
                 max_tokens=max_tokens - len(tokens),
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                seed=None if request.seed is None else request.seed + index,
+                seed=seed,
                 stop_token_ids=self._renderer.stop_token_ids,
             )
             generate_request = GenerateRequest(
@@ -370,32 +377,28 @@ class Session:
                 session_id=self.session_id,
             )
             if streamed:
-                output = await self._generate_streamed(
-                    generate_request,
-                    prompt_ids,
-                    tokens,
-                    logprobs,
-                    entry if index == 0 else _InFlight(),
-                    matcher,
+                watchers = entry if index == 0 else _InFlight()
+                return await self._generate_streamed(
+                    generate_request, prompt_ids, tokens, logprobs, watchers, matcher
                 )
-            else:
-                output = await self._client.generate(generate_request)
-                if matcher is not None:
-                    _cut_output(
-                        output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids)
-                    )
-            tokens += output.token_ids
-            logprobs += output.logprobs
-            versions += output.policy_versions
-            routed_experts = getattr(output, "routed_experts", None)
-            finish = output.finish_reason
-            # An abort (weights being updated) keeps its partial tokens; continue from them.
-            if finish != FinishReason.ABORT or len(tokens) >= max_tokens:
-                break
-        if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
-            finish = FinishReason.LENGTH
+            output = await self._client.generate(generate_request)
+            if matcher is not None:
+                _cut_output(output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids))
+            return output
+
+        # An abort (weights being updated) keeps its partial tokens; the reply continues from them.
+        output, _ = await generate_past_aborts(
+            attempt, max_tokens=max_tokens, max_aborts=settings.max_abort_resubmits
+        )
         stop = matcher.matched if matcher is not None else None
-        return Sampled(tokens, logprobs, versions, finish.value, routed_experts), stop
+        sampled = Sampled(
+            output.token_ids,
+            output.logprobs,
+            output.policy_versions,
+            output.finish_reason.value,
+            output.routed_experts,
+        )
+        return sampled, stop
 
     async def _generate_streamed(
         self,
@@ -417,38 +420,16 @@ class Session:
                 _cut_output(output, matcher.feed(output.token_ids), len(request.prompt_token_ids))
             entry.notify(prompt_ids, tokens + output.token_ids, logprobs + output.logprobs)
             return output
-        new_tokens: list[int] = []
-        new_logprobs: list[float] = []
-        versions: list[int] = []
+
+        def stop_at(chunk: GenerateChunk) -> int | None:
+            return matcher.feed(chunk.token_ids) if matcher is not None else None
+
+        def on_tokens(new_tokens: list[int], new_logprobs: list[float]) -> None:
+            entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
+
+        # Leaving the stream early (a stop string) closes it, which ends the engine request.
         async with contextlib.aclosing(stream(request)) as chunks:
-            async for chunk in chunks:
-                keep = matcher.feed(chunk.token_ids) if matcher is not None else None
-                count = len(chunk.token_ids) if keep is None else keep
-                new_tokens += chunk.token_ids[:count]
-                new_logprobs += chunk.logprobs[:count]
-                versions += chunk.policy_versions[:count]
-                if count:
-                    entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
-                if keep is not None:  # a stop string completed: leaving the stream ends the engine request
-                    return GenerateOutput(
-                        chunk.request_id,
-                        new_tokens,
-                        new_logprobs,
-                        FinishReason.STOP,
-                        versions,
-                        chunk.prompt_len,
-                    )
-                if chunk.finish_reason is not None:
-                    return GenerateOutput(
-                        chunk.request_id,
-                        new_tokens,
-                        new_logprobs,
-                        chunk.finish_reason,
-                        versions,
-                        chunk.prompt_len,
-                        chunk.routed_experts,
-                    )
-        raise RollflowError("the generation stream ended without a finish reason")
+            return await collect_stream(chunks, stop_at=stop_at, on_tokens=on_tokens)
 
 
 async def _all(coroutines: list[Any]) -> list[Any]:
