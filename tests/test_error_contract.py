@@ -264,4 +264,6 @@ async def test_an_overlong_agent_prompt_gives_the_same_samples_and_metrics_in_lo
             "mask_reason",
         ):
             assert getattr(ours, field) == getattr(theirs, field), field
-        assert ours.logprobs == theirs.logprobs
+        # The same tokens; logprobs agree to float32 noise (batch composition and the prefix cache change the
+        # last bits, within one engine too).
+        assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
