@@ -267,3 +267,30 @@ async def test_an_overlong_agent_prompt_gives_the_same_samples_and_metrics_in_lo
         # The same tokens; logprobs agree to float32 noise (batch composition and the prefix cache change the
         # last bits, within one engine too).
         assert ours.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+
+
+# ------------------------------------------------------------------ the data plane's backoff has jitter
+
+
+async def test_data_plane_backoff_is_jittered(monkeypatch):
+    """Thousands of requests refused at once (a restarting server) must not retry in lockstep: each wait is
+    its nominal backoff scaled into [0.5, 1)."""
+    from rollflow.inference import remote
+
+    jittered = [remote._jittered(0.2) for _ in range(200)]
+    assert all(0.1 <= wait < 0.2 for wait in jittered) and len(set(jittered)) > 150
+    nominal: list[float] = []
+
+    def record(delay: float) -> float:
+        nominal.append(delay)
+        return 0.0
+
+    monkeypatch.setattr(remote, "_jittered", record)
+    retry = remote._DataRetry("POST", "http://127.0.0.1:1/x", timeout_s=60, connect_retries=2)
+    await retry.after_connection_error(ConnectionRefusedError())
+    await retry.while_paused()
+    await retry.after_connection_error(ConnectionRefusedError())
+    await retry.while_paused()
+    assert nominal == [0.2, 0.02, 0.4, 0.04]  # both waits go through the jitter
+    with pytest.raises(InferenceUnavailableError, match="3 connection attempts"):
+        await retry.after_connection_error(ConnectionRefusedError())

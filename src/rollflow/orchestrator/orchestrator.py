@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import statistics
 import time
@@ -174,6 +175,7 @@ class Orchestrator:
         """Load the task, models, engines and trainer; restore the last checkpoint when resuming."""
         if self._is_set_up:
             return
+        default_log_level()
         from rollflow.inference.setup import get_inference_client
         from rollflow.tracking import check_backends, open_sinks
 
@@ -657,6 +659,14 @@ class Orchestrator:
             self.config.checkpoint.keep,
         )
         log.info("checkpoint saved", path=str(path), step=self.state.step)
+
+
+def default_log_level(level: int = logging.INFO) -> None:
+    """Log at ``level`` and above when nobody configured structlog (the embedded API in a notebook or a
+    script; the CLI configures it itself): structlog's own default prints every debug line, one per weight
+    update and request. A configuration the caller made is left as it is."""
+    if not structlog.is_configured():
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
 
 
 def _write_file(path: Path, data: bytes) -> None:
