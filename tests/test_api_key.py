@@ -73,7 +73,7 @@ async def assert_guarded(http, base_url, method, path, body=None):
     for key in (None, "wrong"):
         status, payload = await status_of(http, method, f"{base_url}{path}", key, body)
         assert status == 401, (path, key, payload)
-        assert payload["error"]["code"] == 401 and "bearer token" in payload["error"]["message"]
+        assert payload["error"]["code"] == "unauthorized" and "bearer token" in payload["error"]["message"]
     status, payload = await status_of(http, method, f"{base_url}{path}", KEY, body)
     assert status == 200, (path, payload)
 

@@ -101,7 +101,7 @@ async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_p
 
 
 async def test_generate_reads_a_dataset_and_reports_each_reward(tmp_path):
-    from rollflow.rollout.generate import generate
+    from rollflow.orchestrator.generate import generate
 
     path = write_jsonl(tmp_path / "case.jsonl", case_rows(3))
     config = config_for(tmp_path, path, reward="data.rewards=[{fn='case'}, {fn='exact', weight=0.0}]")

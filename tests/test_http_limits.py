@@ -125,7 +125,7 @@ async def test_connections_beyond_the_cap_get_503():
         ):
             assert response.status == 503
             body = await response.json()
-        assert body["error"]["code"] == 503
+        assert body["error"]["code"] == "service_unavailable"
         assert "max_connections" in body["error"]["message"]
         for _, writer in held:
             writer.close()

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 HEAVY = ("torch", "transformers", "vllm", "ray")
+SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 @pytest.mark.parametrize(
@@ -33,3 +35,56 @@ def test_lazy_public_api_resolves():
     assert callable(rollflow.load_config)
     with pytest.raises(AttributeError):
         rollflow.NoSuchThing  # noqa: B018
+
+
+# Components never import the orchestrator; it wires them (DESIGN.md, "Dependencies point one way").
+COMPONENTS = ("rollout", "tito", "train", "inference", "weights")
+
+
+def _orchestrator_imports(path) -> list[str]:
+    """``file:line`` of each import of ``rollflow.orchestrator`` in ``path``, at any depth (inside functions
+    too), relative ones resolved against the file's package."""
+    import ast
+
+    package = path.relative_to(SRC).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from ..orchestrator import x
+                parent = package[: len(package) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        if any(
+            name == "rollflow.orchestrator" or name.startswith("rollflow.orchestrator.") for name in names
+        ):
+            found.append((node.lineno, f"{path.relative_to(SRC)}:{node.lineno}"))
+    return [where for _, where in sorted(found)]
+
+
+def test_components_never_import_the_orchestrator():
+    files = [
+        path for component in COMPONENTS for path in sorted((SRC / "rollflow" / component).rglob("*.py"))
+    ]
+    assert len(files) > 20  # the walk found the packages
+    offenders = [where for path in files for where in _orchestrator_imports(path)]
+    assert offenders == [], f"components import rollflow.orchestrator: {offenders}"
+
+
+def test_the_import_check_sees_nested_and_relative_imports(tmp_path, monkeypatch):
+    module = tmp_path / "rollflow" / "rollout" / "sneaky.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "def f():\n    from rollflow.orchestrator.barrier import WeightBarrier\n"
+        "from ..orchestrator import builders\nimport rollflow.orchestrator as o\nimport rollflow.config\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert _orchestrator_imports(module) == [
+        "rollflow/rollout/sneaky.py:2",
+        "rollflow/rollout/sneaky.py:3",
+        "rollflow/rollout/sneaky.py:4",
+    ]

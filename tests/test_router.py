@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from rollflow.errors import error_code
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 from rollflow.inference.server_group import ServerGroup, free_port
@@ -128,7 +129,7 @@ async def test_bad_input_gets_a_4xx_json_error(router, http, path, body, status)
     async with http.post(f"{router.url}{path}", **kwargs) as response:
         assert response.status == status, await response.text()
         error = (await response.json())["error"]
-    assert error["code"] == status and error["message"] and error["type"]
+    assert error["code"] == error_code(status) and error["message"] and error["type"]
     assert (await post(http, f"{router.url}/inference/v1/generate", GENERATE))[0] == 200
 
 
@@ -146,7 +147,7 @@ async def test_wrong_method_and_bad_content_length(router, http):
     writer.close()
     head, _, payload = raw.partition(b"\r\n\r\n")
     assert head.split(b"\r\n")[0].split()[1] == b"400"
-    assert json.loads(payload)["error"]["code"] == 400
+    assert json.loads(payload)["error"]["code"] == "invalid_request"
     assert (await post(http, f"{router.url}/inference/v1/generate", GENERATE))[0] == 200
 
 

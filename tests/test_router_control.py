@@ -8,6 +8,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rollflow.errors import error_code
 from rollflow.inference.remote import ControlPlaneError, RemoteInferenceClient
 from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
@@ -160,7 +161,7 @@ async def test_bad_control_calls_are_4xx_naming_each_worker(
 ):
     got, answer = await call(http, method, f"{router.url}{path}", body)
     assert got == status, answer
-    assert answer["error"]["code"] == status and text in answer["error"]["message"]
+    assert answer["error"]["code"] == error_code(status) and text in answer["error"]["message"]
     if "failed on" in answer["error"]["message"]:  # the servers' own refusal: each one named
         assert all(url in answer["error"]["message"] for url in servers.urls)
 

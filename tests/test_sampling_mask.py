@@ -17,6 +17,7 @@ from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.sampler import sample
 from rollflow.messages import FinishReason, GenerateRequest, Sample, SamplingParams
 from rollflow.models.tiny import ensure_tiny_model
+from rollflow.train.aggregation import UpdateCounts
 from rollflow.train.losses import kept_set_mask, model_token_logprobs
 from rollflow.train.trainer import Trainer, build_micro_batch
 
@@ -178,7 +179,9 @@ async def test_reference_logprobs_and_kl_are_over_the_kept_sets_too(varied_model
     with torch.no_grad():
         reference = trainer._token_logprobs(trainer.reference_model, batch)
     assert float((reference.logprobs - batch.old_logprobs)[batch.loss_mask].abs().max()) < 1e-5
-    metrics = trainer._forward_backward(batch, int(batch.loss_mask.sum()))
+    tokens = float(batch.loss_mask.sum())
+    counts = UpdateCounts(loss_tokens=tokens, sequences=float(batch.loss_mask.any(dim=1).sum()))
+    metrics, _ = trainer._forward_backward(batch, counts, tokens, reference=reference.logprobs)
     assert abs(float(metrics["kl"])) < 1e-6
     assert float(metrics["logprob_mismatch_sum"]) / float(metrics["logprob_mismatch_tokens"]) < 1e-5
     mask = batch.loss_mask

@@ -19,6 +19,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from rollflow.errors import error_code
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
 from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -106,7 +107,7 @@ async def get(http, server, path: str) -> tuple[int, dict]:
 def assert_error(status: int, body: dict, expected_status: int, error_type: str | None = None) -> None:
     assert status == expected_status, body
     assert set(body["error"]) == {"message", "type", "param", "code"}
-    assert body["error"]["code"] == expected_status and body["error"]["message"]
+    assert body["error"]["code"] == error_code(expected_status) and body["error"]["message"]
     if error_type is not None:
         assert body["error"]["type"] == error_type
 
@@ -492,7 +493,7 @@ async def test_invalid_content_length_gets_400_json(server, content_length):
         writer.close()
         head, _, payload = raw.partition(b"\r\n\r\n")
         assert head.split()[1] == b"400" and b"application/json" in head
-        assert json.loads(payload)["error"]["code"] == 400
+        assert json.loads(payload)["error"]["code"] == "invalid_request"
 
 
 async def test_client_disconnect_aborts_engine_request(server):

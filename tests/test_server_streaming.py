@@ -185,7 +185,7 @@ async def test_bad_stream_requests_are_400_json_before_any_event(server, path, b
         assert response.status == 400
         assert response.content_type == "application/json"
         error = (await response.json())["error"]
-    assert error["param"] == param and error["code"] == 400 and error["message"]
+    assert error["param"] == param and error["code"] == "invalid_request" and error["message"]
 
 
 async def test_paused_server_answers_streams_with_503_json(server, client):

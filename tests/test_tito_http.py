@@ -192,7 +192,7 @@ async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
     ) as p:
         auth = {"Authorization": "Bearer sesame"}
         status, body = await _post(f"{p.base_url}/sessions", {})
-        assert (status, body["error"]["type"]) == (401, "authentication_error")
+        assert (status, body["error"]["type"]) == (401, "AuthenticationError")
         status, body = await _post(f"{p.base_url}/sessions", {"session_id": "agent-1"}, auth)
         assert status == 200 and body["session_id"] == "agent-1"
         base_url = body["base_url"]
@@ -206,7 +206,9 @@ async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
                 assert response.status == 404
 
         status, body = await _post(f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0}, auth)
-        assert (status, body["error"]["code"]) == (400, None) and "max_seq_len" in body["error"]["message"]
+        assert (status, body["error"]["code"]) == (400, "invalid_request") and "max_seq_len" in body["error"][
+            "message"
+        ]
         status, body = await _post(
             f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0, "mode": "x", "max_seq_len": 9}, auth
         )

@@ -13,7 +13,7 @@ The agent solves an arithmetic question with a ``calculator`` tool:
    (The style half is what the tiny random-init model learns in a few dozen steps on CPU; the number half
    needs a real model.)
 
-Run by rollflow as ``agent.callable = "examples/agent_tito/agent.py:run_agent"``, or as a command
+Run by rollflow as ``agent.callable = "agent.py:run_agent"`` (relative to the config file), or as a command
 (``agent.command = ["python", "examples/agent_tito/agent.py"]``): it then reads the task as JSON on stdin and
 prints the reward as the last line of stdout.
 """

@@ -277,7 +277,10 @@ def _parser() -> argparse.ArgumentParser:
         "proxy",
         help="standalone TITO proxy over the config's [inference] (prints a JSON ready line)",
     )
-    proxy.add_argument("config", type=Path, metavar="CONFIG", help="a rollflow run TOML (model, inference)")
+    proxy.add_argument(
+        "configs", nargs="+", type=Path, metavar="CONFIG", help="rollflow run TOML files (model, inference)"
+    )
+    _add_overrides(proxy)
     proxy.add_argument("--host", default=None, help="interface to bind (default agent.host, 127.0.0.1)")
     proxy.add_argument(
         "--port", type=_port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
@@ -339,7 +342,7 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from rollflow.config import load_config
-    from rollflow.rollout.evaluation import evaluate_offline
+    from rollflow.orchestrator.generate import evaluate_offline
 
     config = load_config(args.configs, args.overrides)
     try:
@@ -354,7 +357,7 @@ def _generate(args: argparse.Namespace) -> int:
     import json
 
     from rollflow.config import load_config
-    from rollflow.rollout.generate import generate
+    from rollflow.orchestrator.generate import generate
 
     config = load_config(args.configs, args.overrides)
     num_prompts = config.orchestrator.prompts_per_step if args.num_prompts is None else args.num_prompts
@@ -500,9 +503,9 @@ def _proxy(args: argparse.Namespace) -> int:
     from rollflow.config import load_config
     from rollflow.errors import ModelNotFoundError
     from rollflow.inference.http import raise_open_file_limit
-    from rollflow.tito.proxy import serve_standalone
+    from rollflow.orchestrator.builders import serve_proxy
 
-    config = load_config([args.config])
+    config = load_config(args.configs, args.overrides)
     token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or None
     generated = token is None
     token = token or secrets.token_urlsafe(24)
@@ -516,13 +519,12 @@ def _proxy(args: argparse.Namespace) -> int:
 
     raise_open_file_limit()
     try:
-        eventloop.run(
-            serve_standalone(config, host=args.host, port=args.port, admin_token=token, ready=ready)
-        )
+        eventloop.run(serve_proxy(config, host=args.host, port=args.port, admin_token=token, ready=ready))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except ModelNotFoundError as error:  # an OSError too: not the port's fault
-        raise ConfigError(f"rollflow proxy {args.config}: model.path: {error}") from None
+        configs = " ".join(map(str, args.configs))
+        raise ConfigError(f"rollflow proxy {configs}: model.path: {error}") from None
     except OSError as error:
         agent = config.agent
         host = args.host or (agent.host if agent is not None else "127.0.0.1")

@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
+import structlog
 
 from rollflow.errors import ConfigError
 from rollflow.messages import sampling_error
+
+log = structlog.get_logger(__name__)
 
 Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -850,6 +853,14 @@ def _apply_env_overrides(data: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"environment variable {INFERENCE_MODE_ENV}={mode!r} must be 'local' or 'http'")
     inference = data.get("inference")
     inference = dict(inference) if isinstance(inference, Mapping) else {}
+    configured = inference.get("mode")
+    if configured is not None and configured != mode:
+        log.warning(
+            f"{INFERENCE_MODE_ENV}={mode} overrides inference.mode = {configured!r} of the config; unset "
+            f"{INFERENCE_MODE_ENV} to use the config's",
+            env=mode,
+            config=configured,
+        )
     return {**data, "inference": {**inference, "mode": mode}}
 
 
@@ -954,21 +965,81 @@ def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
     return config
 
 
+#: Config keys whose values name a file or directory. ``load_config`` resolves them relative to the file
+#: that sets them.
+FILE_PATH_KEYS: tuple[tuple[str, ...], ...] = (("data", "path"), ("eval", "path"))
+#: Config keys whose values may be code specs ``path/to/file.py:attribute`` (``[]``: each entry of a list);
+#: ``load_config`` resolves the file part likewise. Built-in names and module paths are left alone.
+CODE_SPEC_KEYS: tuple[tuple[str, ...], ...] = (
+    ("data", "task"),
+    ("data", "reward"),
+    ("data", "rewards", "[]", "fn"),
+    ("agent", "callable"),
+    ("agent", "composer"),
+)
+
+
+def resolve_file_paths(data: Mapping[str, Any], base_dir: Path) -> dict[str, Any]:
+    """``data`` (one config file's contents) with each relative path of ``FILE_PATH_KEYS``, and the file part
+    of each code spec ``file.py:attribute`` of ``CODE_SPEC_KEYS``, made absolute where it exists under
+    ``base_dir``. Anything else (built-in names, module paths, names of cached datasets, paths that do not
+    exist there) is kept as written."""
+
+    def resolve(value: Any, keys: tuple[str, ...], spec: bool) -> Any:
+        if keys:
+            key, rest = keys[0], keys[1:]
+            if key == "[]":
+                return [resolve(item, rest, spec) for item in value] if isinstance(value, list) else value
+            if isinstance(value, Mapping) and key in value:
+                return {**value, key: resolve(value[key], rest, spec)}
+            return value
+        if not isinstance(value, str):
+            return value
+        if not spec:
+            return _under(value, base_dir)
+        module, sep, attribute = value.rpartition(":")
+        return f"{_under(module, base_dir)}:{attribute}" if sep and module.endswith(".py") else value
+
+    resolved = dict(data)
+    for keys in FILE_PATH_KEYS:
+        resolved = resolve(resolved, keys, spec=False)
+    for keys in CODE_SPEC_KEYS:
+        resolved = resolve(resolved, keys, spec=True)
+    return resolved
+
+
+def _under(text: str, base_dir: Path) -> str:
+    """``base_dir / text`` as an absolute path when ``text`` is relative and exists there, else ``text``."""
+    path = Path(text).expanduser()
+    if path.is_absolute() or not text:
+        return text
+    candidate = base_dir / path
+    return os.path.abspath(candidate) if candidate.exists() else text
+
+
 def load_config(
-    paths: Sequence[str | Path] = (),
-    overrides: Iterable[str] = (),
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] = (),
+    overrides: str | Iterable[str] = (),
     base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """Load and validate the run config from TOML files and ``KEY=VALUE`` overrides.
+    """Load and validate the run config from TOML files (one path, or several merged left to right) and
+    ``KEY=VALUE`` overrides.
 
-    ``base`` (e.g. a resumed run's saved config) sits below the files.
+    ``base`` (e.g. a resumed run's saved config) sits below the files. Relative file paths a file names
+    (``FILE_PATH_KEYS``) are taken relative to that file's directory where they exist there, so a config
+    works from any working directory; otherwise they stay relative to the working directory.
 
     Raises:
         ConfigError: a missing or malformed file, an unknown key, a bad value or a broken cross-field rule.
     """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    if isinstance(overrides, str):
+        overrides = [overrides]
     merged: dict[str, Any] = dict(base or {})
     for path in paths:
-        merged = deep_merge(merged, read_toml_or_json(path))
+        data = read_toml_or_json(path)
+        merged = deep_merge(merged, resolve_file_paths(data, Path(path).parent))
     overrides = list(overrides)
     for override in overrides:
         merged = deep_merge(merged, parse_override(override))

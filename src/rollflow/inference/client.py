@@ -8,10 +8,11 @@ they hold. This module must not import torch at module scope.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rollflow.messages import GenerateChunk, GenerateOutput, GenerateRequest, join_kept_counts
+from rollflow.errors import InferenceUnavailableError
+from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, join_kept_counts
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.engine import TorchEngine
@@ -122,11 +123,24 @@ class LocalInferenceClient:
         await self.close()
 
 
-async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput:
-    """Concatenate a stream of ``GenerateChunk``s into its ``GenerateOutput``.
+async def collect_stream(
+    chunks: AsyncIterable[GenerateChunk],
+    *,
+    stop_at: Callable[[GenerateChunk], int | None] | None = None,
+    on_tokens: Callable[[list[int], list[float]], None] | None = None,
+) -> GenerateOutput:
+    """Concatenate a stream of ``GenerateChunk``s into its ``GenerateOutput`` (the one place streams are
+    assembled).
+
+    Args:
+        chunks: the stream; the caller closes it (``contextlib.aclosing``), which aborts the engine request
+            when the output ends before the stream does.
+        stop_at: called with each chunk; a count means the output ends after that many of its tokens with
+            finish reason ``stop`` (a stop string completed) and the rest of the stream is not read.
+        on_tokens: called with every token and logprob so far after each chunk that added tokens.
 
     Raises:
-        ValueError: the stream ended without a chunk carrying a finish reason.
+        InferenceUnavailableError: the stream ended without a chunk carrying a finish reason.
         Whatever the stream raises.
     """
     token_ids: list[int] = []
@@ -134,10 +148,24 @@ async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput
     policy_versions: list[int] = []
     kept_counts: list[tuple[int, list[int] | None]] = []
     async for chunk in chunks:
-        token_ids += chunk.token_ids
-        logprobs += chunk.logprobs
-        policy_versions += chunk.policy_versions
-        kept_counts.append((len(chunk.token_ids), chunk.kept_counts))
+        keep = stop_at(chunk) if stop_at is not None else None
+        count = len(chunk.token_ids) if keep is None else keep
+        token_ids += chunk.token_ids[:count]
+        logprobs += chunk.logprobs[:count]
+        policy_versions += chunk.policy_versions[:count]
+        kept_counts.append((count, chunk.kept_counts[:count] if chunk.kept_counts else None))
+        if count and on_tokens is not None:
+            on_tokens(token_ids, logprobs)
+        if keep is not None:
+            return GenerateOutput(
+                request_id=chunk.request_id,
+                token_ids=token_ids,
+                logprobs=logprobs,
+                finish_reason=FinishReason.STOP,
+                policy_versions=policy_versions,
+                prompt_len=chunk.prompt_len,
+                kept_counts=join_kept_counts(kept_counts),
+            )
         if chunk.finish_reason is not None:
             return GenerateOutput(
                 request_id=chunk.request_id,
@@ -149,4 +177,53 @@ async def collect_stream(chunks: AsyncIterable[GenerateChunk]) -> GenerateOutput
                 routed_experts=chunk.routed_experts,
                 kept_counts=join_kept_counts(kept_counts),
             )
-    raise ValueError("the generation stream ended without a finish reason")
+    raise InferenceUnavailableError("the generation stream ended without a finish reason")
+
+
+async def generate_past_aborts(
+    attempt: Callable[[GenerateOutput | None, int], Awaitable[GenerateOutput]],
+    *,
+    max_tokens: int,
+    partial: bool = True,
+    max_aborts: int | None = None,
+) -> tuple[GenerateOutput, int]:
+    """Sample until the output is not aborted (a pause for a weight update ends requests with finish reason
+    ``abort``): the one abort-continuation loop of single-turn and agent generation.
+
+    ``attempt(so_far, aborts)`` samples once: with ``partial``, ``so_far`` is the output of the attempts
+    before (None at first) and the attempt continues from its tokens (prompt + ``so_far.token_ids``, at most
+    ``max_tokens - len(so_far.token_ids)`` new ones), returning only the new tokens; without, ``so_far`` is
+    always None and each attempt samples the completion again. ``aborts`` counts the aborted attempts so far
+    (e.g. to vary a seed).
+
+    Returns the output (the joined tokens, logprobs and policy versions of every attempt with ``partial``)
+    and the number of aborted attempts. An output that reaches ``max_tokens`` through aborts finishes with
+    ``length``; after ``max_aborts`` aborts (None: no limit) the last output is returned as aborted.
+    """
+    so_far: GenerateOutput | None = None
+    aborts = 0
+    while True:
+        output = await attempt(so_far if partial else None, aborts)
+        if partial and so_far is not None:
+            output = GenerateOutput(
+                request_id=so_far.request_id,
+                token_ids=so_far.token_ids + output.token_ids,
+                logprobs=so_far.logprobs + output.logprobs,
+                finish_reason=output.finish_reason,
+                policy_versions=so_far.policy_versions + output.policy_versions,
+                prompt_len=so_far.prompt_len,
+                # The last attempt ran the whole sequence (its prompt holds the earlier tokens).
+                routed_experts=output.routed_experts,
+                kept_counts=join_kept_counts(
+                    [(len(so_far.token_ids), so_far.kept_counts), (len(output.token_ids), output.kept_counts)]
+                ),
+            )
+        so_far = output
+        if output.finish_reason is not FinishReason.ABORT:
+            return output, aborts
+        if partial and len(output.token_ids) >= max_tokens:
+            output.finish_reason = FinishReason.LENGTH
+            return output, aborts
+        if max_aborts is not None and aborts >= max_aborts:
+            return output, aborts
+        aborts += 1

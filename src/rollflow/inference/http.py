@@ -32,37 +32,22 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from rollflow.errors import error_body
 from rollflow.inference.http_limits import HttpLimits
 
 log = structlog.get_logger(__name__)
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestEntityTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    422: "UnprocessableEntityError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-def error_type(status: int) -> str:
-    """vLLM/OpenAI error ``type`` for an HTTP status."""
-    return _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
-
 
 def json_error(
-    status: int, message: str, *, type: str | None = None, param: str | None = None
+    status: int,
+    message: str,
+    *,
+    type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
 ) -> web.Response:
-    """A vLLM-shaped JSON error response."""
-    body = {"error": {"message": message, "type": type or error_type(status), "param": param, "code": status}}
-    return web.json_response(body, status=status)
+    """The JSON error response of every rollflow listener (``rollflow.errors.error_body``)."""
+    return web.json_response(error_body(status, message, type=type, param=param, code=code), status=status)
 
 
 @web.middleware
@@ -85,9 +70,7 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
 def raw_error_response(status: int, message: str) -> bytes:
     """A complete HTTP/1.1 response carrying the JSON error, that closes the connection (written straight to
     a transport, where no aiohttp response object can be used)."""
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type(status), "param": None, "code": status}}
-    ).encode()
+    body = json.dumps(error_body(status, message)).encode()
     head = (
         f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"

@@ -11,6 +11,11 @@ A 503 from a paused server is waited out (within ``request_timeout_s``); a 503 w
 ``EngineDeadError`` (a server whose engine died, or a router all of whose servers' engines died) raises
 ``RemoteEngineDeadError`` at once, like a dead server, instead of waiting for a resume that never comes.
 
+Failures come in the same families as an in-process engine's (``rollflow.errors``, ``http_error``): a 4xx is an
+``EngineError`` keeping the server's ``code`` (``context_length_exceeded`` is a
+``ContextLengthExceededError``); connection errors past the retries, a 5xx, or 503s until the deadline are
+``InferenceUnavailableError`` (retryable); a dead engine is an ``EngineDeadError``.
+
 Paths and field names are vLLM 0.33's (``/inference/v1/generate``, ``/pause?mode=``, ``/update_weights`` …),
 so the same client drives vLLM on GPUs and rollflow's torch engine server on CPUs. The client is picklable
 (its aiohttp session is created lazily per event loop and dropped on pickling) so it can be shipped to other
@@ -20,6 +25,7 @@ processes. This module must not import torch at module scope.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -28,7 +34,20 @@ import aiohttp
 import msgspec
 import structlog
 
-from rollflow.errors import ENGINE_DEAD_TYPE, RollflowError
+from rollflow.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ENGINE_DEAD,
+    ENGINE_DEAD_TYPE,
+    INTERNAL_ERROR,
+    SERVICE_UNAVAILABLE,
+    ControlPlaneError,
+    RemoteContextLengthExceededError,
+    RemoteEngineDeadError,
+    RemoteInferenceError,
+    RemoteRequestError,
+    RemoteUnavailableError,
+    error_code,
+)
 from rollflow.inference.client import PAUSE_MODES, PauseMode
 from rollflow.inference.routed_experts import unpack_routed_experts
 from rollflow.inference.streaming import iter_sse
@@ -92,6 +111,12 @@ def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
     return fields
 
 
+def _jittered(delay: float) -> float:
+    """``delay`` scaled by a random factor in [0.5, 1): thousands of requests refused together (a pause, a
+    restarting server) come back spread out instead of all at once."""
+    return delay * (0.5 + 0.5 * random.random())
+
+
 class _DataRetry:
     """The data plane's retry policy for one call: bounded retries with backoff on connection errors, and
     waiting (backing off) while the servers answer 503 (paused, or no healthy server behind the router yet),
@@ -112,7 +137,7 @@ class _DataRetry:
         """
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise RemoteInferenceError(
+            raise RemoteUnavailableError(
                 f"{self.method} {self.url} did not complete within request_timeout_s = {self.timeout_s} s",
                 url=self.url,
             )
@@ -122,36 +147,20 @@ class _DataRetry:
         """Back off before the next attempt, or raise once the retries are spent."""
         self.connect_failures += 1
         if self.connect_failures > self.connect_retries:
-            raise RemoteInferenceError(
+            raise RemoteUnavailableError(
                 f"{self.method} {self.url} failed after {self.connect_failures} connection attempts: {error!r}",
                 url=self.url,
             ) from error
-        delay = min(0.1 * 2**self.connect_failures, 2.0)
+        delay = _jittered(min(0.1 * 2**self.connect_failures, 2.0))
         await asyncio.sleep(min(delay, max(self.deadline - time.monotonic(), 0)))
 
     async def while_paused(self) -> None:
         """Wait (doubling up to a cap) before asking a paused server again."""
-        await asyncio.sleep(min(self.paused_wait, max(self.deadline - time.monotonic(), 0)))
+        await asyncio.sleep(min(_jittered(self.paused_wait), max(self.deadline - time.monotonic(), 0)))
         self.paused_wait = min(self.paused_wait * 2, _PAUSED_RETRY_S[1])
 
 
 _FINISH_REASONS = {reason.value: reason for reason in FinishReason}
-
-
-class RemoteInferenceError(RollflowError):
-    """An HTTP call to an inference server, router or proxy failed; the message names the URL.
-
-    Attributes:
-        url: the URL that failed.
-        status: the HTTP status, or None when no response came back (connection error, timeout).
-        body: the decoded JSON error body, when the server sent one.
-    """
-
-    def __init__(self, message: str, *, url: str, status: int | None = None, body: Any = None):
-        super().__init__(message)
-        self.url = url
-        self.status = status
-        self.body = body
 
 
 def _routed_experts(choice: Mapping[str, Any], url: str, total_tokens: int | None) -> Any:
@@ -178,27 +187,32 @@ def _routed_experts(choice: Mapping[str, Any], url: str, total_tokens: int | Non
     return experts
 
 
-class RemoteEngineDeadError(RemoteInferenceError):
-    """The server (or every server behind the router) answered that its engine died (503 with error type
-    ``EngineDeadError``): unlike a pause it does not pass, so calls fail at once instead of waiting."""
-
-
-def _engine_dead(body: Any) -> bool:
+def _error_fields(body: Any) -> dict[str, Any]:
     error = body.get("error") if isinstance(body, dict) else None
-    return isinstance(error, dict) and error.get("type") == ENGINE_DEAD_TYPE
+    return error if isinstance(error, dict) else {}
 
 
-class ControlPlaneError(RemoteInferenceError):
-    """A control-plane call failed on at least one server; ``failures`` maps each failed server URL to
-    its error, and the message lists them all."""
+def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteInferenceError:
+    """The error family of an HTTP error answer, the same as a local engine's for the same failure.
 
-    def __init__(self, action: str, failures: dict[str, RemoteInferenceError]):
-        lines = "; ".join(f"{url}: {error}" for url, error in failures.items())
-        first = next(iter(failures.values()))
-        super().__init__(
-            f"{action} failed on {len(failures)} server(s): {lines}", url=first.url, status=first.status
-        )
-        self.failures = failures
+    ``status`` is None for an error reported inside a stream (its status is then read from the body's
+    ``type`` and ``code``). A 4xx keeps the server's string ``code`` (vLLM sends the status as ``code``:
+    then it is the status's code); a 503 whose ``type`` is ``EngineDeadError`` is a dead engine; any other
+    5xx is unavailable (retryable).
+    """
+    fields = _error_fields(body)
+    code = fields.get("code") if isinstance(fields.get("code"), str) else None
+    param = fields.get("param") if isinstance(fields.get("param"), str) else None
+    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
+        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
+    if status is None and isinstance(fields.get("code"), int):  # vLLM's stream errors carry the status
+        status = fields["code"]
+    if status is None:
+        status = 500 if code in (None, INTERNAL_ERROR, SERVICE_UNAVAILABLE) else 400
+    if status >= 500:
+        return RemoteUnavailableError(message, url=url, status=status, body=body, code=code)
+    kind = RemoteContextLengthExceededError if code == CONTEXT_LENGTH_EXCEEDED else RemoteRequestError
+    return kind(message, url=url, status=status, body=body, code=code or error_code(status), param=param)
 
 
 def _error_message(body: Any, text: str) -> str:
@@ -336,11 +350,11 @@ class RemoteInferenceClient:
                 raw = await response.read()
                 status = response.status
         except TimeoutError:
-            raise RemoteInferenceError(f"{method} {url} timed out after {timeout_s} s", url=url) from None
+            raise RemoteUnavailableError(f"{method} {url} timed out after {timeout_s} s", url=url) from None
         except aiohttp.ClientConnectionError:
             raise  # callers decide: retry (data plane) or drop the server (control plane)
         except aiohttp.ClientError as error:
-            raise RemoteInferenceError(f"{method} {url} failed: {error!r}", url=url) from error
+            raise RemoteUnavailableError(f"{method} {url} failed: {error!r}", url=url) from error
         body: Any = None
         if raw:
             try:
@@ -348,16 +362,8 @@ class RemoteInferenceClient:
             except msgspec.DecodeError:
                 body = None
         if status >= 400:
-            text = raw.decode(errors="replace")
-            error_class = (
-                RemoteEngineDeadError if status == 503 and _engine_dead(body) else RemoteInferenceError
-            )
-            raise error_class(
-                f"{method} {url} returned HTTP {status}: {_error_message(body, text)}",
-                url=url,
-                status=status,
-                body=body,
-            )
+            message = _error_message(body, raw.decode(errors="replace"))
+            raise http_error(f"{method} {url} returned HTTP {status}: {message}", url, status, body)
         return body
 
     async def _data_call(
@@ -374,10 +380,12 @@ class RemoteInferenceClient:
                 return await self._request(method, url, json=json, headers=headers, timeout_s=remaining)
             except aiohttp.ClientConnectionError as error:
                 await retry.after_connection_error(error)
-            except RemoteInferenceError as error:
-                if error.status != 503 or isinstance(error, RemoteEngineDeadError):
-                    raise  # a dead engine does not come back the way a paused one does
-                await retry.while_paused()
+            except RemoteUnavailableError as error:
+                if error.status != 503:
+                    raise
+                await (
+                    retry.while_paused()
+                )  # paused, or no healthy server yet (a dead engine is not waited for)
 
     async def _fan_out(
         self,
@@ -397,7 +405,7 @@ class RemoteInferenceClient:
         for url, result in zip(urls, results, strict=True):
             if isinstance(result, aiohttp.ClientConnectionError):
                 unreachable.append(url)
-                failures[url] = RemoteInferenceError(f"unreachable: {result!r}", url=url)
+                failures[url] = RemoteUnavailableError(f"unreachable: {result!r}", url=url)
             elif isinstance(result, RemoteEngineDeadError):
                 unreachable.append(url)  # answering, but as dead as an unreachable server
                 failures[url] = result
@@ -504,12 +512,12 @@ class RemoteInferenceClient:
                 if finished:
                     return
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
-            raise RemoteInferenceError(f"POST {url}: the stream broke off: {error!r}", url=url) from error
+            raise RemoteUnavailableError(f"POST {url}: the stream broke off: {error!r}", url=url) from error
         finally:
             if not finished:  # closing the connection aborts the request on the server
                 response.close()
             response.release()
-        raise RemoteInferenceError(f"POST {url}: the stream ended without a finish reason", url=url)
+        raise RemoteUnavailableError(f"POST {url}: the stream ended without a finish reason", url=url)
 
     async def _open_stream(
         self, url: str, payload: dict[str, Any], session_id: str | None
@@ -530,7 +538,7 @@ class RemoteInferenceClient:
                 await retry.after_connection_error(error)
                 continue
             except aiohttp.ClientError as error:
-                raise RemoteInferenceError(f"POST {url} failed: {error!r}", url=url) from error
+                raise RemoteUnavailableError(f"POST {url} failed: {error!r}", url=url) from error
             if response.status < 400:
                 return response
             async with response:
@@ -539,26 +547,20 @@ class RemoteInferenceClient:
                 body = msgspec.json.decode(raw) if raw else None
             except msgspec.DecodeError:
                 body = None
-            dead = response.status == 503 and _engine_dead(body)
-            if response.status != 503 or dead:
-                message = _error_message(body, raw.decode(errors="replace"))
-                raise (RemoteEngineDeadError if dead else RemoteInferenceError)(
-                    f"POST {url} returned HTTP {response.status}: {message}",
-                    url=url,
-                    status=response.status,
-                    body=body,
-                )
+            message = _error_message(body, raw.decode(errors="replace"))
+            error = http_error(
+                f"POST {url} returned HTTP {response.status}: {message}", url, response.status, body
+            )
+            if response.status != 503 or not isinstance(error, RemoteUnavailableError):
+                raise error
             await retry.while_paused()
 
     def _parse_stream_event(
         self, event: Any, url: str, request: GenerateRequest, prompt_len: int
     ) -> GenerateChunk:
         if isinstance(event, dict) and "error" in event:
-            raise RemoteInferenceError(
-                f"POST {url}: the stream reported an error: {_error_message(event, str(event))}",
-                url=url,
-                body=event,
-            )
+            message = f"POST {url}: the stream reported an error: {_error_message(event, str(event))}"
+            raise http_error(message, url, None, event)
         try:
             choice = event["choices"][0]
             token_ids = [int(token) for token in choice["token_ids"]]

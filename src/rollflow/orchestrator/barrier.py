@@ -10,7 +10,7 @@ import anyio
 import structlog
 
 from rollflow.config import RunConfig
-from rollflow.errors import RollflowError
+from rollflow.errors import WeightSyncTimeoutError, is_retryable
 from rollflow.inference.client import InferenceClient, PauseMode
 
 log = structlog.get_logger(__name__)
@@ -19,10 +19,6 @@ log = structlog.get_logger(__name__)
 #: fire first and name what was still pending (servers, trainer rank); this one only catches a transfer that
 #: does not bound itself.
 PUSH_BACKSTOP_GRACE_S = 1.0
-
-
-class WeightSyncTimeoutError(RollflowError, TimeoutError):
-    """A weight update did not finish within ``weight_sync.timeout_s``."""
 
 
 class WeightBarrier:
@@ -58,8 +54,10 @@ class WeightBarrier:
         Raises:
             WeightSyncTimeoutError: pausing, the push or resuming took longer than ``timeout_s`` (the message
                 names the phase, and the servers or trainer rank still pending).
-            Exception: what the transfer raised when it failed twice, naming the server or trainer rank (the
-                next update reconnects).
+            Exception: what the transfer raised, naming the server or trainer rank (the next update
+                reconnects): at once when it is not retryable (``rollflow.errors.is_retryable``: a timeout, a
+                malformed transfer info, a 4xx, a dead trainer process) or blames a server still in use, else
+                after one failed retry.
         """
         started = time.perf_counter()
         try:
@@ -92,16 +90,17 @@ class WeightBarrier:
     async def _push(self, trainer: Any, policy_version: int) -> None:
         try:
             await self.transfer.push(self.client, trainer, policy_version)
-        except TimeoutError:
-            raise
         except Exception as error:
+            if not is_retryable(error):
+                raise
             failed_servers = [url for url in getattr(error, "failures", {}) if url in self._server_urls()]
             if failed_servers:
                 # The same servers would fail the retry, some only after blocking on the dead one until
                 # their own timeout: report them now.
                 raise
             # A server died mid-transfer and the client dropped it (the transfer reconnects with the servers
-            # that are left, a new world size), or the trainer side failed. One retry; a second failure is real.
+            # that are left, a new world size), or the trainer side's transport failed. One retry; a second
+            # failure is real.
             log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
             await self.transfer.push(self.client, trainer, policy_version)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import statistics
 import time
@@ -42,6 +43,7 @@ from rollflow.errors import CheckpointError, ConfigError, StorageError, describe
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
 from rollflow.metrics import JsonlWriter, MetricsSink, truncate_jsonl_after_step
 from rollflow.orchestrator.barrier import WeightBarrier
+from rollflow.orchestrator.builders import build_barrier, load_chat, open_generator
 from rollflow.orchestrator.checkpoint import (
     OrchestratorState,
     latest_checkpoint,
@@ -57,7 +59,6 @@ from rollflow.orchestrator.run_dir import (
     write_resume_config,
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
-from rollflow.rollout.agent import build_agent_generator
 from rollflow.rollout.datasets import steps_for_epochs, task_from_config
 from rollflow.rollout.generator import SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder, reward_part_means
@@ -174,6 +175,7 @@ class Orchestrator:
         """Load the task, models, engines and trainer; restore the last checkpoint when resuming."""
         if self._is_set_up:
             return
+        default_log_level()
         from rollflow.inference.setup import get_inference_client
         from rollflow.tracking import check_backends, open_sinks
 
@@ -195,22 +197,12 @@ class Orchestrator:
             self.client = self._given_client or await self._exit_stack.enter_async_context(
                 get_inference_client(config, self.run_dir)
             )
-            self.barrier = WeightBarrier.from_config(config, self.client)
+            self.barrier = build_barrier(config, self.client)
             self._exit_stack.callback(self.barrier.close)
-            if config.agent is not None:
-                # Agent rollouts: each sample is an agent session through the TITO proxy.
-                self.generator = await self._exit_stack.enter_async_context(
-                    build_agent_generator(config, self.client, renderer, tokenizer)
-                )
-            else:
-                self.generator = SingleTurnGenerator(
-                    self.client,
-                    renderer,
-                    rewarder,
-                    config.sampling,
-                    seed=config.seed,
-                    partial_rollouts=config.orchestrator.partial_rollouts,
-                )
+            # Agent rollouts ([agent]): each sample is an agent session through the TITO proxy.
+            self.generator = await self._exit_stack.enter_async_context(
+                open_generator(config, self.client, renderer, tokenizer, self.task, rewarder)
+            )
             if config.eval is not None:
                 from rollflow.rollout.evaluation import Evaluator
 
@@ -320,21 +312,14 @@ class Orchestrator:
     def _build_trainer_side(self) -> tuple[Any, Any, Any]:
         """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model (in this process,
         or in the trainer process that ``trainer.placement = "process"`` starts)."""
-        from rollflow.models.loading import (
-            check_devices,
-            create_chat_renderer,
-            load_causal_lm,
-            load_tokenizer,
-            resolve_model_path,
-        )
+        from rollflow.models.loading import check_devices, load_causal_lm, resolve_model_path
         from rollflow.train.process import TrainerProcess, TrainerSpec
         from rollflow.train.trainer import Trainer
 
         config = self.config
         check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
-        tokenizer = load_tokenizer(model_dir)
-        renderer = create_chat_renderer(tokenizer, config.model, model_dir)
+        tokenizer, renderer = load_chat(config, model_dir)
         spec = TrainerSpec(
             model_dir=model_dir,
             config=config.trainer,
@@ -674,6 +659,14 @@ class Orchestrator:
             self.config.checkpoint.keep,
         )
         log.info("checkpoint saved", path=str(path), step=self.state.step)
+
+
+def default_log_level(level: int = logging.INFO) -> None:
+    """Log at ``level`` and above when nobody configured structlog (the embedded API in a notebook or a
+    script; the CLI configures it itself): structlog's own default prints every debug line, one per weight
+    update and request. A configuration the caller made is left as it is."""
+    if not structlog.is_configured():
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
 
 
 def _write_file(path: Path, data: bytes) -> None:

@@ -35,7 +35,7 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -47,10 +47,9 @@ from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
 from rollflow.rollout.generator import sample_seed
 from rollflow.tito.composer import COMPOSE_MODES, TITOSample, resolve_composer, trace_metrics
-from rollflow.tito.saved import TRACES_DIR, TraceWriter, trace_record
+from rollflow.tito.saved import TraceWriter, trace_record
 
 if TYPE_CHECKING:
-    from rollflow.config import RunConfig
     from rollflow.tito.proxy import TITOProxy
 
 log = structlog.get_logger(__name__)
@@ -375,63 +374,3 @@ def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
             name = {"agent_error": "agent_errors", "agent_timeout": "agent_timeouts"}.get(name, name)
             totals[name] = totals.get(name, 0.0) + value
     return totals
-
-
-@contextlib.asynccontextmanager
-async def build_agent_generator(
-    config: RunConfig, client: Any, renderer: Any, tokenizer: Any
-) -> AsyncIterator[AgentGenerator]:
-    """An ``AgentGenerator`` for ``config.agent`` over ``client``, with the ``TITOProxy`` it owns: the proxy
-    listens on ``agent.host`` (127.0.0.1 by default) for as long as the context is open and defaults requests
-    to the ``sampling`` settings.
-
-    Raises:
-        ConfigError: ``config.agent`` is unset, its callable or composer does not resolve, or the traces
-            directory (``agent.save_traces``) cannot be written.
-    """
-    from rollflow.tito.proxy import TITOProxy
-
-    settings = config.agent
-    if settings is None:
-        raise ConfigError("build_agent_generator needs an [agent] section in the config")
-    if settings.max_seq_len is None:
-        raise ConfigError("agent.max_seq_len must be set")
-    agent = resolve_agent(settings.callable, settings.command, env=settings.env)
-    composer = resolve_composer(settings.composer)
-    proxy = TITOProxy(
-        client,
-        renderer,
-        tokenizer,
-        model_name=config.model.path,
-        host=settings.host,
-        port=settings.port,
-        advertise_url=settings.advertise_url,
-        default_max_tokens=config.sampling.max_tokens,
-        default_temperature=config.sampling.temperature,
-        default_top_p=config.sampling.top_p,
-        default_top_k=config.sampling.top_k,
-        enforce_sampling=settings.enforce_sampling,
-        strict_requests=settings.strict_requests,
-        max_n=config.inference.max_batch_size,
-        return_routed_experts=config.inference.return_routed_experts,
-        max_model_len=config.inference.max_model_len,
-        http_limits=config.inference.http_limits(),
-    )
-    writer = None
-    if settings.save_traces != "none":
-        writer = await anyio.to_thread.run_sync(
-            TraceWriter, config.run_dir / TRACES_DIR, settings.save_traces
-        )
-    async with proxy:
-        yield AgentGenerator(
-            proxy,
-            agent,
-            mode=settings.mode,
-            composer=composer,
-            max_seq_len=settings.max_seq_len,
-            timeout_s=settings.timeout_s,
-            filter_overlong=settings.filter_overlong,
-            seed=config.seed,
-            max_concurrent=settings.max_concurrent,
-            trace_writer=writer,
-        )

@@ -4,7 +4,8 @@ run's reward.
 The orchestrator evaluates between steps, on the engines that generate for training: evaluation requests
 carry ids of their own (``eval-…``), go through no staleness schedule and are never trained, so the run's
 staleness accounting does not see them; no weight update happens while they run, so every evaluation sample
-is of one policy version. ``rollflow eval`` (``evaluate_offline``) does the same on a checkpoint's weights.
+is of one policy version. ``rollflow eval`` (``rollflow.orchestrator.generate.evaluate_offline``) does the same on a checkpoint's
+weights.
 
 Metrics: ``eval/greedy/reward_mean`` and ``eval/greedy/accuracy`` (reward >= ``eval.pass_threshold``);
 ``eval/sampled/reward_mean``, ``eval/sampled/pass@1`` (mean fraction correct) and ``eval/sampled/pass@k``
@@ -17,10 +18,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
 from rollflow.config import EvalConfig, RunConfig
@@ -124,28 +123,3 @@ class Evaluator:
             "eval/sampled/pass@1": statistics.fmean(c / samples for c in correct),
             f"eval/sampled/pass@{samples}": statistics.fmean(c > 0 for c in correct),
         }
-
-
-async def evaluate_offline(config: RunConfig, checkpoint: str | Path | None = None) -> dict[str, float]:
-    """``rollflow eval``: start the configured engines, push the checkpoint's weights (a checkpoint or run
-    directory; unset: the initial weights) and evaluate once.
-
-    Raises:
-        ConfigError: the held-out set or the reward does not resolve.
-        CheckpointError: ``checkpoint`` is not a checkpoint or run directory, or its files are unreadable.
-    """
-    from rollflow.inference.setup import get_inference_client
-    from rollflow.orchestrator.checkpoint import load_policy_weights, resolve_checkpoint
-    from rollflow.rollout.generate import _load_chat, push_policy
-
-    policy = None
-    if checkpoint is not None:
-        policy = await anyio.to_thread.run_sync(load_policy_weights, resolve_checkpoint(checkpoint))
-    task = await anyio.to_thread.run_sync(eval_task, config, config.eval or EvalConfig())
-    _tokenizer, renderer = await anyio.to_thread.run_sync(_load_chat, config)
-    async with get_inference_client(config) as client:
-        version = 0
-        if policy is not None:
-            await push_policy(config, client, *policy)
-            version = policy[1]
-        return await Evaluator(config, client, renderer, task).evaluate(version)

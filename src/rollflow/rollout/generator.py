@@ -9,16 +9,14 @@ from typing import Any
 import anyio
 
 from rollflow.config import SamplingConfig
-from rollflow.inference.client import InferenceClient
+from rollflow.inference.client import InferenceClient, generate_past_aborts
 from rollflow.messages import (
-    FinishReason,
     GenerateOutput,
     GenerateRequest,
     RolloutRequest,
     Sample,
     SamplingParams,
     ScoredGroup,
-    join_kept_counts,
 )
 from rollflow.rollout.rewards import Rewarder
 from rollflow.rollout.tasks import TaskItem
@@ -74,33 +72,18 @@ class SingleTurnGenerator:
         async def sample_one(sample_index: int) -> None:
             nonlocal regenerated
             seed = sample_seed(self.seed, request.prompt_index, sample_index)
-            output = await self._sample(
-                prompt_ids, [], seed, f"{self.request_prefix}p{request.prompt_index}-s{sample_index}"
-            )
+            request_id = f"{self.request_prefix}p{request.prompt_index}-s{sample_index}"
+
+            async def attempt(so_far: GenerateOutput | None, aborts: int) -> GenerateOutput:
+                partial_ids = so_far.token_ids if so_far is not None else []
+                return await self._sample(prompt_ids, partial_ids, seed + aborts, request_id)
+
             # A weight-update barrier in abort mode ended the request: an infrastructure event, not the
             # policy's doing, so this one sample is continued or sampled again, never dropped with its group.
-            while output.finish_reason is FinishReason.ABORT:
-                regenerated += 1
-                if self.partial_rollouts:
-                    continued = await self._sample(
-                        prompt_ids, output.token_ids, seed + regenerated, output.request_id
-                    )
-                    output = GenerateOutput(
-                        request_id=output.request_id,
-                        token_ids=output.token_ids + continued.token_ids,
-                        logprobs=output.logprobs + continued.logprobs,
-                        finish_reason=continued.finish_reason,
-                        policy_versions=output.policy_versions + continued.policy_versions,
-                        prompt_len=len(prompt_ids),
-                        kept_counts=join_kept_counts(
-                            [
-                                (len(output.token_ids), output.kept_counts),
-                                (len(continued.token_ids), continued.kept_counts),
-                            ]
-                        ),
-                    )
-                else:
-                    output = await self._sample(prompt_ids, [], seed + regenerated, output.request_id)
+            output, aborts = await generate_past_aborts(
+                attempt, max_tokens=self.sampling.max_tokens, partial=self.partial_rollouts
+            )
+            regenerated += aborts
             outputs[sample_index] = output
 
         async with anyio.create_task_group() as tg:

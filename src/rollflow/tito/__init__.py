@@ -10,12 +10,12 @@ calls sampled, and turns them into training samples.
 This package never imports torch or transformers at module scope.
 """
 
+from rollflow.errors import RequestError, RoutedExpertsError, TraceSealedError
 from rollflow.tito.composer import COMPOSE_MODES, TITOSample, compose, resolve_composer, trace_metrics
 from rollflow.tito.proxy import TITOProxy
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import Session
-from rollflow.tito.trace import Node, RenderRecord, RoutedExpertsError, Trace, TraceSealedError, Turn
-from rollflow.tito.wire import RequestError
+from rollflow.tito.trace import Node, RenderRecord, Trace, Turn
 
 __all__ = [
     "COMPOSE_MODES",

@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
+from rollflow.errors import RoutedExpertsError
 from rollflow.imports import import_object
 from rollflow.messages import FinishReason, Sample
-from rollflow.tito.trace import Node, RoutedExpertsError, Trace
+from rollflow.tito.trace import Node, Trace
 
 ComposeMode = Literal["per_branch", "single_branch", "step_wise"]
 COMPOSE_MODES: tuple[str, ...] = ("per_branch", "single_branch", "step_wise")

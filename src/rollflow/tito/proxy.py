@@ -37,7 +37,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import RollflowError
+from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner
 from rollflow.inference.http_limits import HttpLimits
@@ -47,7 +47,7 @@ from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer, normalize_tools
 from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
 from rollflow.tito.stops import hold_back
-from rollflow.tito.trace import Trace, TraceSealedError, Turn
+from rollflow.tito.trace import Trace, Turn
 from rollflow.tito.wire import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -60,7 +60,6 @@ from rollflow.tito.wire import (
     DeltaToolCall,
     ModelCard,
     ModelList,
-    RequestError,
     ResponseFunction,
     ResponseMessage,
     ResponseToolCall,
@@ -102,8 +101,8 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=_ENCODER.encode(data), status=status, content_type="application/json")
 
 
-def _error(status: int, message: str, *, type: str, param: str | None = None, code: str | None = None):
-    return _json({"error": {"message": message, "type": type, "param": param, "code": code}}, status)
+def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+    return _json(error_body(status, message, param=param, code=code), status)
 
 
 def _enc_hook(value: Any) -> Any:
@@ -335,16 +334,15 @@ class TITOProxy:
         except RequestError as error:
             return _json(error.body(), error.status)
         except TraceSealedError as error:
-            return _error(409, str(error), type="invalid_request_error", code="session_closed")
+            return _error(409, str(error), code="session_closed")
         except web.HTTPException as error:
-            kind = "invalid_request_error" if error.status < 500 else "server_error"
-            return _error(error.status, error.reason or error.text or "", type=kind)
+            return _error(error.status, error.reason or error.text or "")
         except RollflowError as error:
             log.exception("tito proxy: request failed")
-            return _error(500, f"{type(error).__name__}: {error}", type="server_error")
+            return _error(500, f"{type(error).__name__}: {error}")
         except Exception as error:  # a bug: say so, keep serving
             log.exception("tito proxy: unexpected error")
-            return _error(500, f"internal error: {type(error).__name__}: {error}", type="server_error")
+            return _error(500, f"internal error: {type(error).__name__}: {error}")
 
     def _session(self, request: web.Request) -> Session:
         token = request.match_info["token"]
@@ -539,9 +537,7 @@ class TITOProxy:
     def _authorize(self, request: web.Request) -> None:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
-            raise RequestError(
-                "missing or wrong bearer token", status=401, type="authentication_error", code="unauthorized"
-            )
+            raise RequestError("missing or wrong bearer token", status=401, code="unauthorized")
 
     def _admin_session(self, request: web.Request) -> Session:
         session_id = request.match_info["session_id"]
@@ -725,53 +721,3 @@ class _TurnStream:
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
-
-
-async def serve_standalone(
-    config: Any,
-    *,
-    host: str | None = None,
-    port: int | None = None,
-    admin_token: str | None = None,
-    ready: Any = None,
-) -> None:
-    """Run a proxy over the inference ``config.inference`` describes until cancelled (``rollflow proxy``):
-    engines in this process, servers (and a router) it starts, or external URLs, as a run would have
-    them (``rollflow.inference.setup.get_inference_client``); requests default to ``config.sampling``.
-    ``host`` and ``port`` default to ``agent.host`` and ``agent.port``.
-
-    ``ready``, if given, is called with the running proxy once it listens.
-    """
-    from rollflow.inference.setup import get_inference_client
-    from rollflow.models.loading import create_chat_renderer, load_tokenizer, resolve_model_path
-
-    model_dir = resolve_model_path(config.model.path)
-    tokenizer = load_tokenizer(model_dir)
-    renderer = create_chat_renderer(tokenizer, config.model)
-    agent = config.agent
-    async with get_inference_client(config) as client:
-        proxy = TITOProxy(
-            client,
-            renderer,
-            tokenizer,
-            model_name=config.model.path,
-            host=host or (agent.host if agent is not None else "127.0.0.1"),
-            port=port if port is not None else (agent.port if agent is not None else 0),
-            advertise_url=agent.advertise_url if agent is not None else None,
-            admin_token=admin_token or secrets.token_urlsafe(24),
-            default_max_tokens=config.sampling.max_tokens,
-            default_temperature=config.sampling.temperature,
-            default_top_p=config.sampling.top_p,
-            default_top_k=config.sampling.top_k,
-            # Samples composed here train a policy at the run's settings unless [agent] says otherwise.
-            enforce_sampling=agent.enforce_sampling if agent is not None else True,
-            strict_requests=agent.strict_requests if agent is not None else False,
-            max_n=config.inference.max_batch_size,
-            return_routed_experts=config.inference.return_routed_experts,
-            max_model_len=config.inference.max_model_len,
-            http_limits=config.inference.http_limits(),
-        )
-        async with proxy:
-            if ready is not None:
-                ready(proxy)
-            await asyncio.Event().wait()

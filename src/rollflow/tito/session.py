@@ -21,21 +21,28 @@ from typing import Any
 
 import structlog
 
-from rollflow.errors import EngineError, RollflowError
-from rollflow.inference.client import InferenceClient
+from rollflow.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    SERVICE_UNAVAILABLE,
+    EngineError,
+    RequestError,
+    RollflowError,
+    TraceSealedError,
+)
+from rollflow.inference.client import InferenceClient, collect_stream, generate_past_aborts
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
 from rollflow.messages import (
     FinishReason,
+    GenerateChunk,
     GenerateOutput,
     GenerateRequest,
     SamplingParams,
-    join_kept_counts,
     sampling_error,
 )
 from rollflow.tito.renderer import ParsedTurn, TITORenderer, normalize_message, normalize_tools
 from rollflow.tito.stops import StopMatcher, cut_at_stop
-from rollflow.tito.trace import Sampled, Trace, TraceSealedError, Turn
-from rollflow.tito.wire import ChatCompletionRequest, RequestError, stop_strings
+from rollflow.tito.trace import Sampled, Trace, Turn
+from rollflow.tito.wire import ChatCompletionRequest, stop_strings
 
 log = structlog.get_logger(__name__)
 
@@ -229,19 +236,21 @@ class Session:
         except RequestError:
             raise
         except EngineError as error:
-            if "max_model_len" in str(error):
+            if error.http_status >= 500:  # a failure inside the engine, not the request's: as unavailable
+                raise self._unavailable(error) from None
+            # The request's own fault, local engine or remote server alike: the agent hears the same 4xx.
+            if error.code == CONTEXT_LENGTH_EXCEEDED:
                 self.trace.stats.context_exceeded += 1
                 raise RequestError(
                     f"the prompt does not fit the model's context: {error}",
                     param="messages",
-                    code="context_length_exceeded",
+                    code=CONTEXT_LENGTH_EXCEEDED,
                 ) from None
-            raise RequestError(str(error), param="messages") from None
-        except RollflowError as error:
-            self.trace.errors.append(f"{type(error).__name__}: {error}")
             raise RequestError(
-                f"inference is unavailable: {error}", status=503, type="service_unavailable"
+                str(error), status=error.http_status, param="messages", code=error.code
             ) from None
+        except RollflowError as error:
+            raise self._unavailable(error) from None
         choices = []
         for sampled, stop in samples:
             parsed = renderer.parse(sampled.token_ids, tools, prepared.parse_prompt_ids)
@@ -253,6 +262,12 @@ class Session:
         return await self.trace.commit_choices(
             prepared, choices, response_id=entry.progress.response_id, request_key=request_key
         )
+
+    def _unavailable(self, error: RollflowError) -> RequestError:
+        """A 503 for a failure the agent cannot fix (no server, a dead engine); recorded on the trace, which
+        masks the trajectory."""
+        self.trace.errors.append(f"{type(error).__name__}: {error}")
+        return RequestError(f"inference is unavailable: {error}", status=503, code=SERVICE_UNAVAILABLE)
 
     def _check_sampling(
         self, request: ChatCompletionRequest, sampling_values: tuple[float, float, int]
@@ -342,18 +357,17 @@ class Session:
             and not settings.return_routed_experts
             and hasattr(self._client, "generate_stream")
         )
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        kept_counts: list[tuple[int, list[int] | None]] = []
-        routed_experts = None
-        for _ in range(settings.max_abort_resubmits + 1):
+        seed = None if request.seed is None else request.seed + index
+
+        async def attempt(so_far: GenerateOutput | None, aborts: int) -> GenerateOutput:
+            tokens = so_far.token_ids if so_far is not None else []
+            logprobs = so_far.logprobs if so_far is not None else []
             sampling = SamplingParams(
                 max_tokens=max_tokens - len(tokens),
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                seed=None if request.seed is None else request.seed + index,
+                seed=seed,
                 stop_token_ids=self._renderer.stop_token_ids,
             )
             generate_request = GenerateRequest(
@@ -363,34 +377,27 @@ class Session:
                 session_id=self.session_id,
             )
             if streamed:
-                output = await self._generate_streamed(
-                    generate_request,
-                    prompt_ids,
-                    tokens,
-                    logprobs,
-                    entry if index == 0 else _InFlight(),
-                    matcher,
+                watchers = entry if index == 0 else _InFlight()
+                return await self._generate_streamed(
+                    generate_request, prompt_ids, tokens, logprobs, watchers, matcher
                 )
-            else:
-                output = await self._client.generate(generate_request)
-                if matcher is not None:
-                    _cut_output(
-                        output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids)
-                    )
-            kept_counts.append((len(output.token_ids), output.kept_counts))
-            tokens += output.token_ids
-            logprobs += output.logprobs
-            versions += output.policy_versions
-            routed_experts = getattr(output, "routed_experts", None)
-            finish = output.finish_reason
-            # An abort (weights being updated) keeps its partial tokens; continue from them.
-            if finish != FinishReason.ABORT or len(tokens) >= max_tokens:
-                break
-        if finish == FinishReason.ABORT and len(tokens) >= max_tokens:
-            finish = FinishReason.LENGTH
+            output = await self._client.generate(generate_request)
+            if matcher is not None:
+                _cut_output(output, matcher.feed(output.token_ids), len(generate_request.prompt_token_ids))
+            return output
+
+        # An abort (weights being updated) keeps its partial tokens; the reply continues from them.
+        output, _ = await generate_past_aborts(
+            attempt, max_tokens=max_tokens, max_aborts=settings.max_abort_resubmits
+        )
         stop = matcher.matched if matcher is not None else None
         sampled = Sampled(
-            tokens, logprobs, versions, finish.value, routed_experts, join_kept_counts(kept_counts)
+            output.token_ids,
+            output.logprobs,
+            output.policy_versions,
+            output.finish_reason.value,
+            output.routed_experts,
+            output.kept_counts,
         )
         return sampled, stop
 
@@ -414,42 +421,16 @@ class Session:
                 _cut_output(output, matcher.feed(output.token_ids), len(request.prompt_token_ids))
             entry.notify(prompt_ids, tokens + output.token_ids, logprobs + output.logprobs)
             return output
-        new_tokens: list[int] = []
-        new_logprobs: list[float] = []
-        versions: list[int] = []
-        kept_counts: list[tuple[int, list[int] | None]] = []
+
+        def stop_at(chunk: GenerateChunk) -> int | None:
+            return matcher.feed(chunk.token_ids) if matcher is not None else None
+
+        def on_tokens(new_tokens: list[int], new_logprobs: list[float]) -> None:
+            entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
+
+        # Leaving the stream early (a stop string) closes it, which ends the engine request.
         async with contextlib.aclosing(stream(request)) as chunks:
-            async for chunk in chunks:
-                keep = matcher.feed(chunk.token_ids) if matcher is not None else None
-                count = len(chunk.token_ids) if keep is None else keep
-                new_tokens += chunk.token_ids[:count]
-                new_logprobs += chunk.logprobs[:count]
-                versions += chunk.policy_versions[:count]
-                kept_counts.append((count, chunk.kept_counts[:count] if chunk.kept_counts else None))
-                if count:
-                    entry.notify(prompt_ids, tokens + new_tokens, logprobs + new_logprobs)
-                if keep is not None:  # a stop string completed: leaving the stream ends the engine request
-                    return GenerateOutput(
-                        chunk.request_id,
-                        new_tokens,
-                        new_logprobs,
-                        FinishReason.STOP,
-                        versions,
-                        chunk.prompt_len,
-                        kept_counts=join_kept_counts(kept_counts),
-                    )
-                if chunk.finish_reason is not None:
-                    return GenerateOutput(
-                        chunk.request_id,
-                        new_tokens,
-                        new_logprobs,
-                        chunk.finish_reason,
-                        versions,
-                        chunk.prompt_len,
-                        chunk.routed_experts,
-                        kept_counts=join_kept_counts(kept_counts),
-                    )
-        raise RollflowError("the generation stream ended without a finish reason")
+            return await collect_stream(chunks, stop_at=stop_at, on_tokens=on_tokens)
 
 
 async def _all(coroutines: list[Any]) -> list[Any]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import anyio
 
-from rollflow.errors import EngineError, RollflowError
+from rollflow.errors import EngineError, RoutedExpertsError, TraceSealedError
 from rollflow.tito.renderer import TITORenderer, tools_key
 from rollflow.tito.store import (
     Node,
@@ -60,14 +60,6 @@ __all__ = [
     "TraceStats",
     "Turn",
 ]
-
-
-class TraceSealedError(RollflowError):
-    """The session was closed: its trace takes no more turns."""
-
-
-class RoutedExpertsError(RollflowError):
-    """Routed-expert indices of a generation do not have the shape ``[tokens, layers, topk]`` of integers."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from rollflow.errors import RollflowError
+from rollflow.errors import RequestError
 from rollflow.messages import sampling_error
 
 # Most stop strings a request may give, and the longest one (in characters).
@@ -25,29 +25,6 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 # chat_template_kwargs the proxy applies (the others are ignored and reported, or refused when strict).
 TEMPLATE_KWARGS = ("enable_thinking",)
-
-
-class RequestError(RollflowError):
-    """A request the proxy refuses; carries the HTTP status and the OpenAI error fields."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int = 400,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.code = code
-        self.type = type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 # ---------------------------------------------------------------------------------------------- request

@@ -13,19 +13,17 @@ weights are: the trainer thread, the trainer process, each trainer rank), and
     transfer.close()
 """
 
+from rollflow.errors import InvalidTransferInfoError, WeightTransferError, WeightTransferTimeoutError
 from rollflow.weights.base import (
     STRATEGIES,
     TRANSFER_DTYPES,
-    InvalidTransferInfoError,
     StaticWeights,
     TransportCall,
     WeightPusher,
     WeightSender,
     WeightSource,
     WeightTransfer,
-    WeightTransferError,
     WeightTransferStrategy,
-    WeightTransferTimeoutError,
     connect_sender,
     create_strategy,
     init_info_for_servers,

@@ -39,7 +39,12 @@ from typing import Any, ClassVar, Literal, Protocol
 import anyio
 import structlog
 
-from rollflow.errors import RollflowError
+from rollflow.errors import (
+    InvalidTransferInfoError,
+    RollflowError,
+    WeightTransferError,
+    WeightTransferTimeoutError,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -55,18 +60,6 @@ TRANSFER_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 #: How long the control half waits, after the trainer side failed, for the servers' side to report its own
 #: error (which names the server) before cancelling it.
 SERVER_ERROR_GRACE_S = 2.0
-
-
-class WeightTransferError(RollflowError):
-    """A weight transfer failed; the message says which side (a server's URL, or a trainer rank) and why."""
-
-
-class InvalidTransferInfoError(WeightTransferError, ValueError):
-    """An ``init_info`` or ``update_info`` is malformed (a server answers it with a 400)."""
-
-
-class WeightTransferTimeoutError(WeightTransferError, TimeoutError):
-    """A weight transfer (or forming its process group) did not finish within its timeout."""
 
 
 class WeightUpdateClient(Protocol):
@@ -104,17 +97,21 @@ class TransportCall:
         try:
             return getattr(self.transport, self.op)(rank, named_weights, **self.arguments)
         except WeightTransferError as error:
-            if f"trainer rank {rank}" in str(error):
+            if error.rank is not None:  # already names its rank
                 raise
-            raise type(error)(f"trainer rank {rank}: {error}") from error
+            named = type(error)(f"trainer rank {rank}: {error}")
+            named.rank = rank
+            raise named from error
         except RollflowError as error:  # e.g. a missing extra: its type tells the caller what to do
             error.add_note(f"raised on trainer rank {rank} by the weight transport's {self.op}")
             raise
         except Exception as error:
             kind = WeightTransferTimeoutError if is_timeout(error) else WeightTransferError
-            raise kind(
+            named = kind(
                 f"trainer rank {rank}: weight transport {self.op} failed: {type(error).__name__}: {error}"
-            ) from error
+            )
+            named.rank = rank
+            raise named from error
 
 
 class WeightPusher(Protocol):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rollflow.weights.base import InvalidTransferInfoError
+from rollflow.errors import InvalidTransferInfoError
 
 
 @dataclass(frozen=True, slots=True)

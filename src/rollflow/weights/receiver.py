@@ -30,7 +30,8 @@ from typing import Any, Protocol
 
 import torch
 
-from rollflow.weights.base import RECEIVER_BACKENDS, InvalidTransferInfoError
+from rollflow.errors import InvalidTransferInfoError
+from rollflow.weights.base import RECEIVER_BACKENDS
 
 
 class WeightReceiver(Protocol):

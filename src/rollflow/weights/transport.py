@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import torch
 
-from rollflow.weights.base import WeightTransferError
+from rollflow.errors import WeightTransferError
 
 log = structlog.get_logger(__name__)
 

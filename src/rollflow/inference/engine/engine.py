@@ -47,7 +47,7 @@ import numpy as np
 import structlog
 import torch
 
-from rollflow.errors import EngineDeadError, EngineError, EngineGenerateError
+from rollflow.errors import ContextLengthExceededError, EngineDeadError, EngineError, EngineGenerateError
 from rollflow.inference.client import PAUSE_MODES, LogprobsMode, PauseMode
 from rollflow.inference.engine.model_runner import ModelRunner
 from rollflow.inference.engine.sampler import Sampled, sample
@@ -531,7 +531,7 @@ class TorchEngine:
         if not prompt:
             raise EngineError(f"{where}prompt_token_ids is empty; pass at least one token")
         if len(prompt) > self.max_model_len - 1:
-            raise EngineError(
+            raise ContextLengthExceededError(
                 f"{where}prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}, which leaves "
                 f"room for at most {self.max_model_len - 1} prompt tokens; shorten the prompt or raise max_model_len"
             )

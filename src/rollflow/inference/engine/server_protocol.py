@@ -11,67 +11,83 @@ No torch here: only the wire.
 from __future__ import annotations
 
 import re
-from http import HTTPStatus
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from rollflow.errors import ENGINE_DEAD_TYPE, EngineGenerateError
+from rollflow.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    ENGINE_DEAD,
+    ENGINE_DEAD_TYPE,
+    InferenceError,
+)
+from rollflow.errors import error_body as _error_body
 
 # ------------------------------------------------------------------ errors
 
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "UnauthorizedError",
-    403: "PermissionDeniedError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    408: "RequestTimeoutError",
-    413: "RequestEntityTooLargeError",
-    415: "UnsupportedMediaTypeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 
-
-def error_type(status: int) -> str:
-    """vLLM's ``error.type`` for an HTTP status (``BadRequestError`` for 400, and so on)."""
-    return _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
-
-
-def error_body(status: int, message: str, param: str | None = None, type_: str | None = None) -> bytes:
-    """The vLLM/OpenAI error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    return msgspec.json.encode(
-        {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": status}}
-    )
+def error_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    type_: str | None = None,
+    code: str | None = None,
+) -> bytes:
+    """The error JSON every rollflow listener answers (``rollflow.errors.error_body``), encoded."""
+    return msgspec.json.encode(_error_body(status, message, type=type_, param=param, code=code))
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, type_: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    type_: str | None = None,
+    code: str | None = None,
 ) -> web.Response:
     return web.Response(
-        status=status, body=error_body(status, message, param, type_), content_type="application/json"
+        status=status, body=error_body(status, message, param, type_, code), content_type="application/json"
     )
 
 
 class ApiError(Exception):
     """A request the server refuses; the handler's middleware turns it into the error JSON with ``status``
-    (and ``type_``, else the status's vLLM type)."""
+    (and ``type_`` and ``code``, else the status's)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type_
+        self.code = code
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, self.param, self.type, self.code)
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, self.param, self.type)
+        return error_response(self.status, self.message, self.param, self.type, self.code)
 
 
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param, code=code)
+
+
+def context_length_exceeded(max_model_len: int, prompt_len: int, param: str) -> ApiError:
+    """vLLM's 400 for a prompt that leaves no room for output, with ``code`` ``context_length_exceeded``."""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+        f"{prompt_len} tokens, which leaves no room for output. Please reduce the length of the prompt.",
+        param,
+        code=CONTEXT_LENGTH_EXCEEDED,
+    )
 
 
 def engine_dead(error: BaseException) -> ApiError:
@@ -80,16 +96,15 @@ def engine_dead(error: BaseException) -> ApiError:
         503,
         f"the engine is dead: {error}; restart this server (its requests fail until then)",
         type_=ENGINE_DEAD_TYPE,
+        code=ENGINE_DEAD,
     )
 
 
-def engine_error(error: BaseException) -> ApiError:
-    """An ``EngineError`` of one request: 400 when the request (or what the weights made of it) cannot be
-    served; 500 for ``EngineGenerateError``, a failure inside the engine (a bug), which still fails only that
-    request."""
-    if isinstance(error, EngineGenerateError):
-        return ApiError(500, str(error))
-    return bad_request(str(error))
+def engine_error(error: InferenceError) -> ApiError:
+    """An ``EngineError`` of one request, answered with its own status and ``code`` (400 when the request, or
+    what the weights made of it, cannot be served, ``context_length_exceeded`` among them; 500 for
+    ``EngineGenerateError``, a failure inside the engine, which still fails only that request)."""
+    return ApiError(error.http_status, str(error), error.param, code=error.code)
 
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ import anyio
 import msgspec
 from aiohttp import web
 
-from rollflow.errors import EngineDeadError, EngineError
+from rollflow.errors import CONTEXT_LENGTH_EXCEEDED, EngineDeadError, EngineError
 from rollflow.inference.engine.server_protocol import (
     ChatBody,
     CompletionBody,
@@ -32,6 +32,7 @@ from rollflow.inference.engine.server_protocol import (
     GenerateBody,
     TokenizeBody,
     bad_request,
+    context_length_exceeded,
     decode_body,
     engine_dead,
     engine_error,
@@ -117,12 +118,7 @@ class DataPlane:
             raise bad_request(f"{param} is empty; pass at least one token id", param)
         max_model_len = self.engine.max_model_len
         if prompt and len(token_ids) >= max_model_len:  # before scanning them: a length is free
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                f"{len(token_ids)} tokens, which leaves no room for output. Please reduce the length of the "
-                "prompt.",
-                param,
-            )
+            raise context_length_exceeded(max_model_len, len(token_ids), param)
         vocab = self.engine.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             bad = next(t for t in token_ids if not 0 <= t < vocab)
@@ -134,11 +130,7 @@ class DataPlane:
         if not 1 <= spec.n <= MAX_N:
             raise bad_request(f"{p}n must be between 1 and {MAX_N}, got {spec.n}", "n")
         if prompt_len >= max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
-                f"{prompt_len} tokens, which leaves no room for output. Please reduce the length of the prompt.",
-                "prompt",
-            )
+            raise context_length_exceeded(max_model_len, prompt_len, "prompt")
         max_tokens = spec.max_tokens
         if max_tokens is None:
             max_tokens = max_model_len - prompt_len
@@ -225,7 +217,11 @@ class DataPlane:
         """400 for text whose character count alone proves it cannot fit ``max_model_len`` tokens."""
         limit = self.server.max_prompt_chars
         if chars > limit:
-            raise bad_request(prompt_too_long_message(chars, limit, self.engine.max_model_len), param)
+            raise bad_request(
+                prompt_too_long_message(chars, limit, self.engine.max_model_len),
+                param,
+                code=CONTEXT_LENGTH_EXCEEDED,
+            )
 
     async def _encode(self, texts: list[str], add_special_tokens: bool, param: str) -> list[list[int]]:
         """Token ids of each text, after the character check; off the event loop when they are long."""

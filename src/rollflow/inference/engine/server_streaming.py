@@ -33,7 +33,6 @@ from rollflow.inference.engine.server_protocol import (
     bad_request,
     engine_dead,
     engine_error,
-    error_body,
 )
 from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.inference.streaming import SSE_DONE, IncrementalDecoder, TextDeltas, sse_event
@@ -162,9 +161,7 @@ async def stream_response(
             await response.write(b"".join(closing()))
         except ApiError as error:  # the stream had started: say so in the stream
             log.warning("stream ended by an error", status=error.status, error=error.message)
-            await response.write(
-                b"data: " + error_body(error.status, error.message, error.param, error.type) + b"\n\n"
-            )
+            await response.write(b"data: " + error.body() + b"\n\n")
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
