@@ -21,6 +21,10 @@ the model ran for it, per MoE layer: its prompt tokens, then each sampled token 
 sampled token is never fed back, so an output holds ``prompt_len + len(token_ids) - 1`` rows. A cached prefix
 keeps its tokens' routes with its keys and values, so a prefix hit returns the same routes as a full prefill.
 
+Sleep (colocation, vLLM's levels): ``sleep(1)`` frees the KV cache and the prefix cache and keeps the weights
+(on an accelerator, in CPU memory); ``sleep(2)`` frees the weights too. Nothing is admitted until ``wake_up``
+restored both (weights first, so a weight load can fill them while the KV cache still sleeps).
+
 Failures: invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop, using
 the sampler's bounds (``rollflow.messages.sampling_error``). Inside the loop a failure fails only what it belongs
 to: a request whose logits are not finite fails with ``EngineError``; a batched forward or sampling call that
