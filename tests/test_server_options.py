@@ -144,6 +144,12 @@ def test_server_env_by_engine_and_device():
         {"CUDA_VISIBLE_DEVICES": "1"},
     ]
     assert server_env(torch_auto, devices=[]) == []
+    # auto asked for whatever the machine has: fewer GPUs than servers are shared, not an error...
+    assert server_env(torch_auto, devices=["3"]) == [{"CUDA_VISIBLE_DEVICES": "3"}] * 2
+    # ...while an explicit cuda device wants one GPU per server.
+    torch_cuda = load_config(overrides=[*HTTP, "inference.device='cuda'"])
+    with pytest.raises(ConfigError, match="needs 2 GPUs, but this machine has 1"):
+        server_env(torch_cuda, devices=["3"])
     torch_cpu = load_config(overrides=[*HTTP, "inference.device='cpu'"])
     assert server_env(torch_cpu, devices=["0", "1"]) == []
 

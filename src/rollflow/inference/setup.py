@@ -85,10 +85,12 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
 def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict[str, str]]:
     """Each managed server's own variables: its GPUs (``rollflow.inference.gpus``) when the servers run on
     GPUs (vLLM, or the torch engine with ``inference.device`` ``cuda``, or ``auto`` on a machine with GPUs);
-    none on CPUs. ``devices`` overrides the CUDA devices this process sees (tests).
+    none on CPUs. The torch engine on ``auto`` with fewer GPUs than servers shares them round-robin (with a
+    warning) rather than failing: ``auto`` asked for whatever the machine has. ``devices`` overrides the CUDA
+    devices this process sees (tests).
 
     Raises:
-        ConfigError: fewer GPUs than ``num_servers × tensor_parallel_size``.
+        ConfigError: fewer GPUs than ``num_servers × tensor_parallel_size`` (vLLM, or ``device = "cuda"``).
     """
     from rollflow.inference.gpus import server_gpu_env, visible_cuda_devices
 
@@ -98,6 +100,14 @@ def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict
     devices = visible_cuda_devices() if devices is None else devices
     if not devices and not (inference.engine == "torch" and inference.device == "cuda"):
         return []  # no GPU here: nothing to assign (a vLLM or CUDA server then fails with its own error)
+    if inference.engine == "torch" and inference.device == "auto" and len(devices) < inference.num_servers:
+        log.warning(
+            "fewer GPUs than servers: the servers share them (set inference.device = 'cuda' to make this an "
+            "error, or lower inference.num_servers)",
+            num_servers=inference.num_servers,
+            gpus=len(devices),
+        )
+        return [{"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} for i in range(inference.num_servers)]
     return server_gpu_env(inference.num_servers, inference.tensor_parallel_size, devices)
 
 
