@@ -72,11 +72,19 @@ def run(schedule: str, steps: int, level: int | None, directory: Path) -> dict:
 
 async def recorded_sequence(schedule: str, level: int, directory: Path) -> dict:
     """Two colocated steps in process; the control calls server 0 recorded, in order."""
+    import logging
+
     import aiohttp
+    import structlog
 
     from rollflow.config import load_config
     from rollflow.orchestrator import Orchestrator
 
+    # The run's log goes to stderr (warnings only): stdout holds the JSON lines.
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
     config = load_config(
         [QUICKSTART],
         [
