@@ -262,3 +262,42 @@ async def test_colocated_run_sleeps_and_wakes_around_every_step(tmp_path, mode, 
         if mode == "sync":
             generated = [cycle[0]["tokens_generated"] for cycle in cycles]
             assert all(later > earlier for earlier, later in itertools.pairwise(generated))
+
+
+async def test_a_failed_step_leaves_the_servers_awake_for_the_next_run(tmp_path, monkeypatch):
+    """A training step that raises while the servers sleep: they are woken (weights pushed back at the
+    current version, level 2) before the error propagates, and the next ``run`` trains on."""
+    config = load_config(
+        [QUICKSTART],
+        [
+            f"output_dir='{tmp_path}'",
+            "inference.mode='http'",
+            "inference.num_servers=1",
+            "inference.colocate=true",
+            "inference.sleep_level=2",
+            "orchestrator.steps=3",
+            "checkpoint.every=0",
+        ],
+    )
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=1)
+        train = orchestrator._pack_and_train
+
+        def failing(*args):
+            raise RuntimeError("the step failed")
+
+        monkeypatch.setattr(orchestrator, "_pack_and_train", failing)
+        with pytest.raises(RuntimeError, match="the step failed"):
+            await orchestrator.run(steps=1)
+        (url,) = orchestrator.client.server_urls
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/is_sleeping") as response:
+            assert await response.json() == {"is_sleeping": False}
+        monkeypatch.setattr(orchestrator, "_pack_and_train", train)
+        metrics = await orchestrator.run()
+        (entries,) = await control_logs([url])
+    assert [m["step"] for m in metrics] == [2, 3]
+    cycles = step_cycles(entries)
+    assert len(cycles) == 4  # step 1, the failed step (woken with version 1 pushed again), steps 2 and 3
+    check_cycle(cycles[1], level=2, version=1)
+    for cycle, version in zip(cycles[2:], (2, 3), strict=True):
+        check_cycle(cycle, level=2, version=version)
