@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "venv"
@@ -42,13 +43,23 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), env=env)
 
 
-@nox.session
+@nox.session(venv_params=["--system-site-packages"])
 def gpu_tests(session: nox.Session) -> None:
-    """Tests marked gpu. On a machine without a CUDA GPU this says so and skips instead of passing."""
+    """Tests marked gpu, on the machine's own CUDA build of torch (the venv sees the system site packages, so
+    pip keeps a torch that satisfies rollflow's requirement instead of fetching another). vLLM is installed
+    only where it fits next to that torch (a constraint pins it); where it does not, the vLLM tests skip and
+    say why. On a machine without a CUDA GPU this says so and skips instead of passing."""
     session.install("-e", ".[dev]")
     has_gpu = session.run(
         "python", "-c", "import torch; print(int(torch.cuda.is_available()))", silent=True
     ).strip()
     if has_gpu != "1":
         session.skip("no CUDA GPU on this machine: the gpu-marked tests were NOT run")
-    session.run("pytest", "-m", "gpu", *session.posargs)
+    torch_version = session.run("python", "-c", "import torch; print(torch.__version__)", silent=True).strip()
+    constraint = Path(session.create_tmp()) / "keep-torch.txt"
+    constraint.write_text(f"torch=={torch_version}\n")
+    try:
+        session.install("-c", str(constraint), "-e", ".[vllm]")
+    except CommandFailed:
+        session.log(f"vLLM cannot be installed next to torch {torch_version}: the vLLM tests will skip")
+    session.run("pytest", "-m", "gpu", *session.posargs, env={"HF_HUB_OFFLINE": "1"})

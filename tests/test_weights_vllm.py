@@ -238,14 +238,14 @@ def test_create_receiver_reads_vllm_ipc_init_info_as_ipc() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install 'rollflow[vllm]'"
-)
 async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     """``vllm serve`` (model: $ROLLFLOW_VLLM_TEST_MODEL, else the tiny model) takes two pushes from the vLLM
     sender; greedy generation with the unchanged weights pushed back is unchanged, and the version is set."""
+    from .vllm_support import require_vllm
+
+    require_vllm()
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.server_group import ServerGroup
     from rollflow.messages import GenerateRequest, SamplingParams

@@ -112,7 +112,30 @@ class InferenceConfig(Section):
     num_servers: Positive = 2
     """Inference servers rollflow starts in ``http`` mode (unless ``external_server_urls`` are given)."""
     colocate: bool = False
-    """Servers share the trainer's GPUs (sleep mode, CUDA IPC weight transfer); only with servers rollflow starts."""
+    """Servers share the trainer's device(s) and take turns with it: around each training step they sleep
+    (``POST /sleep?level=sleep_level``), then wake in two stages (``/wake_up?tags=weights``, the weight push,
+    ``/wake_up?tags=kv_cache``). On GPUs the push is CUDA IPC (``weight_sync.strategy = "auto"``) and vLLM
+    servers get ``--enable-sleep-mode``; on CPUs the configured strategy. Only with servers rollflow starts
+    (``http`` mode), and only in the ``sync`` and ``one_step`` orchestrator modes."""
+    sleep_level: Annotated[int, msgspec.Meta(ge=1, le=2)] = 1
+    """``colocate``: how deeply the servers sleep during a training step. ``1``: the KV cache (and prefix
+    cache) is freed and the weights kept (on a GPU, offloaded to CPU memory). ``2``: the weights are freed
+    too, and the push after the step reloads them all (cheaper when every step pushes anyway)."""
+    tensor_parallel_size: Positive = 1
+    """GPUs per server (vLLM ``--tensor-parallel-size``). Managed servers each get their own GPUs through
+    ``CUDA_VISIBLE_DEVICES``: server i gets devices ``[i * tp, (i + 1) * tp)`` of those this process sees.
+    rollflow's torch engine runs on one device: 1 only."""
+    gpu_memory_utilization: Probability | None = None
+    """vLLM servers: the fraction of each GPU's memory the server may use (``--gpu-memory-utilization``;
+    unset: vLLM's default, 0.9). Lower it when colocated, so the trainer's memory fits next to it. Not for
+    the torch engine, which sizes its KV cache from ``max_batch_size`` and ``max_model_len``."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights and activations dtype of the servers (vLLM ``--dtype``; ``auto``: the checkpoint's). The torch
+    engine computes in float32: ``auto`` or ``float32`` only."""
+    server_args: list[str] = []
+    """Extra arguments appended to each managed server's command line (``vllm serve …``, or ``rollflow serve``
+    for the torch engine), e.g. ``["--enable-prefix-caching", "--seed", "1"]``. Flags rollflow sets itself
+    (host, port, model, the keys above) are refused: set their keys instead."""
     external_proxy_url: str | None = None
     """Data-plane URL of a router/proxy rollflow does not manage. Alone, it is also the control plane."""
     external_server_urls: list[str] = []
@@ -574,6 +597,8 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
     errors += _off_policy_errors(config)
     errors += _trainer_errors(config)
     errors += _inference_errors(config.inference)
+    errors += _server_option_errors(config.inference)
+    errors += _colocation_errors(config)
     errors += _agent_errors(config)
     strategy = config.weight_sync.resolved_strategy(config.inference.mode)
     if (strategy == "local") != (config.inference.mode == "local"):
@@ -835,6 +860,93 @@ def _inference_errors(inference: InferenceConfig) -> list[str]:
         )
     if len(set(inference.external_server_urls)) != len(inference.external_server_urls):
         errors.append("inference.external_server_urls lists a server more than once")
+    return errors
+
+
+# Server flags rollflow sets itself, and the key that sets each ("": none, rollflow picks it); not allowed in
+# ``inference.server_args``.
+MANAGED_SERVER_FLAGS = {
+    "--host": "",
+    "--port": "",
+    "--model": "model.path",
+    "--served-model-name": "model.path",
+    "--tensor-parallel-size": "inference.tensor_parallel_size",
+    "-tp": "inference.tensor_parallel_size",
+    "--data-parallel-size": "inference.num_servers",
+    "--gpu-memory-utilization": "inference.gpu_memory_utilization",
+    "--dtype": "inference.dtype",
+    "--max-model-len": "inference.max_model_len",
+    "--max-num-seqs": "inference.max_batch_size",
+    "--max-batch-size": "inference.max_batch_size",
+    "--api-key": "inference.api_key",
+    "--enable-sleep-mode": "inference.colocate",
+    "--weight-transfer-config": "weight_sync.strategy",
+    "--device": "inference.device",
+    "--enable-return-routed-experts": "inference.return_routed_experts",
+}
+
+
+def _server_option_errors(inference: InferenceConfig) -> list[str]:
+    """The options of the servers rollflow starts: what the chosen engine can take, and only for servers it
+    starts."""
+    errors = []
+    external = inference.external_proxy_url is not None or bool(inference.external_server_urls)
+    if external and inference.mode == "http":
+        for key, is_set in (
+            ("inference.tensor_parallel_size", inference.tensor_parallel_size != 1),
+            ("inference.gpu_memory_utilization", inference.gpu_memory_utilization is not None),
+            ("inference.server_args", bool(inference.server_args)),
+        ):
+            if is_set:
+                errors.append(
+                    f"{key} applies to the servers rollflow starts, not to external ones "
+                    "(inference.external_proxy_url, inference.external_server_urls); remove it"
+                )
+    if inference.engine == "torch":
+        if inference.tensor_parallel_size != 1:
+            errors.append(
+                f"inference.tensor_parallel_size = {inference.tensor_parallel_size} needs vLLM servers "
+                "(inference.engine = 'vllm'): rollflow's torch engine runs each server on one device; set it to "
+                "1, or use more servers (inference.num_servers)"
+            )
+        if inference.gpu_memory_utilization is not None:
+            errors.append(
+                "inference.gpu_memory_utilization applies to vLLM servers (inference.engine = 'vllm'); the torch "
+                "engine sizes its KV cache from inference.max_batch_size and inference.max_model_len: remove it"
+            )
+        if inference.dtype not in ("auto", "float32"):
+            errors.append(
+                f"inference.dtype = {inference.dtype!r} needs vLLM servers (inference.engine = 'vllm'): rollflow's "
+                "torch engine computes in float32; set inference.dtype = 'auto' or 'float32'"
+            )
+    for index, arg in enumerate(inference.server_args):
+        flag = arg.split("=", 1)[0]
+        if flag in MANAGED_SERVER_FLAGS:
+            key = MANAGED_SERVER_FLAGS[flag]
+            fix = f"set {key} instead" if key else "rollflow picks each server's address and port; remove it"
+            errors.append(f"inference.server_args[{index}] = {arg!r} sets a flag rollflow sets itself: {fix}")
+        elif not arg:
+            errors.append(f"inference.server_args[{index}] is empty; remove it")
+    return errors
+
+
+def _colocation_errors(config: RunConfig) -> list[str]:
+    inference = config.inference
+    if not inference.colocate:
+        return []
+    errors = []
+    if inference.mode == "local":
+        errors.append(
+            "inference.colocate = true needs inference.mode = 'http' (servers that sleep while the trainer "
+            "steps); in-process engines (mode 'local') already share the trainer's device: remove "
+            "inference.colocate or set inference.mode = 'http'"
+        )
+    if config.orchestrator.mode == "fully_async":
+        errors.append(
+            "inference.colocate = true cannot run with orchestrator.mode = 'fully_async': colocated servers "
+            "sleep while the trainer steps, so generation cannot go on during training; use "
+            "orchestrator.mode = 'sync' or 'one_step', or set inference.colocate = false"
+        )
     return errors
 
 

@@ -722,14 +722,22 @@ class RemoteInferenceClient:
         answers = await self._control("is_paused", "GET", "/is_paused")
         return all(bool(body["is_paused"]) for body in answers.values())
 
-    async def sleep(self, level: int = 1, tags: Sequence[str] | None = None) -> None:
-        """Put every server to sleep (``POST /sleep?level=``): 0 pauses scheduling, 1 offloads weights and
-        drops the KV cache, 2 drops everything. ``tags`` are sent along; vLLM 0.33 ignores them.
+    async def sleep(
+        self, level: int = 1, tags: Sequence[str] | None = None, mode: PauseMode | None = None
+    ) -> None:
+        """Put every server to sleep (``POST /sleep?level=&mode=``): 0 pauses scheduling, 1 offloads weights
+        and drops the KV cache, 2 drops everything. ``mode`` treats running requests as ``pause`` does (the
+        server's default, ``abort``, when None). ``tags`` are sent along; vLLM 0.33 ignores them.
 
         Raises:
+            ValueError: ``mode`` is not abort, wait or keep.
             ControlPlaneError: naming each server that failed.
         """
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
         params: list[tuple[str, str]] = [("level", str(level))]
+        if mode is not None:
+            params.append(("mode", mode))
         params += [("tags", tag) for tag in tags or ()]
         await self._control("sleep", "POST", "/sleep", params=params)
 

@@ -65,15 +65,30 @@ def build_torch_server_command(
     return_routed_experts: bool = False,
     http_limits: Any = None,
     device: str = "auto",
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """Command line of one rollflow torch engine server (``python -m rollflow serve``); ``http_limits``
-    (``HttpLimits``) become its ``--http-*`` flags.
+    (``HttpLimits``) become its ``--http-*`` flags, ``extra_args`` (``inference.server_args``) go last.
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment. The API key
         travels there (``ROLLFLOW_API_KEY``), not on the command line, where ``ps`` would show it.
+
+    Raises:
+        ValueError: options the torch engine cannot honour: ``tensor_parallel_size`` above 1 (it runs on one
+            device), a ``dtype`` other than auto or float32 (it computes in float32).
     """
+    if tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size = {tensor_parallel_size}: rollflow's torch engine runs each server on one "
+            "device; use vLLM (inference.engine = 'vllm') for tensor parallelism, or more servers"
+        )
+    if dtype not in ("auto", "float32"):
+        raise ValueError(
+            f"dtype = {dtype!r}: rollflow's torch engine computes in float32; use 'auto' or 'float32', or vLLM"
+        )
     command = [
         sys.executable,
         "-m",
@@ -115,12 +130,16 @@ def build_vllm_server_command(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     gpu_memory_utilization: float | None = None,
+    dtype: str = "auto",
     api_key: str | None = None,
     return_routed_experts: bool = False,
     device: str = "auto",
     extra_args: Sequence[str] = (),
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.
+
+    ``tensor_parallel_size``, ``gpu_memory_utilization`` and ``dtype`` (``auto``: vLLM's own choice, no flag)
+    become their flags; ``extra_args`` (``inference.server_args``) go last.
 
     - ``VLLM_SERVER_DEV_MODE=1`` registers the control plane (pause, sleep, weight transfer, world size).
     - ``--enable-scale-out`` registers ``/inference/v1/generate`` (off by default in 0.33).
@@ -162,6 +181,8 @@ def build_vllm_server_command(
         command += ["--max-num-seqs", str(max_num_seqs)]
     if gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if dtype != "auto":
+        command += ["--dtype", dtype]
     if return_routed_experts:
         command.append("--enable-return-routed-experts")
     env = {"VLLM_SERVER_DEV_MODE": "1"}
@@ -243,6 +264,10 @@ class ProcessGroup:
         None when the process prints its own ready line, else the port to poll ``/health`` on."""
         raise NotImplementedError
 
+    def _process_env(self, index: int) -> dict[str, str]:
+        """Variables of process ``index`` alone (e.g. its GPUs), over ``env``."""
+        return {}
+
     def _describe(self) -> str:
         return f"{self.count} {self.kind}(s)"
 
@@ -295,7 +320,7 @@ class ProcessGroup:
 
     async def _start_one(self, server: _Server) -> None:
         command, process_env, port = self._command()
-        env = {**os.environ, **self.env, **process_env}
+        env = {**os.environ, **self.env, **self._process_env(server.index), **process_env}
         server.log_file = open(server.log_path, "ab")  # noqa: SIM115 - closed in stop()
         server.log_file.write(f"$ {' '.join(command)}\n".encode())
         server.log_file.flush()
@@ -407,6 +432,8 @@ class ServerGroup(ProcessGroup):
         env: extra environment variables for every server.
         server_options: keyword arguments of ``build_torch_server_command`` or ``build_vllm_server_command``
             (e.g. ``max_model_len``, ``tensor_parallel_size``, ``colocate``), besides model, host and port.
+        server_env: per-server variables, one mapping per server (``rollflow.inference.gpus.server_gpu_env``:
+            each server's ``CUDA_VISIBLE_DEVICES``); empty: none.
 
     Use ``async with ServerGroup(...) as group:`` (``group.urls`` lists the servers), or ``start``/``stop``.
     """
@@ -425,10 +452,13 @@ class ServerGroup(ProcessGroup):
         stop_grace_s: float = 10.0,
         env: Mapping[str, str] | None = None,
         server_options: Mapping[str, Any] | None = None,
+        server_env: Sequence[Mapping[str, str]] = (),
         niceness: int = 0,
     ):
         if engine not in ("torch", "vllm"):
             raise ValueError(f"engine must be 'torch' or 'vllm', got {engine!r}")
+        if server_env and len(server_env) != num_servers:
+            raise ValueError(f"server_env has {len(server_env)} entries for {num_servers} servers")
         super().__init__(
             num_servers,
             log_dir,
@@ -442,6 +472,10 @@ class ServerGroup(ProcessGroup):
         self.num_servers = num_servers
         self.engine = engine
         self.server_options = dict(server_options or {})
+        self.server_env = [dict(env) for env in server_env]
+
+    def _process_env(self, index: int) -> dict[str, str]:
+        return self.server_env[index] if self.server_env else {}
 
     def _describe(self) -> str:
         return f"{self.num_servers} {self.engine} server(s)"

@@ -58,6 +58,59 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
     return LocalInferenceClient(engines)
 
 
+def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
+    """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
+    rollflow starts (``ServerGroup(server_options=…)``)."""
+    inference = config.inference
+    options: dict[str, object] = {
+        "max_model_len": inference.max_model_len,
+        "api_key": api_key,
+        "tensor_parallel_size": inference.tensor_parallel_size,
+        "dtype": inference.dtype,
+        "extra_args": list(inference.server_args),
+    }
+    if inference.engine == "torch":
+        options["max_batch_size"] = inference.max_batch_size
+        options["http_limits"] = inference.http_limits()
+        options["device"] = inference.device
+    else:
+        options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
+        if inference.gpu_memory_utilization is not None:
+            options["gpu_memory_utilization"] = inference.gpu_memory_utilization
+    if inference.return_routed_experts:
+        options["return_routed_experts"] = True
+    return options
+
+
+def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict[str, str]]:
+    """Each managed server's own variables: its GPUs (``rollflow.inference.gpus``) when the servers run on
+    GPUs (vLLM, or the torch engine with ``inference.device`` ``cuda``, or ``auto`` on a machine with GPUs);
+    none on CPUs. The torch engine on ``auto`` with fewer GPUs than servers shares them round-robin (with a
+    warning) rather than failing: ``auto`` asked for whatever the machine has. ``devices`` overrides the CUDA
+    devices this process sees (tests).
+
+    Raises:
+        ConfigError: fewer GPUs than ``num_servers × tensor_parallel_size`` (vLLM, or ``device = "cuda"``).
+    """
+    from rollflow.inference.gpus import server_gpu_env, visible_cuda_devices
+
+    inference = config.inference
+    if inference.engine == "torch" and inference.device == "cpu":
+        return []
+    devices = visible_cuda_devices() if devices is None else devices
+    if not devices and not (inference.engine == "torch" and inference.device == "cuda"):
+        return []  # no GPU here: nothing to assign (a vLLM or CUDA server then fails with its own error)
+    if inference.engine == "torch" and inference.device == "auto" and len(devices) < inference.num_servers:
+        log.warning(
+            "fewer GPUs than servers: the servers share them (set inference.device = 'cuda' to make this an "
+            "error, or lower inference.num_servers)",
+            num_servers=inference.num_servers,
+            gpus=len(devices),
+        )
+        return [{"CUDA_VISIBLE_DEVICES": devices[i % len(devices)]} for i in range(inference.num_servers)]
+    return server_gpu_env(inference.num_servers, inference.tensor_parallel_size, devices)
+
+
 @contextlib.asynccontextmanager
 async def get_inference_client(
     config: RunConfig, run_dir: str | Path | None = None
@@ -99,22 +152,14 @@ async def get_inference_client(
         proxy_url = inference.external_proxy_url
         server_urls = list(inference.external_server_urls)
         if proxy_url is None and not server_urls:
-            options: dict[str, object] = {"max_model_len": inference.max_model_len, "api_key": api_key}
-            if inference.engine == "torch":
-                options["max_batch_size"] = inference.max_batch_size
-                options["http_limits"] = inference.http_limits()
-                options["device"] = inference.device
-            else:
-                options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
-            if inference.return_routed_experts:
-                options["return_routed_experts"] = True
             group = ServerGroup(
                 config.model.path,
                 inference.num_servers,
                 run_dir / "logs" / "inference",
                 engine=inference.engine,
                 startup_timeout_s=inference.startup_timeout_s,
-                server_options=options,
+                server_options=server_options(config, api_key),
+                server_env=server_env(config),
                 niceness=inference.niceness,
             )
             await stack.enter_async_context(group)

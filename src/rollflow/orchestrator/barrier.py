@@ -43,6 +43,8 @@ class WeightBarrier:
 
         sync = config.weight_sync
         strategy = sync.resolved_strategy(config.inference.mode)
+        if config.inference.colocate and sync.strategy == "auto" and _colocated_on_cuda(config):
+            strategy = "cuda_ipc"  # trainer and servers share the GPU: hand the buffers over, no copy
         options = sync.strategy_options(strategy, config.inference.engine)
         return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
 
@@ -129,3 +131,14 @@ class WeightBarrier:
 
     def close(self) -> None:
         self.transfer.close()
+
+
+def _colocated_on_cuda(config: RunConfig) -> bool:
+    """Whether the trainer and the servers rollflow starts both run on CUDA (then colocated weights go by IPC)."""
+    from rollflow.models.loading import resolve_device
+
+    if resolve_device(config.trainer.device, "trainer.device").type != "cuda":
+        return False
+    if config.inference.engine == "vllm":
+        return True
+    return resolve_device(config.inference.device, "inference.device").type == "cuda"

@@ -11,6 +11,8 @@ Each component has one job and never references the orchestrator:
 - ``WeightBarrier``: pause engines ▸ the trainer pushes its weights ▸ policy version += 1 ▸ resume.
 - ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
   pauses.
+- ``Colocation`` (``inference.colocate``): the servers sleep during each training step and wake in two stages
+  around the weight push (``colocation.py``).
 
 The orchestrator builds them in ``setup()``, where it also starts the engines on the trainer's weights as
 policy version 0. ``run()`` drives them: a data-source task and generation workers in one anyio task group
@@ -50,6 +52,7 @@ from rollflow.orchestrator.checkpoint import (
     load_state,
     save_checkpoint,
 )
+from rollflow.orchestrator.colocation import Colocation
 from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.orchestrator.run_dir import (
     CONFIG_FILE,
@@ -137,6 +140,7 @@ class Orchestrator:
         # Held-out evaluation ([eval]): built in setup; its results, also written to the metric sinks.
         self.evaluator: Any = None
         self.eval_history: list[dict[str, Any]] = []
+        self.colocation: Colocation | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -208,6 +212,7 @@ class Orchestrator:
 
                 self.evaluator = await anyio.to_thread.run_sync(Evaluator, config, self.client, renderer)
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
+            self.colocation = Colocation.from_config(config, self.client, self.schedule.pause_mode)
             if checkpoint is not None:
                 await self._restore(checkpoint)
             else:
@@ -531,15 +536,28 @@ class Orchestrator:
 
         batch = TrainBatch(step=step, groups=groups)
         staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples if not s.masked]
-        result: StepResult = await anyio.to_thread.run_sync(
-            self._pack_and_train, batch, self.state.policy_version
-        )
+        colocation = self.colocation
+        sleep_time = await colocation.sleep() if colocation is not None else 0.0
+        try:
+            result: StepResult = await anyio.to_thread.run_sync(
+                self._pack_and_train, batch, self.state.policy_version
+            )
+        except BaseException:
+            if colocation is not None:
+                await colocation.recover(lambda: self._push(self.state.policy_version))
+            raise
 
         barrier: dict[str, float] = {}
-        if result.updated:
-            barrier = await self.barrier.update(
-                self.trainer, self.state.policy_version + 1, self.schedule.pause_mode
-            )
+        if colocation is not None:
+            # Woken in two stages around the push; at sleep level 2 the weights are pushed even when the step
+            # made no update (the servers discarded theirs).
+            version = self.state.policy_version + int(result.updated)
+            push = (lambda: self._push(version)) if result.updated or colocation.level == 2 else None
+            barrier = {**await colocation.wake(push), "sleep_time_s": sleep_time}
+            if result.updated:
+                self.state.policy_version += 1
+        elif result.updated:
+            barrier = await self._push(self.state.policy_version + 1)
             self.state.policy_version += 1
         self.state.step = step
         self.state.mark_trained(group.prompt_index for group in groups)
@@ -559,6 +577,10 @@ class Orchestrator:
         if self._checkpoint_due():
             await self._save_checkpoint()
         return metrics
+
+    async def _push(self, policy_version: int) -> dict[str, float]:
+        """The weight-update barrier: the trainer's weights reach the engines as ``policy_version``."""
+        return await self.barrier.update(self.trainer, policy_version, self.schedule.pause_mode)
 
     def _pack_and_train(self, batch: TrainBatch, policy_version: int) -> StepResult:
         """Blocking: advantages per group and the split across the trainer's ranks, then the step."""
@@ -591,6 +613,14 @@ class Orchestrator:
             "generation_time_s": generation_time,
             "barrier_time_s": barrier.get("barrier_time_s", 0.0),
             "weight_transfer_time_s": barrier.get("transfer_time_s", 0.0),
+            **(
+                {
+                    "sleep_time_s": barrier.get("sleep_time_s", 0.0),
+                    "wake_time_s": barrier.get("wake_time_s", 0.0),
+                }
+                if self.colocation is not None
+                else {}
+            ),
             "step_time_s": step_time,
             "elapsed_s": time.perf_counter() - self._started_at,
         }

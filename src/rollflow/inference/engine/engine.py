@@ -21,6 +21,10 @@ the model ran for it, per MoE layer: its prompt tokens, then each sampled token 
 sampled token is never fed back, so an output holds ``prompt_len + len(token_ids) - 1`` rows. A cached prefix
 keeps its tokens' routes with its keys and values, so a prefix hit returns the same routes as a full prefill.
 
+Sleep (colocation, vLLM's levels): ``sleep(1)`` frees the KV cache and the prefix cache and keeps the weights
+(on an accelerator, in CPU memory); ``sleep(2)`` frees the weights too. Nothing is admitted until ``wake_up``
+restored both (weights first, so a weight load can fill them while the KV cache still sleeps).
+
 Failures: invalid requests are rejected in ``generate`` with ``EngineError`` before they reach the loop, using
 the sampler's bounds (``rollflow.messages.sampling_error``). Inside the loop a failure fails only what it belongs
 to: a request whose logits are not finite fails with ``EngineError``; a batched forward or sampling call that
@@ -61,6 +65,9 @@ from rollflow.messages import (
 )
 
 log = structlog.get_logger(__name__)
+
+# What sleep releases, in vLLM's wake_up tags.
+SLEEP_MEMORY_TAGS = ("weights", "kv_cache")
 
 
 def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
@@ -308,6 +315,8 @@ class TorchEngine:
         self._num_running = 0
         self._paused = False
         self._frozen = False
+        # Memory released by sleep (tags "weights", "kv_cache"): nothing is admitted until both are back.
+        self._asleep: set[str] = set()
         self._drain_waiters: list[_Reply] = []
         self._unsent_streams: set[_StreamReply] = set()  # streams with tokens not sent yet
         self._stopping = False  # set by the worker when it handles "shutdown"
@@ -494,6 +503,41 @@ class TorchEngine:
         tensors = [(name, torch.as_tensor(value)) for name, value in named_tensors]
         await self._call("load", (tensors, policy_version))
 
+    @property
+    def sleeping_tags(self) -> frozenset[str]:
+        """The memory ``sleep`` released and ``wake_up`` has not restored yet (``weights``, ``kv_cache``)."""
+        return frozenset(self._asleep)
+
+    async def sleep(self, level: int) -> None:
+        """Release memory for another process sharing the device (a colocated trainer), as vLLM's sleep.
+
+        Level 1 frees the KV cache and the prefix cache and keeps the weights (on an accelerator they move to
+        CPU memory); level 2 frees the weights too (``wake_up`` brings them back zeroed: load weights before
+        generating). Nothing is admitted until ``wake_up`` restored both; queued requests wait. No request may
+        be running: pause first (``abort`` or ``wait``). On CUDA the freed memory goes back to the driver.
+
+        Raises:
+            ValueError: ``level`` is not 1 or 2.
+            EngineError: requests are running (or frozen by a ``keep`` pause) and hold KV-cache slots.
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        await self._call("sleep", level)
+
+    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``weights``, ``kv_cache``, or both (None). Generation resumes once
+        both are back (and the engine is not paused).
+
+        Raises:
+            ValueError: a tag other than ``weights`` and ``kv_cache``.
+            EngineDeadError: the engine was shut down or its loop died.
+        """
+        wanted = frozenset(SLEEP_MEMORY_TAGS if tags is None else tags)
+        if wanted - set(SLEEP_MEMORY_TAGS):
+            raise ValueError(f"wake_up tags must be among {SLEEP_MEMORY_TAGS}, got {sorted(wanted)}")
+        await self._call("wake_up", wanted)
+
     async def abort(self, request_ids: Iterable[str] | None = None) -> int:
         """End running and waiting requests whose ``request_id`` is in ``request_ids`` (all when None) now, with
         finish reason ``abort`` and their partial tokens; returns how many were aborted.
@@ -613,7 +657,7 @@ class TorchEngine:
             helper.join()
 
     def _has_work(self) -> bool:
-        can_admit = not self._paused and self._waiting and self._free_slots
+        can_admit = not self._paused and not self._asleep and self._waiting and self._free_slots
         return bool(self._inbox or can_admit or (self._num_running and not self._frozen))
 
     def _take_inbox(self) -> list[_Message] | None:
@@ -654,8 +698,25 @@ class TorchEngine:
         elif kind == "resume":
             self._paused = self._frozen = False
             reply.send()
+        elif kind == "sleep":
+            self._sleep(payload, reply)
+        elif kind == "wake_up":
+            if "weights" in payload and "weights" in self._asleep:
+                self.runner.restore_weights()
+            if "kv_cache" in payload and "kv_cache" in self._asleep:
+                self.runner.allocate_kv_cache()
+            self._asleep -= payload
+            reply.send()
         elif kind == "load":
             named_tensors, policy_version = payload
+            if named_tensors and "weights" in self._asleep:
+                reply.send(
+                    error=EngineError(
+                        "load_weights while the weights are asleep: wake_up(['weights']) first (after a level 2 "
+                        "sleep they come back zeroed, and the load fills them)"
+                    )
+                )
+                return
             try:
                 self._load(named_tensors)
             except EngineError as exc:
@@ -688,6 +749,24 @@ class TorchEngine:
             self._frozen = False
             self._drain_waiters.append(reply)
             self._reply_drained()
+
+    def _sleep(self, level: int, reply: _Reply) -> None:
+        if self._num_running:
+            reply.send(
+                error=EngineError(
+                    f"cannot sleep with {self._num_running} request(s) running: their keys and values live in the "
+                    "KV cache that sleep frees; pause with mode 'abort' or 'wait' first"
+                )
+            )
+            return
+        self._cached_prefixes.clear()
+        self._cached_routes.clear()
+        self.runner.release_kv_cache()
+        self.runner.release_weights(keep=level == 1)
+        self._asleep = set(SLEEP_MEMORY_TAGS)
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, where the trainer's process can take it
+        reply.send()
 
     def _reply_drained(self) -> None:
         if self._drain_waiters and not self._num_running:
@@ -773,7 +852,7 @@ class TorchEngine:
     def _step(self) -> None:
         fresh: list[_Sequence] = []
         resumed: list[_Sequence] = []
-        if not self._paused:
+        if not self._paused and not self._asleep:
             while self._waiting and self._free_slots:
                 sequence = self._waiting[0]  # popped once it holds its slot: a failure here still reaches it
                 sequence.slot, cached_len, cached_routes = self._take_slot(sequence.request.prompt_token_ids)

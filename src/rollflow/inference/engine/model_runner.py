@@ -179,27 +179,89 @@ class ModelRunner:
             sign[:half] = -1
             self._cos = cos[0]  # [max_model_len, head_dim]
             self._sin_signed = sin[0] * sign
-            self._kv_cache = torch.zeros(
-                self.num_layers,
-                max_batch_size,
-                2 * self.num_kv_heads,
-                max_model_len,
-                self.head_dim,
-                device=self.device,
-                dtype=self.dtype,
-            )
-            self._kv_flat = self._kv_cache.view(self.num_layers, -1, self.head_dim)
+            self._kv_cache: torch.Tensor | None = None
+            self._kv_flat: torch.Tensor | None = None
+            self.allocate_kv_cache()
             # Flat-row offsets of (slot, k/v head) at position 0, for the decode write.
             slots = torch.arange(max_batch_size, device=self.device)[:, None]
             heads = torch.arange(2 * self.num_kv_heads, device=self.device)[None]
             self._row_offsets = (slots * 2 * self.num_kv_heads + heads) * max_model_len
             self._key_index = torch.arange(max_model_len, device=self.device)
         self._layers: list[_LayerWeights] = []
+        # Set while the weights are released (sleep): name -> (CPU copy or None when discarded, shape).
+        self._released_weights: dict[str, tuple[torch.Tensor | None, torch.Size]] | None = None
         self.refresh_weights()
 
     @property
     def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache holds (0 while released)."""
+        if self._kv_cache is None:
+            return 0
         return self._kv_cache.numel() * self._kv_cache.element_size()
+
+    def allocate_kv_cache(self) -> None:
+        """(Re)allocate the KV cache, zeroed, if it was released."""
+        if self._kv_cache is not None:
+            return
+        self._kv_cache = torch.zeros(
+            self.num_layers,
+            self.max_batch_size,
+            2 * self.num_kv_heads,
+            self.max_model_len,
+            self.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )
+        self._kv_flat = self._kv_cache.view(self.num_layers, -1, self.head_dim)
+
+    def release_kv_cache(self) -> None:
+        """Free the KV cache (sleep); no forward may run until ``allocate_kv_cache``."""
+        self._kv_cache = self._kv_flat = None
+
+    @property
+    def weights_released(self) -> bool:
+        return self._released_weights is not None
+
+    @torch.no_grad()
+    def release_weights(self, *, keep: bool) -> None:
+        """Free the weights' memory (sleep): the fused copies, and every parameter's device storage.
+
+        ``keep``: parameters on an accelerator are copied to CPU memory first and come back as they were
+        (vLLM's sleep level 1); parameters already in CPU memory stay where they are. Otherwise they are
+        discarded (level 2) and come back zeroed: a weight load must overwrite them before the next forward.
+        Buffers (rotary tables) stay.
+        """
+        if self._released_weights is not None:
+            return
+        released: dict[str, tuple[torch.Tensor | None, torch.Size]] = {}
+        with torch.inference_mode(False):
+            for name, param in self.model.named_parameters():  # tied weights once
+                if keep and param.device.type == "cpu":
+                    continue
+                backup = param.data.to("cpu") if keep else None
+                released[name] = (backup, param.shape)
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._released_weights = released
+        self._layers = []
+        self._embed = self._final_norm = self._lm_head = self._lm_head_bias = None
+
+    @torch.no_grad()
+    def restore_weights(self) -> None:
+        """Bring released weights back (kept ones as they were, discarded ones zeroed) and rebuild the fused
+        copies."""
+        released, self._released_weights = self._released_weights, None
+        if released is None:
+            return
+        with torch.inference_mode(False):
+            for name, param in self.model.named_parameters():
+                if name not in released:
+                    continue
+                backup, shape = released[name]
+                if backup is not None:
+                    param.data = backup.to(param.device)
+                else:
+                    param.data = torch.zeros(shape, dtype=param.dtype, device=param.device)
+        self.refresh_weights()
 
     @torch.no_grad()
     def refresh_weights(self) -> None:

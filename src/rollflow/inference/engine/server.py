@@ -5,8 +5,13 @@ status codes and the error JSON follow vLLM (``shared/reference/vllm-http-api.md
 in ``server_routes``; this module holds the server's state, the control plane, the middlewares and the process
 entry point. Where it departs from vLLM:
 
-- One worker: ``/get_world_size`` is 1. ``/sleep`` on CPU keeps the weights in memory (level 1 drops the KV
-  cache, i.e. the prefix cache); the sleep state is tracked as vLLM reports it.
+- One worker: ``/get_world_size`` is 1.
+- ``/sleep?level=1`` frees the KV cache and prefix cache and keeps the weights (on a GPU in CPU memory, as
+  vLLM; on a CPU where they are); ``level=2`` frees the weights too, and ``/wake_up?tags=weights`` brings them
+  back zeroed for the weight push to fill (``/update_weights`` before that is a 409). ``mode=keep`` is refused
+  for levels 1 and 2 (frozen requests would lose their KV cache). As in vLLM, scheduling resumes once weights
+  and KV cache are both awake. Every control call (sleep, wake_up, pause, resume, weight updates) is recorded
+  in order, with the requests finished and tokens generated so far, at ``GET /control_log`` (``?clear=true`` empties it).
 - Token logprobs are the sampled token's only: a top-k count above 0 (``logprobs``, ``top_logprobs``) is a 400.
   Stop strings, ``min_p``, ``min_tokens``, penalties, ``logit_bias`` and prompt logprobs are 400s naming the
   field; so is ``stream`` on ``/inference/v1/generate`` (streaming is served on ``/v1/completions`` and
@@ -37,6 +42,7 @@ request, ``/update_weights`` loads weights from wherever ``update_info`` points.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import json
@@ -78,6 +84,9 @@ log = structlog.get_logger(__name__)
 # Request bodies above this are refused with 413 (a 128k-token prompt is about 1 MB of JSON).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+MEMORY_TAGS = ("weights", "kv_cache")
+# Entries kept by the control log (the oldest go first).
+CONTROL_LOG_SIZE = 10_000
 # Paths open without the bearer token when the server has an API key: probes and scrapers carry no secret.
 # (vLLM itself guards only /v1/*; this server guards the control plane and /inference/v1/* too.)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -167,6 +176,9 @@ class EngineServer:
         self.sleep_level: int | None = None
         self.sleeping_tags: set[str] = set()
         self._control_lock = asyncio.Lock()
+        # Every control call in order (GET /control_log): how a colocated run's sleep/wake cycle is checked.
+        self.control_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=CONTROL_LOG_SIZE)
+        self._control_counts: collections.Counter[str] = collections.Counter()
 
         # Runtime state: weight transfer (vLLM's lifecycle: init once; then start -> update* -> finish).
         self._receiver: Any = None
@@ -294,6 +306,7 @@ class EngineServer:
                 web.post("/update_weights", self.update_weights),
                 web.post("/finish_weight_update", self.finish_weight_update),
                 web.get("/weight_info", self.weight_info),
+                web.get("/control_log", self.get_control_log),
             ]
         )
         return app
@@ -450,6 +463,11 @@ class EngineServer:
             "1 once the engine loop died (restart the server).",
             int(engine.is_dead),
         )
+        for event in ("sleep", "wake_up", "update_weights"):
+            metric(
+                f"rollflow:{event}_calls", "counter", f"/{event} calls handled (see GET /control_log).",
+                self._control_counts[event],
+            )  # fmt: skip
         lines.append("# HELP vllm:engine_sleep_state Engine sleep state (1 for the current one).")
         lines.append("# TYPE vllm:engine_sleep_state gauge")
         current = {None: "awake", 0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.sleep_level]
@@ -477,6 +495,29 @@ class EngineServer:
             # The engine's abort pause ends running requests; vLLM's also ends those still queued.
             await self._engine_call(self.engine.abort())
 
+    def record(self, event: str, **fields: Any) -> None:
+        """Append a control event to ``control_log`` (with the requests finished and tokens generated so far,
+        and the loaded policy version) and count it for ``/metrics``."""
+        self._control_counts[event] += 1
+        self.control_log.append(
+            {
+                "event": event,
+                **fields,
+                "requests_finished": self.engine.num_finished_requests,
+                "tokens_generated": self.engine.total_generated_tokens,
+                "policy_version": self.engine.policy_version,
+                "time": time.time(),
+            }
+        )
+
+    async def get_control_log(self, request: web.Request) -> web.Response:
+        """``GET /control_log``: the control calls this server handled, oldest first (``?clear=true`` empties
+        the log after reading it)."""
+        entries = list(self.control_log)
+        if query_bool(request, "clear", False):
+            self.control_log.clear()
+        return json_response({"entries": entries})
+
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
@@ -489,6 +530,7 @@ class EngineServer:
             await self._stop_engine(mode)
             if clear_cache and mode != "keep":
                 await self._engine_call(self.engine.reset_prefix_cache())
+            self.record("pause", mode=mode)
         return json_response({"status": "paused"})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -496,12 +538,15 @@ class EngineServer:
             self.pause_mode = None
             if not self.sleeping_tags:
                 await self._engine_call(self.engine.resume())
+            self.record("resume")
         return json_response({"status": "resumed"})
 
     async def is_paused(self, request: web.Request) -> web.Response:
         return json_response({"is_paused": self.pause_mode is not None or bool(self.sleeping_tags)})
 
     async def sleep(self, request: web.Request) -> web.Response:
+        """``POST /sleep?level=&mode=``: level 0 pauses scheduling; 1 also frees the KV cache (weights kept);
+        2 frees the weights too. Running requests are handled by ``mode`` first (``keep`` only at level 0)."""
         raw_level = request.query.get("level", "1")
         try:
             level = int(raw_level)
@@ -514,27 +559,41 @@ class EngineServer:
             raise bad_request(
                 f"mode={mode!r} is not a pause mode; use one of {', '.join(PAUSE_MODES)}", "mode"
             )
+        if mode == "keep" and level >= 1:
+            raise bad_request(
+                f"mode=keep cannot be used with level={level}: that level frees the KV cache, which frozen "
+                "requests need to continue; use mode=abort or mode=wait (or level=0)",
+                "mode",
+            )
         async with self._control_lock:
             self.sleep_mode, self.sleep_level = mode, level
-            # Level 0 pauses scheduling only; 1 and 2 also release weights and KV cache (on CPU: the KV cache).
-            self.sleeping_tags = {"scheduling"} if level == 0 else set(SLEEP_TAGS)
+            self.sleeping_tags = {"scheduling"} if level == 0 else {"scheduling", *MEMORY_TAGS}
             await self._stop_engine(mode)
             if level >= 1:
-                await self._engine_call(self.engine.reset_prefix_cache())
+                await self._engine_call(self.engine.sleep(level))
+            self.record("sleep", level=level, mode=mode)
         return json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
+        """``POST /wake_up?tags=…``: restore ``weights`` and/or ``kv_cache`` (none: everything). As in vLLM,
+        scheduling resumes once no memory is asleep, whichever tags were asked for."""
         tags = request.query.getall("tags", [])
         unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
         if unknown:
             raise bad_request(f"unknown wake_up tags {unknown}; use {', '.join(SLEEP_TAGS)}", "tags")
         async with self._control_lock:
             if self.sleeping_tags:
-                self.sleeping_tags -= set(tags) if tags else set(SLEEP_TAGS)
-                if not self.sleeping_tags:  # scheduling resumes only once everything is awake
+                memory = set(tags or MEMORY_TAGS) & set(MEMORY_TAGS) & self.sleeping_tags
+                if memory:
+                    await self._engine_call(self.engine.wake_up(memory))
+                self.sleeping_tags -= memory
+                if not self.sleeping_tags & set(MEMORY_TAGS):  # scheduling resumes once all memory is back
+                    self.sleeping_tags.clear()
                     self.sleep_mode = self.sleep_level = None
-                    if self.pause_mode is None:
-                        await self._engine_call(self.engine.resume())
+            # Recorded before scheduling resumes: the log's counters then hold nothing generated after it.
+            self.record("wake_up", tags=tags or None, awake=not self.sleeping_tags)
+            if not self.sleeping_tags and self.pause_mode is None:
+                await self._engine_call(self.engine.resume())
         status = "sleeping" if self.sleeping_tags else "awake"
         return json_response({"status": status, "tags": tags or None})
 
@@ -674,6 +733,13 @@ class EngineServer:
                     )
                 # Checked after receiving: the trainer's broadcast needs every receiver, refused or not.
                 self._check_version_not_older(version, "update_info.policy_version")
+                if "weights" in self.sleeping_tags:
+                    raise ApiError(
+                        409,
+                        f"the weights are asleep (sleep level {self.sleep_level}): POST /wake_up?tags=weights "
+                        "before /update_weights; the tensors received were discarded",
+                        "update_info",
+                    )
                 try:
                     await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
                 except EngineError as error:
@@ -683,6 +749,7 @@ class EngineServer:
                     raise bad_request(str(error), "update_info") from None
                 self._pending_version = version
                 self._version_floor = version
+                self.record("update_weights", version=version, tensors=len(tensors))
 
         await self._shielded(update())
         return json_response({"message": "Weights updated"})
@@ -742,6 +809,7 @@ class EngineServer:
             if version is not None:
                 self._version_floor = version
             self._update_active = False
+            self.record("finish_weight_update")
         return json_response({"message": "Weight update finished"})
 
     async def weight_info(self, request: web.Request) -> web.Response:
