@@ -128,6 +128,11 @@ def validate_server_url(url: Any) -> str:
     return url.rstrip("/")
 
 
+def _forwarded_headers(headers: Any) -> dict[str, str]:
+    """``headers`` less the hop-by-hop ones (checked against their lower-case names, built once)."""
+    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+
+
 def _is_engine_dead(status: int, body: bytes) -> bool:
     """Whether an answer says the server's engine died: 503 with error ``type`` ``EngineDeadError``."""
     if status != 503 or not body:
@@ -228,7 +233,10 @@ class InferenceRouter:
             OSError: the port could not be bound.
         """
         self._client = aiohttp.ClientSession(
+            # Kept-alive connections to the servers are reused, without a cap; no cookie jar (a proxy holds
+            # no cookies of its own, and filtering them costs every request).
             connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
             auto_decompress=False,  # bodies pass through byte for byte, with their Content-Encoding
             headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
@@ -394,7 +402,9 @@ class InferenceRouter:
     async def _handle_proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # over client_max_size: 413 via the middleware
         session_id = request.headers.get("X-Session-ID") or None
-        if request.method == "POST":
+        # The hot path: with the session in the header the body passes through unread (the server
+        # validates it); only a request without one is decoded, for a ``session_id`` field.
+        if session_id is None and request.method == "POST":
             try:
                 fields = msgspec.json.decode(body, type=_SessionField)
             except msgspec.ValidationError as error:
@@ -403,8 +413,8 @@ class InferenceRouter:
                 return json_error(400, f"request body is not valid JSON: {error}")
             except RecursionError:  # skipping a deeply nested field hits msgspec's depth limit
                 return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
-            session_id = session_id or fields.session_id or None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+            session_id = fields.session_id or None
+        headers = _forwarded_headers(request.headers)
         self.num_requests += 1
         tried: set[str] = set()
         last_error = "no healthy inference server"
@@ -431,8 +441,7 @@ class InferenceRouter:
         return json_error(status, f"{request.method} {request.path} failed: {last_error}")
 
     async def _handle_control(self, request: web.Request) -> web.Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        return await handle_control(self, request, headers)
+        return await handle_control(self, request, _forwarded_headers(request.headers))
 
     async def _forward(
         self, request: web.Request, worker: _Worker, body: bytes, headers: dict[str, str]
@@ -446,7 +455,7 @@ class InferenceRouter:
         response: web.StreamResponse | None = None
         try:
             async with self._client.request(request.method, target, data=body, headers=headers) as upstream:
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+                out_headers = _forwarded_headers(upstream.headers)
                 out_headers[WORKER_HEADER] = worker.url
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type:
                     data = await upstream.read()
