@@ -4,7 +4,8 @@ Two ``rollflow serve`` servers of the tiny model; each path gets the same load: 
 (each its own ``X-Session-ID``) sending 1-token ``/inference/v1/generate`` requests back to back, closed loop,
 ``--requests`` in all per run. Direct runs send session ``i`` to server ``i % 2``. rollflow's router runs as
 ``rollflow router`` and vllm-router as ``vllm-router --policy consistent_hash`` (which reads the same
-``X-Session-ID`` header), each in its own process, as deployed. The paths alternate within every repeat (the
+``X-Session-ID`` header), each in its own process, as deployed; ``rollflow-managed-vllm-router`` is vllm-router
+as rollflow starts it for ``inference.router_impl = "vllm-router"`` (``VllmRouterProcess``). The paths alternate within every repeat (the
 order rotates per repeat), so each sees the same noisy machine; the load generator is this process.
 
 Prints one JSON line per (path, concurrency): requests/s (median over ``--repeats`` runs, with min and max),
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -114,6 +116,7 @@ async def start_vllm_router(binary: str, urls: list[str]) -> tuple[str, asyncio.
 async def main(args: argparse.Namespace) -> None:
     import aiohttp
 
+    from rollflow.inference.router_process import VllmRouterProcess
     from rollflow.inference.server_group import ServerGroup
 
     vllm_router = shutil.which("vllm-router") or shutil.which(
@@ -125,9 +128,10 @@ async def main(args: argparse.Namespace) -> None:
         {"token_ids": list(range(5, 5 + args.prompt_tokens)), "sampling_params": {"max_tokens": 1}}
     ).encode()
     processes: list[asyncio.subprocess.Process] = []
-    async with ServerGroup(
-        "rollflow:tiny", 2, log_dir, startup_timeout_s=300, server_options=options
-    ) as group:
+    async with (
+        ServerGroup("rollflow:tiny", 2, log_dir, startup_timeout_s=300, server_options=options) as group,
+        contextlib.AsyncExitStack() as stack,
+    ):
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
             try:
@@ -140,6 +144,10 @@ async def main(args: argparse.Namespace) -> None:
                     processes.append(process)
                     await wait_ready(session, url, process)
                     paths["vllm-router"] = [url]
+                    # The same router as rollflow starts it (inference.router_impl = "vllm-router").
+                    managed = VllmRouterProcess(group.urls, log_dir, health_check_interval_s=5.0)
+                    await stack.enter_async_context(managed)
+                    paths["rollflow-managed-vllm-router"] = [managed.url]
                 else:
                     print(json.dumps({"benchmark": "router_compare", "note": "vllm-router not installed"}))
                 for concurrency in args.concurrency:

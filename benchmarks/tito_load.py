@@ -164,16 +164,12 @@ async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, floa
 
 
 async def run(args) -> None:
-    from tests.tito_fixtures import TinyChat
-
-    from rollflow.config import ModelConfig
     from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import create_chat_renderer, load_causal_lm, load_tokenizer
-    from rollflow.models.tiny import ensure_tiny_model
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.tito.testing import load_tiny_chat
 
-    model_dir = ensure_tiny_model()
-    tokenizer = load_tokenizer(model_dir)
-    chat = TinyChat(model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    chat = load_tiny_chat()
+    model_dir = chat.model_dir
     engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
     results: dict[str, list] = {"direct": [], "proxy": []}
     for _ in range(args.repeats):
