@@ -69,10 +69,50 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer, with short texts' ``encode`` results remembered (``ShortTextEncodeCache``)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    return AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _cache_short_encodes(tokenizer)
+    return tokenizer
+
+
+class ShortTextEncodeCache:
+    """``tokenizer.encode`` that remembers the ids of short texts (``max_chars`` at most).
+
+    Chat renderers encode the same few short strings on every turn (role headers, reasoning markers, "\n");
+    through transformers each ``encode`` costs tens of microseconds of Python, several times per request.
+    Encoding is deterministic, so the ids of a short text are kept (``max_entries`` texts, then the memory
+    starts over) and each call gets its own copy of the list. Calls with other arguments, or longer texts, go to
+    the tokenizer's own ``encode``. The memory is not pickled (a pickled tokenizer starts with an empty one).
+    """
+
+    def __init__(self, tokenizer: Any, max_chars: int = 64, max_entries: int = 4096):
+        self._encode = type(tokenizer).encode.__get__(tokenizer)
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self._ids: dict[tuple[str, bool], tuple[int, ...]] = {}
+
+    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(text, str) or len(text) > self.max_chars:
+            return self._encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+        key = (text, add_special_tokens)
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = tuple(self._encode(text, add_special_tokens=add_special_tokens))
+            if len(self._ids) >= self.max_entries:
+                self._ids.clear()
+            self._ids[key] = ids
+        return list(ids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
+
+
+def _cache_short_encodes(tokenizer: Any) -> None:
+    if callable(getattr(type(tokenizer), "encode", None)):
+        tokenizer.encode = ShortTextEncodeCache(tokenizer)
 
 
 def load_causal_lm(model_dir: Path, *, device: Any = "cpu", dtype: Any = None) -> Any:
