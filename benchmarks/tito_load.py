@@ -6,6 +6,11 @@ the same number of requests, with the same prompt lengths and sampling, straight
 this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
 Added latency is the proxy's percentile minus the baseline's.
 
+Then per-stage costs: one more proxy run (``--stage-sessions``) under cProfile with a thread-CPU clock gives
+the event loop's CPU per request in each stage of a turn (agent HTTP client, proxy HTTP server, request decode,
+message normalisation, bridge/render, response parse, trace commit, response build and encode); profiling
+overhead is included, so the stages compare with each other, not with the unprofiled figures.
+
 Then trace memory: one trace with ``--branches`` branches (default 64) that share one long prefix
 (``--prefix-words`` words in the first user message). ``trace_bytes`` is everything the trace retains
 (tracemalloc: bytes still allocated after building it, once cyclic garbage is collected; the messages are
@@ -101,6 +106,47 @@ async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[lis
     return latencies, elapsed, errors
 
 
+# Per-turn stages of the proxy path: (stage, module path suffix, function name). The event loop's thread CPU
+# inside each, from a profiled proxy run (``--stage-sessions``).
+STAGES = (
+    ("agent_http_client", "aiohttp/client.py", "_request"),
+    ("agent_response_decode", "aiohttp/client_reqrep.py", "json"),
+    ("proxy_http_server", "aiohttp/web_protocol.py", "_handle_request"),
+    ("request_decode", "rollflow/tito/wire.py", "decode_request"),
+    ("message_normalise", "rollflow/tito/renderer.py", "normalize_message"),
+    ("bridge_or_render", "rollflow/tito/trace.py", "_prepare"),
+    ("engine_call_on_loop", "rollflow/inference/client.py", "generate"),
+    ("response_parse", "rollflow/tito/renderer.py", "parse"),
+    ("trace_commit", "rollflow/tito/trace.py", "_commit_choices"),
+    ("response_build", "rollflow/tito/proxy.py", "_completion"),
+    ("response_encode", "rollflow/tito/proxy.py", "_json"),
+)
+
+
+async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str, float]:
+    """Event-loop thread CPU per request in each stage (cProfile with a thread-CPU clock; its overhead is
+    included, so compare stages with each other rather than with the unprofiled figures)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile(time.thread_time)
+    profile.enable()
+    start = time.thread_time()
+    latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens)
+    total = time.thread_time() - start
+    profile.disable()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    per_request = 1e6 / len(latencies)
+    costs = {stage: 0.0 for stage, _, _ in STAGES}
+    for (path, _, function), (_, _, _, cumulative, _) in stats.items():
+        for stage, suffix, name in STAGES:
+            if function == name and path.replace("\\", "/").endswith(suffix):
+                costs[stage] += cumulative * per_request
+    costs["proxy_http_server"] -= costs["request_decode"] + costs["response_build"] + costs["response_encode"]
+    costs["loop_thread_total"] = total * per_request
+    return {stage: round(cost, 1) for stage, cost in costs.items()}
+
+
 async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, float]:
     import msgspec
 
@@ -175,6 +221,9 @@ async def run(args) -> None:
     for _ in range(args.repeats):
         results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
         results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens))
+    stages = (
+        await stage_costs(engine, chat, args.stage_sessions, args.max_tokens) if args.stage_sessions else None
+    )
     await engine.shutdown()
 
     def summary(kind: str) -> tuple[float, float, float, int]:
@@ -208,6 +257,15 @@ async def run(args) -> None:
         },
         {"figure": "errors", "proxy": proxy[3], "direct": direct[3], "unit": "requests"},
     ]
+    if stages is not None:
+        lines.append(
+            {
+                "figure": "stage_cpu_us_per_request",
+                "profiled_sessions": args.stage_sessions,
+                **stages,
+                "unit": "us",
+            }
+        )
     memory = await trace_memory(chat, args.branches, args.prefix_words)
     lines.append(
         {
@@ -234,6 +292,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--branches", type=int, default=64)
+    parser.add_argument(
+        "--stage-sessions",
+        type=int,
+        default=200,
+        help="sessions of the profiled run for per-stage costs (0: none)",
+    )
     parser.add_argument("--prefix-words", type=int, default=4000)
     asyncio.run(run(parser.parse_args()))
 
