@@ -1,7 +1,9 @@
 """Many concurrent agent sessions through the TITO proxy, against calling the engine directly.
 
 ``--sessions`` sessions (default 1,000) run at once, each two turns (the second bridged), through the proxy
-over HTTP with aiohttp clients in this same process, on a real engine of the tiny model. The baseline sends
+over HTTP with aiohttp clients, on a real engine of the tiny model. The agents (the HTTP clients) run in their
+own process by default, as agents do when deployed (``--agents in-process`` runs them in this process, whose
+loop then also pays their client work, which the direct baseline has no counterpart of). The baseline sends
 the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
 this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
 Added latency is the proxy's percentile minus the baseline's.
@@ -35,6 +37,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 import tracemalloc
 
@@ -70,7 +73,43 @@ async def direct_phase(engine, renderer, sessions: int, max_tokens: int) -> tupl
     return latencies, time.perf_counter() - start, 0
 
 
-async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[list[float], float, int]:
+# The agents of the "process" mode: every session's two turns over HTTP, from their own process.
+AGENTS = r"""
+import asyncio, json, sys, time
+import aiohttp
+
+async def main():
+    spec = json.loads(sys.stdin.readline())
+    latencies, errors = [], 0
+
+    async def one(i, url, http):
+        nonlocal errors
+        history = [{"role": "user", "content": f"task {i}: say something"}]
+        for _ in range(2):
+            body = {"model": spec["model"], "messages": history, "max_tokens": spec["max_tokens"], "seed": i}
+            start = time.perf_counter()
+            async with http.post(f"{url}/chat/completions", json=body) as response:
+                data = await response.json()
+            latencies.append(time.perf_counter() - start)
+            if response.status != 200:
+                errors += 1
+                return
+            history += [data["choices"][0]["message"], {"role": "user", "content": "go on"}]
+
+    connector = aiohttp.TCPConnector(limit=len(spec["urls"]))
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, url, http) for i, url in enumerate(spec["urls"])))
+        elapsed = time.perf_counter() - start
+    print(json.dumps({"latencies": latencies, "elapsed": elapsed, "errors": errors}), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def proxy_phase(
+    engine, chat, sessions: int, max_tokens: int, agents: str = "in-process"
+) -> tuple[list[float], float, int]:
     import aiohttp
 
     from rollflow.inference.client import LocalInferenceClient
@@ -80,6 +119,18 @@ async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[lis
     errors = 0
     client = LocalInferenceClient([engine])
     async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
+        if agents == "process":
+            opened = [await proxy.open_session() for _ in range(sessions)]
+            spec = {"urls": [s.base_url for s in opened], "model": MODEL, "max_tokens": max_tokens}
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", AGENTS, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await process.communicate(json.dumps(spec).encode() + b"\n")
+            result = json.loads(out.splitlines()[-1])
+            for session in opened:
+                trace = await proxy.close_session(session)
+                result["errors"] += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
+            return result["latencies"], result["elapsed"], result["errors"]
         connector = aiohttp.TCPConnector(limit=sessions)
         async with aiohttp.ClientSession(connector=connector) as http:
 
@@ -220,7 +271,7 @@ async def run(args) -> None:
     results: dict[str, list] = {"direct": [], "proxy": []}
     for _ in range(args.repeats):
         results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
-        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens))
+        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens, args.agents))
     stages = (
         await stage_costs(engine, chat, args.stage_sessions, args.max_tokens) if args.stage_sessions else None
     )
@@ -233,12 +284,25 @@ async def run(args) -> None:
         return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(e for _, _, e in runs)
 
     direct, proxy = summary("direct"), summary("proxy")
-    common = {"benchmark": "tito_load", "sessions": args.sessions, "turns_per_session": 2}
+    common = {
+        "benchmark": "tito_load",
+        "sessions": args.sessions,
+        "turns_per_session": 2,
+        "agents": args.agents,
+        "repeats": args.repeats,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
     lines = [
         {
             "figure": "requests_per_s",
             "proxy": round(proxy[0], 1),
             "direct": round(direct[0], 1),
+            # Per repeat: proxy over the direct run just before it (the machine is shared and noisy).
+            "ratios": [
+                round((len(p[0]) / p[1]) / (len(d[0]) / d[1]), 3)
+                for p, d in zip(results["proxy"], results["direct"], strict=True)
+            ],
+            "target_ratio": 0.8,
             "unit": "1/s",
         },
         {
@@ -291,6 +355,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--agents",
+        choices=("process", "in-process"),
+        default="process",
+        help="where the agents' HTTP clients run: their own process (as deployed), or this one",
+    )
     parser.add_argument("--branches", type=int, default=64)
     parser.add_argument(
         "--stage-sessions",
