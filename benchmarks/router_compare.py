@@ -106,7 +106,7 @@ async def start_vllm_router(binary: str, urls: list[str]) -> tuple[str, asyncio.
     # RUST_LOG=warn: at its default level vllm-router logs every routing decision, which would cost it CPU.
     process = await asyncio.create_subprocess_exec(
         binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "consistent_hash",
-        "--log-level", "warning", "--worker-urls", *urls,
+        "--log-level", "warning", "--worker-urls", *urls, "--prometheus-port", str(free_port()),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         env={**os.environ, "RUST_LOG": "warn"},
     )  # fmt: skip

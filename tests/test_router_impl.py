@@ -153,3 +153,5 @@ def test_vllm_router_command(tmp_path):
     assert command[command.index("--policy") + 1] == "consistent_hash"
     assert command[command.index("--health-check-interval-secs") + 1] == "1"  # whole seconds, at least 1
     assert "http://127.0.0.1:10" in command and port > 0 and env == {"RUST_LOG": "warn"}
+    # Its metrics exporter gets a free port of its own (the default, 29000, would clash between two routers).
+    assert int(command[command.index("--prometheus-port") + 1]) not in (0, 29000, port)

@@ -177,6 +177,9 @@ class VllmRouterProcess(ProcessGroup):
             "--health-check-interval-secs", str(max(1, math.ceil(self.health_check_interval_s))),
             "--health-failure-threshold", "1",
             "--log-level", "warning",
+            # Its metrics exporter listens on 29000 unless told otherwise: two routers on one machine clash.
+            "--prometheus-host", self.host,
+            "--prometheus-port", str(free_port(self.host)),
         ]  # fmt: skip
         # RUST_LOG: at its default level it logs every routing decision, CPU taken from the engines.
         return command, {"RUST_LOG": "warn"}, port
