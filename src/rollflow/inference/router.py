@@ -25,6 +25,11 @@ Failure handling:
 Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world size …) fan out to every healthy
 server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
 
+Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
+request without it has its body decoded, for ``session_id``); it goes out with the caller's raw headers over a
+kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
+``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
+
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
 ``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
 through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
