@@ -69,7 +69,7 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer, with short texts' ``encode`` results remembered (``ShortTextEncodeCache``)."""
+    """The model's tokenizer, with short texts' ids remembered (``ShortTextEncodeCache``, ``OffsetsProbeCache``)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
@@ -81,7 +81,7 @@ def load_tokenizer(model_dir: Path) -> Any:
 class ShortTextEncodeCache:
     """``tokenizer.encode`` that remembers the ids of short texts (``max_chars`` at most).
 
-    Chat renderers encode the same few short strings on every turn (role headers, reasoning markers, "\n");
+    Chat renderers encode the same few short strings on every turn (role headers, reasoning markers, "\\n");
     through transformers each ``encode`` costs tens of microseconds of Python, several times per request.
     Encoding is deterministic, so the ids of a short text are kept (``max_entries`` texts, then the memory
     starts over) and each call gets its own copy of the list. Calls with other arguments, or longer texts, go to
@@ -110,9 +110,50 @@ class ShortTextEncodeCache:
         return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
 
 
+class OffsetsProbeCache:
+    """``tokenizer.__call__`` as read by ``getattr(tokenizer, "__call__")``, remembering short calls.
+
+    The ``renderers`` package asks, on every render, whether the tokenizer gives character offsets by calling
+    ``getattr(tokenizer, "__call__")("a", add_special_tokens=False, return_offsets_mapping=True)``: about a
+    quarter of a turn's render. Calls through ``tokenizer(...)`` never reach this (Python looks ``__call__`` up
+    on the class); calls through the attribute with one short text and only ``add_special_tokens`` /
+    ``return_offsets_mapping`` are answered from memory, each with its own copy of the mapping.
+    """
+
+    _REMEMBERED = frozenset({"add_special_tokens", "return_offsets_mapping"})
+
+    def __init__(self, tokenizer: Any, max_chars: int = 64, max_entries: int = 256):
+        self._call = type(tokenizer).__call__.__get__(tokenizer)
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self._encodings: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (
+            args
+            or not isinstance(text, str)
+            or len(text) > self.max_chars
+            or not kwargs.keys() <= self._REMEMBERED
+        ):
+            return self._call(text, *args, **kwargs)
+        key = (text, *sorted(kwargs.items()))
+        encoding = self._encodings.get(key)
+        if encoding is None:
+            encoding = self._call(text, **kwargs)
+            if len(self._encodings) >= self.max_entries:
+                self._encodings.clear()
+            self._encodings[key] = encoding
+        return encoding.copy() if hasattr(encoding, "copy") else encoding
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (OffsetsProbeCache, (self._call.__self__, self.max_chars, self.max_entries))
+
+
 def _cache_short_encodes(tokenizer: Any) -> None:
     if callable(getattr(type(tokenizer), "encode", None)):
         tokenizer.encode = ShortTextEncodeCache(tokenizer)
+    if callable(tokenizer):
+        tokenizer.__call__ = OffsetsProbeCache(tokenizer)
 
 
 def load_causal_lm(model_dir: Path, *, device: Any = "cpu", dtype: Any = None) -> Any:
