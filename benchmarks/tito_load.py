@@ -6,7 +6,8 @@ own process by default, as agents do when deployed (``--agents in-process`` runs
 loop then also pays their client work, which the direct baseline has no counterpart of). The baseline sends
 the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
 this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
-Added latency is the proxy's percentile minus the baseline's.
+Added latency is the proxy's percentile minus the baseline's. Once the engine is loaded the process freezes its
+heap out of the garbage collector's passes, as ``rollflow proxy`` does (``rollflow.eventloop.freeze_startup_heap``).
 
 Then per-stage costs: one more proxy run (``--stage-sessions``) under cProfile with a thread-CPU clock gives
 the event loop's CPU per request in each stage of a turn (agent HTTP client, proxy HTTP server, request decode,
@@ -261,6 +262,7 @@ async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, floa
 
 
 async def run(args) -> None:
+    from rollflow.eventloop import freeze_startup_heap
     from rollflow.inference.engine.engine import TorchEngine
     from rollflow.models.loading import load_causal_lm
     from rollflow.tito.testing import load_tiny_chat
@@ -268,6 +270,8 @@ async def run(args) -> None:
     chat = load_tiny_chat()
     model_dir = chat.model_dir
     engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
+    # As rollflow's serving processes do once set up (rollflow.eventloop.freeze_startup_heap), for both paths.
+    freeze_startup_heap()
     results: dict[str, list] = {"direct": [], "proxy": []}
     for _ in range(args.repeats):
         results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
