@@ -9,10 +9,10 @@ this one process, interleaved (baseline, proxy, baseline, proxy), so they see th
 Added latency is the proxy's percentile minus the baseline's. Once the engine is loaded the process freezes its
 heap out of the garbage collector's passes, as ``rollflow proxy`` does (``rollflow.eventloop.freeze_startup_heap``).
 
-Then per-stage costs: one more proxy run (``--stage-sessions``) under cProfile with a thread-CPU clock gives
-the event loop's CPU per request in each stage of a turn (agent HTTP client, proxy HTTP server, request decode,
-message normalisation, bridge/render, response parse, trace commit, response build and encode); profiling
-overhead is included, so the stages compare with each other, not with the unprofiled figures.
+Then per-stage costs: one more proxy run (``--stage-sessions``, agents in their own process) reads the event
+loop thread's CPU clock around each synchronous stage of a turn (request decode, message normalisation,
+bridge/render, response parse, trace commit, response build and encode) and over the whole run; the rest is the
+HTTP server, the event loop, the engine hand-off and the garbage collector.
 
 Then trace memory: one trace with ``--branches`` branches (default 64) that share one long prefix
 (``--prefix-words`` words in the first user message). ``trace_bytes`` is everything the trace retains
@@ -158,43 +158,54 @@ async def proxy_phase(
     return latencies, elapsed, errors
 
 
-# Per-turn stages of the proxy path: (stage, module path suffix, function name). The event loop's thread CPU
-# inside each, from a profiled proxy run (``--stage-sessions``).
+# Per-turn stages of the proxy path that run synchronously on the event loop: (stage, module, attribute path).
 STAGES = (
-    ("agent_http_client", "aiohttp/client.py", "_request"),
-    ("agent_response_decode", "aiohttp/client_reqrep.py", "json"),
-    ("proxy_http_server", "aiohttp/web_protocol.py", "_handle_request"),
-    ("request_decode", "rollflow/tito/wire.py", "decode_request"),
-    ("message_normalise", "rollflow/tito/renderer.py", "normalize_message"),
-    ("bridge_or_render", "rollflow/tito/trace.py", "_prepare"),
-    ("engine_call_on_loop", "rollflow/inference/client.py", "generate"),
-    ("response_parse", "rollflow/tito/renderer.py", "parse"),
-    ("trace_commit", "rollflow/tito/trace.py", "_commit_choices"),
-    ("response_build", "rollflow/tito/proxy.py", "_completion"),
-    ("response_encode", "rollflow/tito/proxy.py", "_json"),
+    ("request_decode", "rollflow.tito.proxy", "decode_request"),
+    ("message_normalise", "rollflow.tito.session", "normalize_message"),
+    ("bridge_or_render", "rollflow.tito.trace", "Trace._prepare"),
+    ("response_parse", "rollflow.tito.renderer", "TITORenderer.parse"),
+    ("trace_commit", "rollflow.tito.trace", "Trace._commit_choices"),
+    ("response_build", "rollflow.tito.proxy", "TITOProxy._completion"),
+    ("response_encode", "rollflow.tito.proxy", "_json"),
 )
 
 
 async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str, float]:
-    """Event-loop thread CPU per request in each stage (cProfile with a thread-CPU clock; its overhead is
-    included, so compare stages with each other rather than with the unprofiled figures)."""
-    import cProfile
-    import pstats
+    """The event loop thread's CPU per request in each synchronous stage of a turn (each wrapped to read the
+    thread's CPU clock before and after), its total, and what is left for the rest: the HTTP server, the event
+    loop, the engine hand-off and the garbage collector. Agents run in their own process."""
+    import importlib
 
-    profile = cProfile.Profile(time.thread_time)
-    profile.enable()
-    start = time.thread_time()
-    latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens)
-    total = time.thread_time() - start
-    profile.disable()
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    per_request = 1e6 / len(latencies)
-    costs = {stage: 0.0 for stage, _, _ in STAGES}
-    for (path, _, function), (_, _, _, cumulative, _) in stats.items():
-        for stage, suffix, name in STAGES:
-            if function == name and path.replace("\\", "/").endswith(suffix):
-                costs[stage] += cumulative * per_request
-    costs["proxy_http_server"] -= costs["request_decode"] + costs["response_build"] + costs["response_encode"]
+    spent = dict.fromkeys((stage for stage, _, _ in STAGES), 0)
+    originals = []
+
+    def timed(stage, function):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[stage] += time.thread_time_ns() - start
+
+        return wrapper
+
+    for stage, module_name, path in STAGES:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed(stage, getattr(owner, name)))
+    try:
+        start = time.thread_time_ns()
+        latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens, agents="process")
+        total = time.thread_time_ns() - start
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    per_request = 1e-3 / len(latencies)  # ns -> us per request
+    costs = {stage: value * per_request for stage, value in spent.items()}
+    costs["http_loop_gc_and_rest"] = total * per_request - sum(costs.values())
     costs["loop_thread_total"] = total * per_request
     return {stage: round(cost, 1) for stage, cost in costs.items()}
 
