@@ -37,8 +37,8 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks; each prints one JSON line per figure with its same-run baseline."""
     _install(session)
-    # Some benchmarks reuse test fixtures (tests/tito_fixtures.py), hence PYTHONPATH.
-    env = {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "."}
+    # Benchmarks never import tests/: what they share with the tests is in rollflow.tito.testing.
+    env = {"HF_HUB_OFFLINE": "1"}
     for script in sorted(Path("benchmarks").glob("*.py")):
         session.run("python", str(script), env=env)
 

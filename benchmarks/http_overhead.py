@@ -125,7 +125,12 @@ async def main(args: argparse.Namespace) -> None:
                     "http_tokens_per_s": round(http_tps, 1),
                     "in_process_tokens_per_s": round(local_tps, 1),
                     "ratio": round(http_tps / local_tps, 3),
+                    # Per repeat (each HTTP run against the in-process run just before it), for the spread.
+                    "ratios": [
+                        round(http / local, 3) for http, local in zip(http_rates, local_rates, strict=True)
+                    ],
                     "target_ratio": 0.9,
+                    "load_avg": [round(x, 2) for x in os.getloadavg()],
                 }
             ),
             flush=True,
@@ -177,6 +182,8 @@ async def main(args: argparse.Namespace) -> None:
                     "direct_p99_ms": round(direct[2], 2),
                     "added_p50_ms": round(routed[1] - direct[1], 2),
                     "added_p99_ms": round(routed[2] - direct[2], 2),
+                    "ratios": [round(r[0] / d[0], 3) for r, d in zip(routed_runs, direct_runs, strict=True)],
+                    "load_avg": [round(x, 2) for x in os.getloadavg()],
                 }
             ),
             flush=True,

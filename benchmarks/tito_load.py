@@ -1,10 +1,18 @@
 """Many concurrent agent sessions through the TITO proxy, against calling the engine directly.
 
 ``--sessions`` sessions (default 1,000) run at once, each two turns (the second bridged), through the proxy
-over HTTP with aiohttp clients in this same process, on a real engine of the tiny model. The baseline sends
+over HTTP with aiohttp clients, on a real engine of the tiny model. The agents (the HTTP clients) run in their
+own process by default, as agents do when deployed (``--agents in-process`` runs them in this process, whose
+loop then also pays their client work, which the direct baseline has no counterpart of). The baseline sends
 the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
 this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
-Added latency is the proxy's percentile minus the baseline's.
+Added latency is the proxy's percentile minus the baseline's. Once the engine is loaded the process freezes its
+heap out of the garbage collector's passes, as ``rollflow proxy`` does (``rollflow.eventloop.freeze_startup_heap``).
+
+Then per-stage costs: one more proxy run (``--stage-sessions``, agents in their own process) reads the event
+loop thread's CPU clock around each synchronous stage of a turn (request decode, message normalisation,
+bridge/render, response parse, trace commit, response build and encode) and over the whole run; the rest is the
+HTTP server, the event loop, the engine hand-off and the garbage collector.
 
 Then trace memory: one trace with ``--branches`` branches (default 64) that share one long prefix
 (``--prefix-words`` words in the first user message). ``trace_bytes`` is everything the trace retains
@@ -30,6 +38,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 import tracemalloc
 
@@ -65,7 +74,43 @@ async def direct_phase(engine, renderer, sessions: int, max_tokens: int) -> tupl
     return latencies, time.perf_counter() - start, 0
 
 
-async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[list[float], float, int]:
+# The agents of the "process" mode: every session's two turns over HTTP, from their own process.
+AGENTS = r"""
+import asyncio, json, sys, time
+import aiohttp
+
+async def main():
+    spec = json.loads(sys.stdin.readline())
+    latencies, errors = [], 0
+
+    async def one(i, url, http):
+        nonlocal errors
+        history = [{"role": "user", "content": f"task {i}: say something"}]
+        for _ in range(2):
+            body = {"model": spec["model"], "messages": history, "max_tokens": spec["max_tokens"], "seed": i}
+            start = time.perf_counter()
+            async with http.post(f"{url}/chat/completions", json=body) as response:
+                data = await response.json()
+            latencies.append(time.perf_counter() - start)
+            if response.status != 200:
+                errors += 1
+                return
+            history += [data["choices"][0]["message"], {"role": "user", "content": "go on"}]
+
+    connector = aiohttp.TCPConnector(limit=len(spec["urls"]))
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i, url, http) for i, url in enumerate(spec["urls"])))
+        elapsed = time.perf_counter() - start
+    print(json.dumps({"latencies": latencies, "elapsed": elapsed, "errors": errors}), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def proxy_phase(
+    engine, chat, sessions: int, max_tokens: int, agents: str = "in-process"
+) -> tuple[list[float], float, int]:
     import aiohttp
 
     from rollflow.inference.client import LocalInferenceClient
@@ -75,6 +120,18 @@ async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[lis
     errors = 0
     client = LocalInferenceClient([engine])
     async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
+        if agents == "process":
+            opened = [await proxy.open_session() for _ in range(sessions)]
+            spec = {"urls": [s.base_url for s in opened], "model": MODEL, "max_tokens": max_tokens}
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", AGENTS, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            out, _ = await process.communicate(json.dumps(spec).encode() + b"\n")
+            result = json.loads(out.splitlines()[-1])
+            for session in opened:
+                trace = await proxy.close_session(session)
+                result["errors"] += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
+            return result["latencies"], result["elapsed"], result["errors"]
         connector = aiohttp.TCPConnector(limit=sessions)
         async with aiohttp.ClientSession(connector=connector) as http:
 
@@ -99,6 +156,58 @@ async def proxy_phase(engine, chat, sessions: int, max_tokens: int) -> tuple[lis
             await asyncio.gather(*(one(i) for i in range(sessions)))
             elapsed = time.perf_counter() - start
     return latencies, elapsed, errors
+
+
+# Per-turn stages of the proxy path that run synchronously on the event loop: (stage, module, attribute path).
+STAGES = (
+    ("request_decode", "rollflow.tito.proxy", "decode_request"),
+    ("message_normalise", "rollflow.tito.session", "normalize_message"),
+    ("bridge_or_render", "rollflow.tito.trace", "Trace._prepare"),
+    ("response_parse", "rollflow.tito.renderer", "TITORenderer.parse"),
+    ("trace_commit", "rollflow.tito.trace", "Trace._commit_choices"),
+    ("response_build", "rollflow.tito.proxy", "TITOProxy._completion"),
+    ("response_encode", "rollflow.tito.proxy", "_json"),
+)
+
+
+async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str, float]:
+    """The event loop thread's CPU per request in each synchronous stage of a turn (each wrapped to read the
+    thread's CPU clock before and after), its total, and what is left for the rest: the HTTP server, the event
+    loop, the engine hand-off and the garbage collector. Agents run in their own process."""
+    import importlib
+
+    spent = dict.fromkeys((stage for stage, _, _ in STAGES), 0)
+    originals = []
+
+    def timed(stage, function):
+        def wrapper(*args, **kwargs):
+            start = time.thread_time_ns()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[stage] += time.thread_time_ns() - start
+
+        return wrapper
+
+    for stage, module_name, path in STAGES:
+        owner = importlib.import_module(module_name)
+        *parents, name = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, timed(stage, getattr(owner, name)))
+    try:
+        start = time.thread_time_ns()
+        latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens, agents="process")
+        total = time.thread_time_ns() - start
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+    per_request = 1e-3 / len(latencies)  # ns -> us per request
+    costs = {stage: value * per_request for stage, value in spent.items()}
+    costs["http_loop_gc_and_rest"] = total * per_request - sum(costs.values())
+    costs["loop_thread_total"] = total * per_request
+    return {stage: round(cost, 1) for stage, cost in costs.items()}
 
 
 async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, float]:
@@ -164,21 +273,23 @@ async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, floa
 
 
 async def run(args) -> None:
-    from tests.tito_fixtures import TinyChat
-
-    from rollflow.config import ModelConfig
+    from rollflow.eventloop import freeze_startup_heap
     from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import create_chat_renderer, load_causal_lm, load_tokenizer
-    from rollflow.models.tiny import ensure_tiny_model
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.tito.testing import load_tiny_chat
 
-    model_dir = ensure_tiny_model()
-    tokenizer = load_tokenizer(model_dir)
-    chat = TinyChat(model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    chat = load_tiny_chat()
+    model_dir = chat.model_dir
     engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
+    # As rollflow's serving processes do once set up (rollflow.eventloop.freeze_startup_heap), for both paths.
+    freeze_startup_heap()
     results: dict[str, list] = {"direct": [], "proxy": []}
     for _ in range(args.repeats):
         results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
-        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens))
+        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens, args.agents))
+    stages = (
+        await stage_costs(engine, chat, args.stage_sessions, args.max_tokens) if args.stage_sessions else None
+    )
     await engine.shutdown()
 
     def summary(kind: str) -> tuple[float, float, float, int]:
@@ -188,12 +299,25 @@ async def run(args) -> None:
         return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(e for _, _, e in runs)
 
     direct, proxy = summary("direct"), summary("proxy")
-    common = {"benchmark": "tito_load", "sessions": args.sessions, "turns_per_session": 2}
+    common = {
+        "benchmark": "tito_load",
+        "sessions": args.sessions,
+        "turns_per_session": 2,
+        "agents": args.agents,
+        "repeats": args.repeats,
+        "load_avg": [round(x, 2) for x in os.getloadavg()],
+    }
     lines = [
         {
             "figure": "requests_per_s",
             "proxy": round(proxy[0], 1),
             "direct": round(direct[0], 1),
+            # Per repeat: proxy over the direct run just before it (the machine is shared and noisy).
+            "ratios": [
+                round((len(p[0]) / p[1]) / (len(d[0]) / d[1]), 3)
+                for p, d in zip(results["proxy"], results["direct"], strict=True)
+            ],
+            "target_ratio": 0.8,
             "unit": "1/s",
         },
         {
@@ -212,6 +336,15 @@ async def run(args) -> None:
         },
         {"figure": "errors", "proxy": proxy[3], "direct": direct[3], "unit": "requests"},
     ]
+    if stages is not None:
+        lines.append(
+            {
+                "figure": "stage_cpu_us_per_request",
+                "profiled_sessions": args.stage_sessions,
+                **stages,
+                "unit": "us",
+            }
+        )
     memory = await trace_memory(chat, args.branches, args.prefix_words)
     lines.append(
         {
@@ -237,7 +370,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--agents",
+        choices=("process", "in-process"),
+        default="process",
+        help="where the agents' HTTP clients run: their own process (as deployed), or this one",
+    )
     parser.add_argument("--branches", type=int, default=64)
+    parser.add_argument(
+        "--stage-sessions",
+        type=int,
+        default=200,
+        help="sessions of the profiled run for per-stage costs (0: none)",
+    )
     parser.add_argument("--prefix-words", type=int, default=4000)
     asyncio.run(run(parser.parse_args()))
 

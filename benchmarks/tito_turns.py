@@ -43,10 +43,10 @@ TOOLS = [
 
 async def conversation(chat, turns: int) -> dict[int, tuple[float, ...]]:
     import msgspec
-    from tests.tito_fixtures import as_history_message, make_session
 
     from rollflow.tito.renderer import normalize_message, normalize_tools
     from rollflow.tito.session import _assistant_message
+    from rollflow.tito.testing import as_history_message, make_session
     from rollflow.tito.trace import Sampled
     from rollflow.tito.wire import ChatCompletionRequest
 
@@ -112,15 +112,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from tests.tito_fixtures import TinyChat
+    from rollflow.tito.testing import load_tiny_chat
 
-    from rollflow.config import ModelConfig
-    from rollflow.models.loading import create_chat_renderer, load_tokenizer
-    from rollflow.models.tiny import ensure_tiny_model
-
-    model_dir = ensure_tiny_model()
-    tokenizer = load_tokenizer(model_dir)
-    chat = TinyChat(model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    chat = load_tiny_chat()
     runs = [asyncio.run(conversation(chat, args.turns)) for _ in range(args.repeats + 1)][
         1:
     ]  # first: warm-up

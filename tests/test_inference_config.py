@@ -18,6 +18,7 @@ def test_defaults():
     assert inference.mode == "local"
     assert inference.engine == "torch"
     assert inference.router_port == 8080
+    assert inference.router_impl == "rollflow"
     assert inference.external_server_urls == []
     assert inference.health_check_interval_s > 0 and inference.startup_timeout_s > 0
 
@@ -27,6 +28,7 @@ def test_defaults():
     [
         ["inference.mode='http'"],
         ["inference.mode='http'", "inference.router_port=0", "inference.num_servers=3"],
+        ["inference.mode='http'", "inference.router_impl='vllm-router'"],
         ["inference.mode='http'", "inference.external_server_urls=['http://127.0.0.1:8000']"],
         ["inference.mode='http'", "inference.external_proxy_url='http://proxy:9000'"],
         [
@@ -81,6 +83,8 @@ def test_valid_topologies(overrides):
         (["inference.num_servers=0"], ["inference.num_servers"]),
         (["inference.router='never'"], ["inference.router"]),
         (["inference.router=true"], ["inference.router"]),
+        (["inference.router_impl='nginx'"], ["inference.router_impl"]),
+        (["inference.router_impl='vllm_router'"], ["inference.router_impl"]),
         (["inference.niceness=20"], ["inference.niceness"]),
         (["inference.niceness=-1"], ["inference.niceness"]),
         (["inference.niceness='low'"], ["inference.niceness"]),

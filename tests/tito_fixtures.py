@@ -7,36 +7,21 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest
+from rollflow.tito.testing import TinyChat, as_history_message, make_session  # noqa: F401 - re-exported
 
 MODEL = "rollflow:tiny"
 
 
-@dataclass
-class TinyChat:
-    model_dir: Any
-    tokenizer: Any
-    renderer: Any
-
-    def renderer_with(self, **model_config: Any) -> Any:
-        from rollflow.config import ModelConfig
-        from rollflow.models.loading import create_chat_renderer
-
-        return create_chat_renderer(self.tokenizer, ModelConfig(**model_config))
-
-
 @pytest.fixture(scope="session")
 def tiny_chat(tiny_model_dir) -> TinyChat:
-    from rollflow.config import ModelConfig
-    from rollflow.models.loading import create_chat_renderer, load_tokenizer
+    from rollflow.tito.testing import load_tiny_chat
 
-    tokenizer = load_tokenizer(tiny_model_dir)
-    return TinyChat(tiny_model_dir, tokenizer, create_chat_renderer(tokenizer, ModelConfig()))
+    return load_tiny_chat(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -120,15 +105,6 @@ class ScriptedClient:
     async def close(self) -> None: ...
 
 
-def make_session(client: Any, chat: TinyChat, renderer: Any = None, session_id: str = "s") -> Any:
-    """A ``Session`` without the HTTP server, for tests of rendering, tracing and composing."""
-    from rollflow.tito.renderer import TITORenderer
-    from rollflow.tito.session import Session, TurnSettings
-
-    adapter = TITORenderer(renderer or chat.renderer, chat.tokenizer)
-    return Session(session_id, "token", "http://unused", client, adapter, TurnSettings(MODEL))
-
-
 async def ask(session: Any, messages: list[dict], **fields: Any) -> Any:
     """Send one request straight to a session; returns the recorded ``Turn`` (the first, for ``n > 1``)."""
     import msgspec
@@ -138,26 +114,6 @@ async def ask(session: Any, messages: list[dict], **fields: Any) -> Any:
     request = msgspec.convert({"model": MODEL, "messages": messages, **fields}, ChatCompletionRequest)
     validate_request(request)
     return (await session.complete(request))[0]
-
-
-def as_history_message(turn: Any) -> dict:
-    """The assistant message of a turn as an OpenAI client sends it back."""
-    from rollflow.tito.session import arguments_text
-
-    message = {"role": "assistant", "content": turn.message["content"]}
-    if "tool_calls" in turn.message:
-        message["tool_calls"] = [
-            {
-                "id": call["id"],
-                "type": "function",
-                "function": {
-                    "name": call["function"]["name"],
-                    "arguments": arguments_text(call["function"]["arguments"]),
-                },
-            }
-            for call in turn.message["tool_calls"]
-        ]
-    return message
 
 
 class ScriptedPolicy:

@@ -150,6 +150,11 @@ class InferenceConfig(Section):
     """Whether rollflow starts a router in front of the servers (its own, or ``external_server_urls``).
     ``auto``: only for two or more; the client talks to a single server directly. ``always``: also for one
     (a stable ``router_port`` URL, its health probes and ``/list_workers``)."""
+    router_impl: Literal["rollflow", "vllm-router"] = "rollflow"
+    """Which router rollflow starts: ``rollflow`` (``rollflow router``: session table, failover retries,
+    ``/list_workers``) or ``vllm-router`` (the Rust router from ``pip install vllm-router``, started with
+    ``--policy consistent_hash`` on the ``X-Session-ID`` header; it costs less CPU per request). Either way the
+    client sends control calls (pause, weight updates …) to every server itself."""
     router_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8080
     """Port of the router rollflow starts (on 127.0.0.1); 0 picks a free port."""
     request_timeout_s: PositiveFloat = 600.0

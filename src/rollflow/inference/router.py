@@ -25,6 +25,11 @@ Failure handling:
 Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world size …) fan out to every healthy
 server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
 
+Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
+request without it has its body decoded, for ``session_id``); it goes out with the caller's raw headers over a
+kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
+``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
+
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
 ``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
 through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
@@ -54,6 +59,7 @@ from rollflow.errors import ENGINE_DEAD_TYPE
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
 
@@ -87,6 +93,7 @@ _HOP_HEADERS = frozenset(
         "Server",
     )
 )
+_HOP_HEADER_BYTES = frozenset(name.encode() for name in _HOP_HEADERS)
 # Paths open without the bearer token (probes and scrapers carry no secret).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 _HEALTH_PROBE = msgspec.json.encode(
@@ -126,6 +133,16 @@ def validate_server_url(url: Any) -> str:
     except ValueError:
         raise ValueError(f"server URL has an invalid port: {url!r}") from None
     return url.rstrip("/")
+
+
+def _forwarded_headers(headers: Any) -> dict[str, str]:
+    """``headers`` less the hop-by-hop ones (checked against their lower-case names, built once)."""
+    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+
+
+def _forwarded_raw_headers(raw_headers: Any) -> list[tuple[bytes, bytes]]:
+    """The request's header lines as received (bytes), less the hop-by-hop ones."""
+    return [(name, value) for name, value in raw_headers if name.lower() not in _HOP_HEADER_BYTES]
 
 
 def _is_engine_dead(status: int, body: bytes) -> bool:
@@ -215,7 +232,8 @@ class InferenceRouter:
         self.num_dead_engines = 0  # times a server was taken out because its engine died
         # Runtime.
         self._runner: web.AppRunner | None = None
-        self._client: aiohttp.ClientSession | None = None
+        self._client: aiohttp.ClientSession | None = None  # probes and the control plane
+        self._pools: dict[str, UpstreamPool] = {}  # the data plane: kept-alive connections per server
         self._health_task: asyncio.Task[None] | None = None
         self.url: str | None = None
 
@@ -228,7 +246,10 @@ class InferenceRouter:
             OSError: the port could not be bound.
         """
         self._client = aiohttp.ClientSession(
+            # Kept-alive connections to the servers are reused, without a cap; no cookie jar (a proxy holds
+            # no cookies of its own, and filtering them costs every request).
             connector=aiohttp.TCPConnector(limit=0),
+            cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
             auto_decompress=False,  # bodies pass through byte for byte, with their Content-Encoding
             headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None,
@@ -283,6 +304,9 @@ class InferenceRouter:
         if self._client is not None:
             await self._client.close()
             self._client = None
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
     async def __aenter__(self) -> InferenceRouter:
         await self.start()
@@ -313,6 +337,9 @@ class InferenceRouter:
         if url not in self.workers:
             return False
         del self.workers[url]
+        pool = self._pools.pop(url, None)
+        if pool is not None:
+            pool.close()
         self._forget_sessions_of(url)
         self._rebuild_ring()
         log.info("worker removed", worker=url)
@@ -394,7 +421,9 @@ class InferenceRouter:
     async def _handle_proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # over client_max_size: 413 via the middleware
         session_id = request.headers.get("X-Session-ID") or None
-        if request.method == "POST":
+        # The hot path: with the session in the header the body passes through unread (the server
+        # validates it); only a request without one is decoded, for a ``session_id`` field.
+        if session_id is None and request.method == "POST":
             try:
                 fields = msgspec.json.decode(body, type=_SessionField)
             except msgspec.ValidationError as error:
@@ -403,8 +432,8 @@ class InferenceRouter:
                 return json_error(400, f"request body is not valid JSON: {error}")
             except RecursionError:  # skipping a deeply nested field hits msgspec's depth limit
                 return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
-            session_id = session_id or fields.session_id or None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
+            session_id = fields.session_id or None
+        headers = _forwarded_raw_headers(request.raw_headers)
         self.num_requests += 1
         tried: set[str] = set()
         last_error = "no healthy inference server"
@@ -431,24 +460,32 @@ class InferenceRouter:
         return json_error(status, f"{request.method} {request.path} failed: {last_error}")
 
     async def _handle_control(self, request: web.Request) -> web.Response:
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        return await handle_control(self, request, headers)
+        return await handle_control(self, request, _forwarded_headers(request.headers))
 
     async def _forward(
-        self, request: web.Request, worker: _Worker, body: bytes, headers: dict[str, str]
+        self, request: web.Request, worker: _Worker, body: bytes, headers: list[tuple[bytes, bytes]]
     ) -> tuple[web.StreamResponse | None, BaseException | None]:
         """Proxy to ``worker``; ``(None, error)`` when the connection failed before anything was sent back
-        (the caller may retry elsewhere)."""
-        assert self._client is not None
-        target = f"{worker.url}{request.path_qs}"
+        (the caller may retry elsewhere).
+
+        The caller's headers go as they are: with an ``api_key`` the auth middleware already checked that they
+        carry it, so the server gets it too."""
+        pool = self._pools.get(worker.url)
+        if pool is None:
+            pool = self._pools[worker.url] = UpstreamPool(
+                worker.url, connect_timeout_s=self.connect_timeout_s
+            )
         worker.outstanding += 1
         worker.requests += 1
         response: web.StreamResponse | None = None
         try:
-            async with self._client.request(request.method, target, data=body, headers=headers) as upstream:
-                out_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-                out_headers[WORKER_HEADER] = worker.url
-                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type:
+            async with asyncio.timeout(self.request_timeout_s):
+                upstream = await pool.request(request.method, request.path_qs, headers, body)
+                out_headers = [
+                    (name, value) for name, value in upstream.headers if name.lower() not in _HOP_HEADERS
+                ]
+                out_headers.append((WORKER_HEADER, worker.url))
+                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
                     data = await upstream.read()
                     if _is_engine_dead(upstream.status, data):
                         # Nothing reached the caller yet: take the server out and let the caller retry.
@@ -457,20 +494,18 @@ class InferenceRouter:
                     return web.Response(body=data, status=upstream.status, headers=out_headers), None
                 response = web.StreamResponse(status=upstream.status, headers=out_headers)
                 await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+                async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
+                    async for chunk in chunks:
+                        await response.write(chunk)
                 await response.write_eof()
                 return response, None
-        except aiohttp.ClientConnectorError as error:
+        except UpstreamError as error:
             worker.failures += 1
-            self._mark_dead(worker, f"connection failed: {error}")
-            if response is not None:
-                raise
-            return None, error
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as error:
-            worker.failures += 1
-            # Maybe dying, maybe a stale keep-alive socket: let a probe decide now rather than guess.
-            asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            if error.connect:
+                self._mark_dead(worker, f"connection failed: {error}")
+            else:
+                # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
+                asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
             if response is not None:
                 raise
             return None, error

@@ -8,6 +8,7 @@ It is started, logged (``{log_dir}/router-0.log``) and torn down like the engine
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -92,3 +93,93 @@ class RouterProcess(ProcessGroup):
         # Always set, so a key in this process's environment does not reach a router started without one.
         env = {"ROLLFLOW_API_KEY": self.api_key or ""}
         return command, env, None
+
+
+def vllm_router_command() -> list[str]:
+    """How to start vllm-router from this interpreter (its Python launcher).
+
+    Raises:
+        MissingExtraError: the ``vllm-router`` package is not installed; the message names the install command.
+    """
+    import importlib.util
+
+    from rollflow.errors import MissingExtraError
+
+    if importlib.util.find_spec("vllm_router") is None:
+        raise MissingExtraError(
+            "inference.router_impl = 'vllm-router' needs the vllm-router package: "
+            "pip install 'rollflow[vllm-router]' (or set inference.router_impl = 'rollflow')"
+        )
+    return [sys.executable, "-m", "vllm_router.launch_router"]
+
+
+class VllmRouterProcess(ProcessGroup):
+    """vllm-router (Rust) over ``server_urls`` in its own process, as rollflow's data-plane router.
+
+    It is started with ``--policy consistent_hash``, which hashes the ``X-Session-ID`` header the client sends,
+    so a session stays on one server, and a server that fails one health check (``GET /health`` every
+    ``health_check_interval_s``, rounded up to whole seconds) leaves the ring. It has no control plane of
+    rollflow's kind: the client sends control calls to every server itself. It needs no API key of its own: the
+    client's ``Authorization`` header passes through to the servers. Ready when its ``/health`` answers 200.
+
+    Args: as ``RouterProcess`` (less ``http_limits``, which vllm-router does not take); port 0 picks a free one.
+    """
+
+    kind = "router"
+
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        log_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        health_check_interval_s: float = 2.0,
+        request_timeout_s: float = 600.0,
+        startup_timeout_s: float = 60.0,
+        stop_grace_s: float = 10.0,
+        niceness: int = 0,
+    ):
+        if not server_urls:
+            raise ValueError("VllmRouterProcess needs at least one server URL")
+        super().__init__(
+            1,
+            log_dir,
+            host=host,
+            startup_timeout_s=startup_timeout_s,
+            stop_grace_s=stop_grace_s,
+            niceness=niceness,
+        )
+        self.server_urls = list(server_urls)
+        self.port = port
+        self.health_check_interval_s = health_check_interval_s
+        self.request_timeout_s = request_timeout_s
+
+    @property
+    def url(self) -> str | None:
+        """The router's base URL once it is ready."""
+        return self.urls[0] if self.urls else None
+
+    def _describe(self) -> str:
+        return f"vllm-router on {self.host}:{self.port}"
+
+    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
+        from rollflow.inference.server_group import free_port
+
+        command = vllm_router_command()
+        port = self.port or free_port(self.host)
+        command += [
+            "--host", self.host,
+            "--port", str(port),
+            "--policy", "consistent_hash",
+            "--worker-urls", *self.server_urls,
+            "--request-timeout-secs", str(math.ceil(self.request_timeout_s)),
+            "--health-check-interval-secs", str(max(1, math.ceil(self.health_check_interval_s))),
+            "--health-failure-threshold", "1",
+            "--log-level", "warning",
+            # Its metrics exporter listens on 29000 unless told otherwise: two routers on one machine clash.
+            "--prometheus-host", self.host,
+            "--prometheus-port", str(free_port(self.host)),
+        ]  # fmt: skip
+        # RUST_LOG: at its default level it logs every routing decision, CPU taken from the engines.
+        return command, {"RUST_LOG": "warn"}, port

@@ -18,7 +18,9 @@ A router is started only over two or more servers unless ``inference.router = "a
 client talks to the server directly. The router runs as ``rollflow router`` in its own process
 (``RouterProcess``: its HTTP work stays off the trainer's interpreter lock), listening on
 127.0.0.1:``router_port``. With an API key (``inference.api_key`` or ``$ROLLFLOW_API_KEY``) the servers and
-router rollflow starts require it, and the client sends it everywhere. Logs go to ``{run_dir}/logs/inference/server-{i}.log`` and ``router-0.log``.
+router rollflow starts require it, and the client sends it everywhere. ``inference.router_impl = "vllm-router"``
+starts vllm-router (``VllmRouterProcess``) instead; the client is the control plane either way. Logs go to
+``{run_dir}/logs/inference/server-{i}.log`` and ``router-0.log``.
 """
 
 from __future__ import annotations
@@ -132,7 +134,7 @@ async def get_inference_client(
     from rollflow.config import resolve_api_key
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.router_process import RouterProcess
+    from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
     from rollflow.inference.server_group import ServerGroup
 
     inference = config.inference
@@ -168,17 +170,24 @@ async def get_inference_client(
             # One server: a router would only add a hop, a process and their CPU. The server is both planes.
             proxy_url = server_urls[0]
         if proxy_url is None:
-            router = RouterProcess(
-                server_urls,
-                run_dir / "logs" / "inference",
-                port=inference.router_port,
-                health_check_interval_s=inference.health_check_interval_s,
-                request_timeout_s=inference.request_timeout_s,
-                api_key=api_key,
-                startup_timeout_s=inference.startup_timeout_s,
-                niceness=inference.niceness,
-                http_limits=inference.http_limits(),
-            )
+            router: RouterProcess | VllmRouterProcess
+            common = {
+                "port": inference.router_port,
+                "health_check_interval_s": inference.health_check_interval_s,
+                "request_timeout_s": inference.request_timeout_s,
+                "startup_timeout_s": inference.startup_timeout_s,
+                "niceness": inference.niceness,
+            }
+            if inference.router_impl == "vllm-router":
+                router = VllmRouterProcess(server_urls, run_dir / "logs" / "inference", **common)
+            else:
+                router = RouterProcess(
+                    server_urls,
+                    run_dir / "logs" / "inference",
+                    api_key=api_key,
+                    http_limits=inference.http_limits(),
+                    **common,
+                )
             await stack.enter_async_context(router)
             assert router.url is not None
             proxy_url = router.url

@@ -69,10 +69,91 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
+    """The model's tokenizer, with short texts' ids remembered (``ShortTextEncodeCache``, ``OffsetsProbeCache``)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    return AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _cache_short_encodes(tokenizer)
+    return tokenizer
+
+
+class ShortTextEncodeCache:
+    """``tokenizer.encode`` that remembers the ids of short texts (``max_chars`` at most).
+
+    Chat renderers encode the same few short strings on every turn (role headers, reasoning markers, "\\n");
+    through transformers each ``encode`` costs tens of microseconds of Python, several times per request.
+    Encoding is deterministic, so the ids of a short text are kept (``max_entries`` texts, then the memory
+    starts over) and each call gets its own copy of the list. Calls with other arguments, or longer texts, go to
+    the tokenizer's own ``encode``. The memory is not pickled (a pickled tokenizer starts with an empty one).
+    """
+
+    def __init__(self, tokenizer: Any, max_chars: int = 64, max_entries: int = 4096):
+        self._encode = type(tokenizer).encode.__get__(tokenizer)
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self._ids: dict[tuple[str, bool], tuple[int, ...]] = {}
+
+    def __call__(self, text: Any, *args: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
+        if args or kwargs or not isinstance(text, str) or len(text) > self.max_chars:
+            return self._encode(text, *args, add_special_tokens=add_special_tokens, **kwargs)
+        key = (text, add_special_tokens)
+        ids = self._ids.get(key)
+        if ids is None:
+            ids = tuple(self._encode(text, add_special_tokens=add_special_tokens))
+            if len(self._ids) >= self.max_entries:
+                self._ids.clear()
+            self._ids[key] = ids
+        return list(ids)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
+
+
+class OffsetsProbeCache:
+    """``tokenizer.__call__`` as read by ``getattr(tokenizer, "__call__")``, remembering short calls.
+
+    The ``renderers`` package asks, on every render, whether the tokenizer gives character offsets by calling
+    ``getattr(tokenizer, "__call__")("a", add_special_tokens=False, return_offsets_mapping=True)``: about a
+    quarter of a turn's render. Calls through ``tokenizer(...)`` never reach this (Python looks ``__call__`` up
+    on the class); calls through the attribute with one short text and only ``add_special_tokens`` /
+    ``return_offsets_mapping`` are answered from memory, each with its own copy of the mapping.
+    """
+
+    _REMEMBERED = frozenset({"add_special_tokens", "return_offsets_mapping"})
+
+    def __init__(self, tokenizer: Any, max_chars: int = 64, max_entries: int = 256):
+        self._call = type(tokenizer).__call__.__get__(tokenizer)
+        self.max_chars = max_chars
+        self.max_entries = max_entries
+        self._encodings: dict[tuple[Any, ...], Any] = {}
+
+    def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if (
+            args
+            or not isinstance(text, str)
+            or len(text) > self.max_chars
+            or not kwargs.keys() <= self._REMEMBERED
+        ):
+            return self._call(text, *args, **kwargs)
+        key = (text, *sorted(kwargs.items()))
+        encoding = self._encodings.get(key)
+        if encoding is None:
+            encoding = self._call(text, **kwargs)
+            if len(self._encodings) >= self.max_entries:
+                self._encodings.clear()
+            self._encodings[key] = encoding
+        return encoding.copy() if hasattr(encoding, "copy") else encoding
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (OffsetsProbeCache, (self._call.__self__, self.max_chars, self.max_entries))
+
+
+def _cache_short_encodes(tokenizer: Any) -> None:
+    if callable(getattr(type(tokenizer), "encode", None)):
+        tokenizer.encode = ShortTextEncodeCache(tokenizer)
+    if callable(tokenizer):
+        tokenizer.__call__ = OffsetsProbeCache(tokenizer)
 
 
 def load_causal_lm(model_dir: Path, *, device: Any = "cpu", dtype: Any = None) -> Any:
