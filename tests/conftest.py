@@ -61,3 +61,76 @@ def uncached_engine(tiny_model_dir):
     )
     yield engine
     asyncio.run(engine.shutdown())
+
+
+# ---------------------------------------------------------------- the inference client under test
+
+ONE_MODE_MARKERS = ("local_only", "http_only")
+CLIENT_FIXTURES = frozenset({"inference_client", "inference_backend"})
+_TEST_KINDS = pytest.StashKey[dict[str, str]]()
+
+
+@pytest.fixture(scope="session")
+def inference_backend(request, tmp_path_factory):
+    """The engines behind ``inference_client``, shared by the session (see ``tests/inference_clients.py``):
+    read-only by contract, so a test that moves weights starts its own."""
+    from .inference_clients import HttpBackend, LocalBackend, suite_inference_mode
+
+    if suite_inference_mode() == "local":
+        backend = LocalBackend(request.getfixturevalue("tiny_model_dir"))
+    else:
+        backend = HttpBackend(request.getfixturevalue("inference_servers"), tmp_path_factory.mktemp("router"))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+async def inference_client(inference_backend):
+    """An ``InferenceClient`` of the tiny model in the suite's mode (``$ROLLFLOW_INFERENCE_MODE``). Tests
+    taking it are marked ``follows_mode``. After the test, the shared engines must be unpaused and on their
+    initial weights, or the test fails."""
+    client = inference_backend.client()
+    try:
+        yield client
+    finally:
+        if inference_backend.mode == "http":
+            await client.close()  # a local client's close would shut the shared engine down
+    problem = await inference_backend.check_untouched()
+    if problem:
+        pytest.fail(f"the test {problem}: shared engines are read-only; start private ones to change them")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
+def pytest_collection_modifyitems(config, items):
+    kinds = config.stash.setdefault(_TEST_KINDS, {})
+    for item in items:
+        one_mode = [name for name in ONE_MODE_MARKERS if item.get_closest_marker(name)]
+        for name in one_mode:
+            if not item.get_closest_marker(name).kwargs.get("reason"):
+                raise pytest.UsageError(
+                    f"{item.nodeid}: @pytest.mark.{name} needs reason='why this mode only'"
+                )
+        follows = bool(CLIENT_FIXTURES & set(item.fixturenames)) or item.get_closest_marker("follows_mode")
+        if len(one_mode) > 1 or (follows and one_mode):
+            what = "takes the mode-following inference_client and is " if follows else "is "
+            raise pytest.UsageError(f"{item.nodeid} {what}marked {' and '.join(one_mode)}: pick one")
+        if follows:
+            item.add_marker(pytest.mark.follows_mode)
+            kinds[item.nodeid] = "follows_mode"
+        elif one_mode:
+            kinds[item.nodeid] = one_mode[0]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many tests that drive inference ran, by kind, and the mode the mode-following ones ran in."""
+    from .inference_clients import suite_inference_mode
+
+    kinds = config.stash.get(_TEST_KINDS, {})
+    ran = {"follows_mode": 0, "local_only": 0, "http_only": 0}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        if report.when == "call" and report.nodeid in kinds:
+            ran[kinds[report.nodeid]] += 1
+    terminalreporter.write_line(
+        f"inference tests run: {ran['follows_mode']} mode-following (in {suite_inference_mode()} mode), "
+        f"{ran['local_only']} local-only, {ran['http_only']} http-only"
+    )
