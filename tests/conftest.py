@@ -102,23 +102,25 @@ async def inference_client(inference_backend):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
 def pytest_collection_modifyitems(config, items):
+    """Mark every test that takes ``inference_client`` as ``follows_mode``; check the one-mode markers (the
+    closest wins, so a module marked ``http_only`` can hold a ``local_only`` test) and record each test's
+    kind for the summary."""
     kinds = config.stash.setdefault(_TEST_KINDS, {})
     for item in items:
-        one_mode = [name for name in ONE_MODE_MARKERS if item.get_closest_marker(name)]
-        for name in one_mode:
-            if not item.get_closest_marker(name).kwargs.get("reason"):
-                raise pytest.UsageError(
-                    f"{item.nodeid}: @pytest.mark.{name} needs reason='why this mode only'"
-                )
-        follows = bool(CLIENT_FIXTURES & set(item.fixturenames)) or item.get_closest_marker("follows_mode")
-        if len(one_mode) > 1 or (follows and one_mode):
-            what = "takes the mode-following inference_client and is " if follows else "is "
-            raise pytest.UsageError(f"{item.nodeid} {what}marked {' and '.join(one_mode)}: pick one")
-        if follows:
+        one_mode = next((m for m in item.iter_markers() if m.name in ONE_MODE_MARKERS), None)
+        if one_mode is not None and not one_mode.kwargs.get("reason"):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{one_mode.name} needs reason='why'")
+        takes_client = bool(CLIENT_FIXTURES & set(item.fixturenames))
+        if takes_client and one_mode is not None:
+            raise pytest.UsageError(
+                f"{item.nodeid} takes the mode-following inference_client but is marked {one_mode.name}: "
+                "drop the marker, or build the one client it is about"
+            )
+        if takes_client or (one_mode is None and item.get_closest_marker("follows_mode")):
             item.add_marker(pytest.mark.follows_mode)
             kinds[item.nodeid] = "follows_mode"
-        elif one_mode:
-            kinds[item.nodeid] = one_mode[0]
+        elif one_mode is not None:
+            kinds[item.nodeid] = one_mode.name
 
 
 def pytest_terminal_summary(terminalreporter, config):
