@@ -70,6 +70,12 @@ CLIENT_FIXTURES = frozenset({"inference_client", "inference_backend"})
 _TEST_KINDS = pytest.StashKey[dict[str, str]]()
 
 
+def pytest_configure(config):
+    from .inference_clients import suite_inference_mode
+
+    suite_inference_mode()  # a bad $ROLLFLOW_INFERENCE_MODE is a usage error before anything runs
+
+
 @pytest.fixture(scope="session")
 def inference_backend(request, tmp_path_factory):
     """The engines behind ``inference_client``, shared by the session (see ``tests/inference_clients.py``):
