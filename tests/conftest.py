@@ -94,7 +94,8 @@ def inference_backend(request, tmp_path_factory):
 async def inference_client(inference_backend):
     """An ``InferenceClient`` of the tiny model in the suite's mode (``$ROLLFLOW_INFERENCE_MODE``). Tests
     taking it are marked ``follows_mode``. After the test, the shared engines must be unpaused and on their
-    initial weights, or the test fails."""
+    initial weights, or the test fails. Its event loop is the test's own (function-scoped), so modules that
+    run their tests on a module-scoped loop cannot take it."""
     client = inference_backend.client()
     try:
         yield client

@@ -90,7 +90,7 @@ class LocalBackend:
 
 
 def _metric(text: str, name: str) -> float:
-    """The value of one unlabelled-by-us Prometheus sample (``name{...} value``) in ``text``."""
+    """The value of the Prometheus sample ``name{labels} value`` in a server's ``/metrics`` text."""
     for line in text.splitlines():
         if line.startswith(name) and line[len(name)] in "{ ":
             return float(line.rsplit(" ", 1)[1])
