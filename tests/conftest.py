@@ -117,13 +117,13 @@ def pytest_collection_modifyitems(config, items):
         one_mode = next((m for m in item.iter_markers() if m.name in ONE_MODE_MARKERS), None)
         if one_mode is not None and not one_mode.kwargs.get("reason"):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{one_mode.name} needs reason='why'")
-        takes_client = bool(CLIENT_FIXTURES & set(item.fixturenames))
-        if takes_client and one_mode is not None:
+        follows = bool(CLIENT_FIXTURES & set(item.fixturenames)) or item.get_closest_marker("follows_mode")
+        if follows and one_mode is not None:
             raise pytest.UsageError(
-                f"{item.nodeid} takes the mode-following inference_client but is marked {one_mode.name}: "
-                "drop the marker, or build the one client it is about"
+                f"{item.nodeid} follows the suite's inference mode (inference_client or follows_mode) but is "
+                f"marked {one_mode.name}: drop one, or build the one client it is about"
             )
-        if takes_client or (one_mode is None and item.get_closest_marker("follows_mode")):
+        if follows:
             item.add_marker(pytest.mark.follows_mode)
             kinds[item.nodeid] = "follows_mode"
         elif one_mode is not None:
