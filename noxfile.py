@@ -1,4 +1,4 @@
-"""Developer sessions: `nox -s tests`, `nox -s lint`, `nox -s bench`, `nox -s gpu_tests`."""
+"""Developer sessions: `nox -s tests`, `nox -s tests_http`, `nox -s lint`, `nox -s bench`, `nox -s gpu_tests`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import nox
 from nox.command import CommandFailed
 
-nox.options.sessions = ["lint", "tests"]
+nox.options.sessions = ["lint", "tests", "tests_http"]
 nox.options.default_venv_backend = "venv"
 
 # The CPU build of torch must be installed before the project, or pip resolves a multi-GB CUDA build.
@@ -19,11 +19,24 @@ def _install(session: nox.Session, *extras: str) -> None:
     session.install("-e", f".[{','.join(('dev', *extras))}]")
 
 
+# The tests that follow the suite's inference mode (they take the inference_client fixture, or are marked
+# follows_mode); the http pass runs these. local_only / http_only tests pin their mode and run in `tests`.
+HTTP_PASS = "follows_mode and not gpu"
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The CPU test suite (everything not marked gpu)."""
+    """The CPU test suite (everything not marked gpu) in the default inference mode: engines in process."""
     _install(session)
     session.run("pytest", "-m", "not gpu", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+
+
+@nox.session
+def tests_http(session: nox.Session) -> None:
+    """The mode-following tests in http mode: real `rollflow serve` servers behind a `rollflow router`."""
+    _install(session)
+    env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_INFERENCE_MODE": "http"}
+    session.run("pytest", "-m", HTTP_PASS, *session.posargs, env=env)
 
 
 @nox.session

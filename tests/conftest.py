@@ -61,3 +61,85 @@ def uncached_engine(tiny_model_dir):
     )
     yield engine
     asyncio.run(engine.shutdown())
+
+
+# ---------------------------------------------------------------- the inference client under test
+
+ONE_MODE_MARKERS = ("local_only", "http_only")
+CLIENT_FIXTURES = frozenset({"inference_client", "inference_backend"})
+_TEST_KINDS = pytest.StashKey[dict[str, str]]()
+
+
+def pytest_configure(config):
+    from .inference_clients import suite_inference_mode
+
+    suite_inference_mode()  # a bad $ROLLFLOW_INFERENCE_MODE is a usage error before anything runs
+
+
+@pytest.fixture(scope="session")
+def inference_backend(request, tmp_path_factory):
+    """The engines behind ``inference_client``, shared by the session (see ``tests/inference_clients.py``):
+    read-only by contract, so a test that moves weights starts its own."""
+    from .inference_clients import HttpBackend, LocalBackend, suite_inference_mode
+
+    if suite_inference_mode() == "local":
+        backend = LocalBackend(request.getfixturevalue("tiny_model_dir"))
+    else:
+        backend = HttpBackend(request.getfixturevalue("inference_servers"), tmp_path_factory.mktemp("router"))
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+async def inference_client(inference_backend):
+    """An ``InferenceClient`` of the tiny model in the suite's mode (``$ROLLFLOW_INFERENCE_MODE``). Tests
+    taking it are marked ``follows_mode``. After the test, the shared engines must be unpaused and on their
+    initial weights, or the test fails. Its event loop is the test's own (function-scoped), so modules that
+    run their tests on a module-scoped loop cannot take it."""
+    client = inference_backend.client()
+    try:
+        yield client
+    finally:
+        if inference_backend.mode == "http":
+            await client.close()  # a local client's close would shut the shared engine down
+    problem = await inference_backend.check_untouched()
+    if problem:
+        pytest.fail(f"the test {problem}: shared engines are read-only; start private ones to change them")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the markers added here
+def pytest_collection_modifyitems(config, items):
+    """Mark every test that takes ``inference_client`` as ``follows_mode``; check the one-mode markers (the
+    closest wins, so a module marked ``http_only`` can hold a ``local_only`` test) and record each test's
+    kind for the summary."""
+    kinds = config.stash.setdefault(_TEST_KINDS, {})
+    for item in items:
+        one_mode = next((m for m in item.iter_markers() if m.name in ONE_MODE_MARKERS), None)
+        if one_mode is not None and not one_mode.kwargs.get("reason"):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{one_mode.name} needs reason='why'")
+        follows = bool(CLIENT_FIXTURES & set(item.fixturenames)) or item.get_closest_marker("follows_mode")
+        if follows and one_mode is not None:
+            raise pytest.UsageError(
+                f"{item.nodeid} follows the suite's inference mode (inference_client or follows_mode) but is "
+                f"marked {one_mode.name}: drop one, or build the one client it is about"
+            )
+        if follows:
+            item.add_marker(pytest.mark.follows_mode)
+            kinds[item.nodeid] = "follows_mode"
+        elif one_mode is not None:
+            kinds[item.nodeid] = one_mode.name
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """How many tests that drive inference ran, by kind, and the mode the mode-following ones ran in."""
+    from .inference_clients import suite_inference_mode
+
+    kinds = config.stash.get(_TEST_KINDS, {})
+    ran = {"follows_mode": 0, "local_only": 0, "http_only": 0}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        if report.when == "call" and report.nodeid in kinds:
+            ran[kinds[report.nodeid]] += 1
+    terminalreporter.write_line(
+        f"inference tests run: {ran['follows_mode']} mode-following (in {suite_inference_mode()} mode), "
+        f"{ran['local_only']} local-only, {ran['http_only']} http-only"
+    )

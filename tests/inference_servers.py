@@ -30,9 +30,14 @@ class BackgroundServerGroup:
         self.pids = self.group.pids
         self.log_dir = log_dir
 
+    def run(self, coroutine, timeout_s: float | None = None):
+        """Run ``coroutine`` on the group's loop (for things that live next to the servers, like a router)
+        and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout_s)
+
     def close(self) -> None:
         try:
-            asyncio.run_coroutine_threadsafe(self.group.stop(), self._loop).result(timeout=60)
+            self.run(self.group.stop(), timeout_s=60)
         finally:
             self._shutdown_loop()
 

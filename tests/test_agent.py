@@ -1,6 +1,6 @@
-"""``AgentGenerator`` over a real ``TITOProxy`` and a real engine of the tiny model: callable agents written
-with the official ``openai`` SDK, the example's summarizing agent, timeouts, failures, command agents, and
-``rollflow generate`` end to end."""
+"""``AgentGenerator`` over a real ``TITOProxy`` and the tiny model in the suite's inference mode (the
+``inference_client`` fixture): callable agents written with the official ``openai`` SDK, the example's
+summarizing agent, timeouts, failures, command agents, and ``rollflow generate`` end to end."""
 
 # Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
 # ruff: noqa: F811
@@ -13,6 +13,7 @@ import math
 import sys
 import time
 
+import anyio
 import openai
 import pytest
 
@@ -26,28 +27,10 @@ from .conftest import REPO_ROOT
 EXAMPLE_AGENT = REPO_ROOT / "examples" / "agent_tito" / "agent.py"
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    """Room for the example agent's tool prompts (the shared TITO engine stops at 512 tokens)."""
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
-
-    engine = TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=16, max_model_len=1024)
-    yield engine
-    asyncio.run(engine.shutdown())
-
-
 @pytest.fixture
-def engine_client(tiny_engine):
-    from rollflow.inference.client import LocalInferenceClient
-
-    return LocalInferenceClient([tiny_engine])  # not closed: the engine outlives the test
-
-
-@pytest.fixture
-async def proxy(engine_client, tiny_chat):
+async def proxy(inference_client, tiny_chat):
     async with TITOProxy(
-        engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=8
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=8
     ) as p:
         yield p
 
@@ -163,7 +146,7 @@ async def test_summarizing_example_agent_branches(proxy, tiny_model):
     assert all(0.0 <= s.reward <= 1.0 and not s.masked for s in group.samples)
 
 
-async def test_timeout_masks_and_counts_a_timeout(proxy, tiny_engine):
+async def test_timeout_masks_and_counts_a_timeout(proxy, inference_backend):
     async def slow_agent(base_url, task):
         if task.sample_index == 0:
             async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0) as client:
@@ -178,7 +161,10 @@ async def test_timeout_masks_and_counts_a_timeout(proxy, tiny_engine):
     assert all(s.masked for s in group.samples)
     assert len(group.samples[0].completion_token_ids) > 0  # the call it made is kept, masked
     assert group.metrics["agent_timeouts"] == 2 and group.metrics["agent_errors"] == 0
-    assert not proxy.sessions and tiny_engine.num_running == 0
+    assert not proxy.sessions
+    with anyio.fail_after(10):  # the timed-out call's abort reaches the engine (over HTTP, a moment later)
+        while await inference_backend.running_requests():
+            await asyncio.sleep(0.05)
 
 
 async def test_failing_agents_are_masked_and_counted_as_errors(proxy):
@@ -278,11 +264,16 @@ def test_rollflow_generate_writes_jsonl(tmp_path, monkeypatch):
     assert main(["generate", str(config), "--set", "agent.max_seq_len=0"]) == 2
 
 
-@pytest.mark.parametrize(("mode", "schedule"), [("local", "sync"), ("http", "sync"), ("http", "fully_async")])
-def test_rollflow_run_trains_the_agent_example(tmp_path, mode, schedule):
-    """In ``http`` mode the agent's calls go proxy → router → 2 engine servers."""
-    import os
+@pytest.mark.follows_mode
+@pytest.mark.parametrize("schedule", ["sync", "fully_async"])
+def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
+    """In the suite's inference mode (the run reads ``$ROLLFLOW_INFERENCE_MODE``); in ``http`` mode the
+    agent's calls go proxy → router → 2 engine servers."""
     import subprocess
+
+    from .inference_clients import suite_inference_mode
+
+    mode = suite_inference_mode()
 
     sets = [
         f"orchestrator.mode={schedule}",
@@ -295,8 +286,7 @@ def test_rollflow_run_trains_the_agent_example(tmp_path, mode, schedule):
     command = [sys.executable, "-m", "rollflow", "run", "examples/agent_tito/config.toml", "--no-progress"]
     for value in sets:
         command += ["--set", value]
-    env = {**os.environ, "ROLLFLOW_INFERENCE_MODE": mode}
-    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [
         json.loads(line) for line in (tmp_path / "agent_tito" / "metrics.jsonl").read_text().splitlines()

@@ -13,6 +13,10 @@ from rollflow import Orchestrator, load_config
 from rollflow.inference.client import LocalInferenceClient
 from rollflow.inference.engine.engine import TorchEngine
 
+pytestmark = pytest.mark.local_only(
+    reason="stand-in clients wrap an in-process engine; weights move in process"
+)
+
 
 class JitteryClient:
     """The real in-process engine, with random delays before each generate and each pause, so groups finish

@@ -14,6 +14,8 @@ from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 from rollflow.orchestrator.barrier import PUSH_BACKSTOP_GRACE_S, WeightBarrier, WeightSyncTimeoutError
 from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
 
+pytestmark = pytest.mark.local_only(reason="barriers that move weights into a private in-process engine")
+
 
 class HungTransfer:
     """Stands in for a peer that never joins the transfer (a dead trainer-side broadcast)."""
@@ -82,7 +84,13 @@ async def _server_running(url: str) -> int:
     return int(float(line.split()[-1]))
 
 
-@pytest.mark.parametrize("where", ["in_process", "http"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "in_process",
+        pytest.param("http", marks=pytest.mark.http_only(reason="the same barrier on a private server")),
+    ],
+)
 async def test_keep_barrier_continues_frozen_requests_on_the_new_weights(where, tiny_model_dir, tmp_path):
     """A request frozen by a ``keep`` barrier resumes on the new weights: its tokens up to the barrier are
     the old policy's (equal to an undisturbed run), the rest are stamped with the new version, and the

@@ -40,7 +40,15 @@ def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, time
     raise AssertionError(f"step {step} not reached in {timeout_s} s")
 
 
-@pytest.mark.parametrize(("mode", "schedule"), [("local", "sync"), ("http", "fully_async")])
+@pytest.mark.parametrize(
+    ("mode", "schedule"),
+    [
+        pytest.param(
+            "local", "sync", marks=pytest.mark.local_only(reason="the README's run, engines in process")
+        ),
+        pytest.param("http", "fully_async", marks=pytest.mark.http_only(reason="the README's run over HTTP")),
+    ],
+)
 def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode, schedule):
     """The README's run command: reward starts near chance and ends near 1 on the case task, with engines
     in process (local, sync) and with 2 engine servers behind the router (http, fully async)."""

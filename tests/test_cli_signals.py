@@ -171,14 +171,44 @@ def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_p
     [
         # Everything up (2 engine servers, the router, the trainer process); SIGTERM to the run alone, as
         # `timeout` or `kill` send it.
-        ("setup", "process", "http", "process"),
+        pytest.param(
+            "setup",
+            "process",
+            "http",
+            "process",
+            marks=pytest.mark.http_only(reason="signals reach servers and the router"),
+        ),
         # SIGTERM to the whole process group (systemd, Slurm), the trainer process included, mid-step.
-        ("step:3", "process", "local", "group"),
-        ("step:3", "thread", "local", "process"),
+        pytest.param(
+            "step:3",
+            "process",
+            "local",
+            "group",
+            marks=pytest.mark.local_only(reason="signals reach in-process engines"),
+        ),
+        pytest.param(
+            "step:3",
+            "thread",
+            "local",
+            "process",
+            marks=pytest.mark.local_only(reason="signals reach in-process engines"),
+        ),
         # Mid-checkpoint: the trainer's files written, state.json not yet.
-        ("checkpoint:4", "thread", "local", "group"),
+        pytest.param(
+            "checkpoint:4",
+            "thread",
+            "local",
+            "group",
+            marks=pytest.mark.local_only(reason="signals reach in-process engines"),
+        ),
         # Two data-parallel trainer workers (trainer.num_workers = 2) get the group's SIGTERM mid-step too.
-        ("step:3", "workers", "local", "group"),
+        pytest.param(
+            "step:3",
+            "workers",
+            "local",
+            "group",
+            marks=pytest.mark.local_only(reason="signals reach in-process engines"),
+        ),
     ],
 )
 def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(

@@ -100,6 +100,7 @@ async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_p
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_generate_reads_a_dataset_and_reports_each_reward(tmp_path):
     from rollflow.orchestrator.generate import generate
 

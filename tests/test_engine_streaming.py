@@ -1,5 +1,6 @@
-"""``TorchEngine.generate_stream`` and ``LocalInferenceClient.generate_stream``: tokens arrive as they are
-sampled, the assembled stream equals ``generate``, and abort, early close and bad input behave as documented."""
+"""``TorchEngine.generate_stream`` and a client's ``generate_stream`` (in the suite's inference mode): tokens
+arrive as they are sampled, the assembled stream equals ``generate``, and abort, early close and bad input
+behave as documented."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import contextlib
 import pytest
 
 from rollflow.errors import EngineError
-from rollflow.inference.client import LocalInferenceClient, collect_stream
+from rollflow.inference.client import collect_stream
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio
@@ -108,10 +109,16 @@ async def test_bad_request_raises_when_the_iteration_starts(engine):
         await anext(stream)
 
 
-async def test_local_client_streams_like_it_generates(engine):
-    client = LocalInferenceClient([engine])
-    streamed = await collect_stream(client.generate_stream(request(48, temperature=0.0, seed=None)))
-    assert streamed == await client.generate(request(48, temperature=0.0, seed=None))
+async def test_a_client_streams_like_it_generates(inference_client):
+    """Greedy, so the tokens are equal; the logprobs only nearly (the second call may extend the first's
+    cached prefix rather than prefill, which changes the last bits)."""
+    greedy = request(48, temperature=0.0, seed=None)
+    streamed = await collect_stream(inference_client.generate_stream(greedy))
+    whole = await inference_client.generate(greedy)
+    assert streamed.token_ids == whole.token_ids and whole.token_ids
+    assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
+    assert (streamed.finish_reason, streamed.prompt_len) == (whole.finish_reason, whole.prompt_len)
+    assert streamed.policy_versions == whole.policy_versions == [0] * len(whole.token_ids)
 
 
 async def _wait_until(predicate, timeout_s: float = 10.0) -> None:

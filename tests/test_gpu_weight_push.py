@@ -20,6 +20,7 @@ from .test_train import make_batch
 from .test_weight_push import GREEDY, PROMPTS, server_outputs
 
 pytestmark = [
+    pytest.mark.http_only(reason="a CUDA trainer pushing into a server"),
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]

@@ -30,6 +30,7 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_start_run_stop_in_a_running_loop(tmp_path):
     config = small_config(tmp_path, "orchestrator.steps=3")
     orchestrator = await Orchestrator.start(config)
@@ -53,6 +54,7 @@ async def test_start_run_stop_in_a_running_loop(tmp_path):
             assert key in metrics, key
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_every_sample_records_the_policy_version_it_was_sampled_with(tmp_path):
     config = small_config(tmp_path, "orchestrator.steps=3")
     async with Orchestrator(config) as orchestrator:
@@ -98,6 +100,7 @@ async def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
         await Orchestrator.start(small_config(tmp_path), resume=True)
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_resume_continues_where_the_checkpoint_left_off(tmp_path):
     config = small_config(tmp_path, "orchestrator.steps=4", "checkpoint.every=2")
     async with Orchestrator(config) as orchestrator:
@@ -146,6 +149,7 @@ def server_children(command: bytes = b"serve") -> list[int]:
     return pids
 
 
+@pytest.mark.http_only(reason="a server killed under a run")
 async def test_a_server_dying_mid_run_does_not_stop_the_run(tmp_path, monkeypatch):
     """http mode, 2 servers: kill one; the router and the weight transfer carry on with the other."""
     monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)

@@ -15,7 +15,10 @@ from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.http_only(reason="RemoteInferenceClient itself, over the shared servers and its own routers"),
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -267,6 +270,7 @@ def server_children(command_name: str = "serve") -> set[int]:
     return pids
 
 
+@pytest.mark.local_only(reason="the default config's topology")
 async def test_setup_local_mode(tmp_path, monkeypatch):
     from rollflow.config import build_config
     from rollflow.inference.client import LocalInferenceClient

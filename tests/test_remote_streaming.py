@@ -18,7 +18,10 @@ from rollflow.inference.remote import RemoteInferenceClient, RemoteInferenceErro
 from rollflow.inference.router import InferenceRouter
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.http_only(reason="RemoteInferenceClient's stream parsing through a real router"),
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

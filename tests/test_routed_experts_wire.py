@@ -176,6 +176,7 @@ async def test_chat_returns_routes_plain_and_streamed(server):
     np.testing.assert_array_equal(unpack_routed_experts(carrying[0]["routed_experts"]), routes)
 
 
+@pytest.mark.http_only(reason="RemoteInferenceClient's route decoding")
 @module_loop
 async def test_remote_client_decodes_routes_plain_and_streamed(server, reference):
     request = GenerateRequest(PROMPT, GREEDY)
@@ -203,6 +204,7 @@ async def test_routes_are_off_unless_enabled(tiny_moe_model_dir):
         await server.close()
 
 
+@pytest.mark.http_only(reason="RemoteInferenceClient's route checks")
 @module_loop
 @pytest.mark.parametrize(
     ("routed_experts", "match"),

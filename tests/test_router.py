@@ -21,7 +21,10 @@ from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 from rollflow.inference.server_group import ServerGroup, free_port
 from rollflow.messages import GenerateRequest, SamplingParams
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.http_only(reason="the router's own routing, admin and failure handling"),
+]
 
 GENERATE = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
 

@@ -15,7 +15,10 @@ from rollflow.inference.server_group import free_port
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.weights import StaticWeights, connect_sender, create_strategy
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.http_only(reason="the router's control-plane fan-out"),
+]
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 

@@ -31,6 +31,7 @@ async def test_a_taken_port_fails_naming_the_router_and_quoting_its_log(tmp_path
     assert router.pids == []  # nothing left running
 
 
+@pytest.mark.http_only(reason="the router process over the shared servers")
 async def test_routes_to_its_servers_and_stops(tmp_path, inference_servers):
     import aiohttp
 

@@ -2,7 +2,7 @@
 on the tiny model: the openai SDK, litellm, the openai-agents SDK and smolagents' tool-calling agent.
 
 The tiny model's replies are gibberish, so its tool calls are forced: ``ScriptedPolicy`` wraps the real
-engine and, on the calls a script names, streams chosen tokens (a ``<tool_call>`` block, closed with the stop
+model (``inference_client``, in the suite's inference mode) and, on the calls a script names, streams chosen tokens (a ``<tool_call>`` block, closed with the stop
 token) instead of sampling; the other calls are real samples of the tiny model. Each library then sends what
 it really sends (smolagents: ``stop`` strings and ``tool_choice: "required"``; openai-agents: its own message
 shapes; the SDKs: ``extra_body`` fields), and each test checks that the episode ends without an error and that
@@ -44,21 +44,8 @@ def tool_call(name: str, **arguments) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
-@pytest.fixture(scope="module")
-def long_engine(tiny_model_dir):
-    """Room for the libraries' own system prompts and tool schemas."""
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
-
-    engine = TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=4, max_model_len=2048)
-    yield engine
-    asyncio.run(engine.shutdown())
-
-
-def _policy(engine, chat, script) -> ScriptedPolicy:
-    from rollflow.inference.client import LocalInferenceClient
-
-    return ScriptedPolicy(LocalInferenceClient([engine]), chat.tokenizer, script)
+def _policy(client, chat, script) -> ScriptedPolicy:
+    return ScriptedPolicy(client, chat.tokenizer, script)
 
 
 def _decode(chat):
@@ -71,9 +58,9 @@ async def _episode_trace(proxy: TITOProxy, session) -> object:
     return trace
 
 
-async def test_openai_sdk_tool_episode(long_engine, tiny_chat):
+async def test_openai_sdk_tool_episode(inference_client, tiny_chat):
     script = {0: tool_call("add", a=2, b=3)}
-    policy = _policy(long_engine, tiny_chat, lambda call, _: script.get(call))
+    policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
     ) as proxy:
@@ -97,10 +84,10 @@ async def test_openai_sdk_tool_episode(long_engine, tiny_chat):
     assert assert_parity(trace, policy.calls, ["\n\n"], _decode(tiny_chat)) > 0
 
 
-async def test_litellm_tool_episode(long_engine, tiny_chat):
+async def test_litellm_tool_episode(inference_client, tiny_chat):
     litellm = pytest.importorskip("litellm")
     script = {0: tool_call("add", a=4, b=1)}
-    policy = _policy(long_engine, tiny_chat, lambda call, _: script.get(call))
+    policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
     ) as proxy:
@@ -127,7 +114,7 @@ async def test_litellm_tool_episode(long_engine, tiny_chat):
     assert assert_parity(trace, policy.calls) > 0
 
 
-async def test_openai_agents_sdk_tool_episode(long_engine, tiny_chat):
+async def test_openai_agents_sdk_tool_episode(inference_client, tiny_chat):
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)  # no export of traces to OpenAI
     added = []
@@ -139,7 +126,7 @@ async def test_openai_agents_sdk_tool_episode(long_engine, tiny_chat):
         return a + b
 
     script = {0: tool_call("add", a=20, b=22)}
-    policy = _policy(long_engine, tiny_chat, lambda call, _: script.get(call))
+    policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
     ) as proxy:
@@ -158,7 +145,7 @@ async def test_openai_agents_sdk_tool_episode(long_engine, tiny_chat):
     assert assert_parity(trace, policy.calls) > 0
 
 
-async def test_smolagents_tool_calling_agent_episode(long_engine, tiny_chat):
+async def test_smolagents_tool_calling_agent_episode(inference_client, tiny_chat):
     smolagents = pytest.importorskip("smolagents")
 
     @smolagents.tool
@@ -177,7 +164,7 @@ async def test_smolagents_tool_calling_agent_episode(long_engine, tiny_chat):
         0: tool_call("add", a=2, b=40) + "\nObservation: 42",
         1: tool_call("final_answer", answer="42"),
     }
-    policy = _policy(long_engine, tiny_chat, lambda call, _: script.get(call))
+    policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
     ) as proxy:

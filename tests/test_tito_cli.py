@@ -53,6 +53,7 @@ def test_standalone_proxy_with_admin_endpoints(proxy_process):
         assert sum(sample["loss_mask"]) == answer.json()["usage"]["completion_tokens"]
 
 
+@pytest.mark.http_only(reason="the proxy CLI over external servers")
 def test_standalone_proxy_uses_the_configs_inference_and_sampling(tmp_path, inference_servers):
     """With ``[inference]`` naming servers, the proxy starts a router over them (no engine of its own) and
     requests default to ``[sampling]``. Like ``run``, it merges several config files and ``--set``."""

@@ -16,10 +16,8 @@ from tests.tito_fixtures import (  # noqa: F401
     ScriptedClient,
     as_history_message,
     ask,
-    engine_client,
     make_session,
     tiny_chat,
-    tiny_engine,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -128,13 +126,15 @@ async def test_user_composer_by_import_path(tiny_chat):
         resolve_composer("tests.test_tito_composer:nothing_here")
 
 
-async def test_recorded_logprobs_equal_recomputed_ones(engine_client, tiny_chat):
+async def test_recorded_logprobs_equal_recomputed_ones(inference_client, tiny_chat):
     """The proof: tokens in every composed sample are exactly the sampled ones."""
     import torch
 
     from rollflow.models.loading import load_causal_lm
 
-    async with TITOProxy(engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+    async with TITOProxy(
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         history = [{"role": "system", "content": "answer"}, _user("name a fruit")]

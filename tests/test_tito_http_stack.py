@@ -20,7 +20,10 @@ from rollflow.inference.server_group import free_port
 from rollflow.tito import TITOProxy
 from tests.tito_fixtures import MODEL, ScriptedClient, assert_parity, tiny_chat  # noqa: F401
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [
+    pytest.mark.asyncio(loop_scope="module"),
+    pytest.mark.http_only(reason="TITO's session pins and sockets on the router"),
+]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -1,5 +1,6 @@
 """The proxy end to end with the official ``openai`` client (sync and async, streamed and not) and litellm,
-over a real engine of the tiny model; plus retries, concurrency, disconnects and clean shutdown."""
+over the tiny model in the suite's inference mode (``inference_client``); plus retries, concurrency,
+disconnects and clean shutdown."""
 
 # Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
 # ruff: noqa: F811
@@ -16,14 +17,14 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import MODEL, ScriptedClient, engine_client, tiny_chat, tiny_engine  # noqa: F401
+from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.fixture
-async def proxy(engine_client, tiny_chat):
-    async with TITOProxy(engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as p:
+async def proxy(inference_client, tiny_chat):
+    async with TITOProxy(inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as p:
         yield p
 
 
@@ -31,7 +32,7 @@ def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
-async def test_async_client_multi_turn_bridges_and_records_exact_tokens(proxy, tiny_engine):
+async def test_async_client_multi_turn_bridges_and_records_exact_tokens(proxy, inference_backend):
     session = await proxy.open_session()
     client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
     messages = [{"role": "system", "content": "be brief"}, _user("hello")]
@@ -49,7 +50,29 @@ async def test_async_client_multi_turn_bridges_and_records_exact_tokens(proxy, t
     assert [c.logprob for c in choice.logprobs.content] == recorded.logprobs
     (sample,) = compose(trace, reward=1.0, max_seq_len=512)
     assert sum(sample.loss_mask) == sum(len(t.completion_ids) for t in trace.turns)
-    assert session.session_id and tiny_engine.num_running == 0
+    assert session.session_id and await inference_backend.running_requests() == 0
+
+
+async def test_each_later_turn_of_a_session_reuses_its_cached_prefix(proxy, inference_backend):
+    """A later turn's prompt extends the earlier prompt and reply token for token, and the engine that
+    served the session still holds their keys and values: at least the whole previous prompt comes from its
+    prefix cache. Over HTTP that needs the router to keep each session on one server (requests without a
+    session alternate between the two)."""
+    for index in range(2):
+        session = await proxy.open_session()
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        messages = [_user(f"session {index} of a prefix test: count to ten")]
+        previous_prompt = 0
+        for turn in range(4):
+            hits_before = await inference_backend.prefix_cache_hit_tokens()
+            response = await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=6, seed=turn
+            )
+            hits = await inference_backend.prefix_cache_hit_tokens() - hits_before
+            assert hits >= previous_prompt, f"session {index} turn {turn}: {hits} cached prompt tokens"
+            previous_prompt = response.usage.prompt_tokens
+            messages += [response.choices[0].message.model_dump(exclude_none=True), _user(f"and {turn}")]
+        await proxy.close_session(session)
 
 
 async def test_streaming_gives_the_same_message_as_the_recorded_turn(proxy):
@@ -206,7 +229,7 @@ async def test_client_disconnect_aborts_the_engine_request(tiny_chat):
         assert scripted.cancelled == 2 and session.trace.turns == []
 
 
-async def test_client_disconnect_frees_the_real_engine_slot(proxy, tiny_engine):
+async def test_client_disconnect_frees_the_real_engine_slot(proxy, inference_backend):
     session = await proxy.open_session()
     request = {
         "model": MODEL,
@@ -217,15 +240,15 @@ async def test_client_disconnect_frees_the_real_engine_slot(proxy, tiny_engine):
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(http.post(f"{session.base_url}/chat/completions", json=request))
         for _ in range(200):
-            if tiny_engine.num_running:
+            if await inference_backend.running_requests():
                 break
             await asyncio.sleep(0.005)
         task.cancel()
     for _ in range(200):
-        if not tiny_engine.num_running:
+        if not await inference_backend.running_requests():
             break
         await asyncio.sleep(0.005)
-    assert tiny_engine.num_running == 0 and session.trace.turns == []
+    assert await inference_backend.running_requests() == 0 and session.trace.turns == []
 
 
 def _open_fds() -> int:

@@ -18,9 +18,7 @@ from tests.tito_fixtures import (  # noqa: F401
     ScriptedClient,
     ScriptedPolicy,
     assert_parity,
-    engine_client,
     tiny_chat,
-    tiny_engine,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -35,12 +33,14 @@ def _decode(tokenizer):
 
 
 async def test_stop_string_on_the_real_engine_cuts_at_the_completing_token(
-    engine_client, tiny_chat, tiny_engine
+    inference_client, tiny_chat, inference_backend
 ):
     """Sample once without ``stop`` (seeded), pick a stretch of that reply as the stop string and sample
     again with the same seed: the reply is the same tokens up to the one that completes the stop string."""
     decode = _decode(tiny_chat.tokenizer)
-    async with TITOProxy(engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+    async with TITOProxy(
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         ask = {"model": MODEL, "messages": [_user("talk")], "max_tokens": 40, "seed": 7, "temperature": 1.0}
@@ -68,10 +68,10 @@ async def test_stop_string_on_the_real_engine_cuts_at_the_completing_token(
     assert [t.options.get("stop_reason") for t in trace.turns] == [None, stop, stop]
     assert [len(t.completion_ids) for t in trace.turns] == [len(free_ids), expected, expected]
     for _ in range(200):  # the engine requests end at the stop strings (the engine sees the abort shortly)
-        if tiny_engine.num_running == 0:
+        if await inference_backend.running_requests() == 0:
             break
         await asyncio.sleep(0.01)
-    assert tiny_engine.num_running == 0
+    assert await inference_backend.running_requests() == 0
 
 
 async def test_stop_strings_streamed_and_bridged_keep_the_sampled_tokens(tiny_chat):
@@ -106,8 +106,10 @@ async def test_stop_strings_streamed_and_bridged_keep_the_sampled_tokens(tiny_ch
     )
 
 
-async def test_n_replies_are_sibling_branches(engine_client, tiny_chat):
-    async with TITOProxy(engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+async def test_n_replies_are_sibling_branches(inference_client, tiny_chat):
+    async with TITOProxy(
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         response = await client.chat.completions.create(
@@ -184,8 +186,10 @@ async def test_enable_thinking_per_request_is_rendered_and_recorded(tiny_chat):
     assert turns[2].render.outcome == "forked"  # same message, other template: its own branch
 
 
-async def test_return_token_ids_are_what_was_recorded(engine_client, tiny_chat):
-    async with TITOProxy(engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+async def test_return_token_ids_are_what_was_recorded(inference_client, tiny_chat):
+    async with TITOProxy(
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
+    ) as proxy:
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         history = [_user("hi")]

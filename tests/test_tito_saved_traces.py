@@ -6,7 +6,6 @@ parsing the page: every token coloured by whether it is trained, forks marked, n
 
 from __future__ import annotations
 
-import asyncio
 import json
 from html.parser import HTMLParser
 from pathlib import Path
@@ -26,23 +25,11 @@ from .conftest import REPO_ROOT
 EXAMPLE_AGENT = REPO_ROOT / "examples" / "agent_tito" / "agent.py"
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tiny_model_dir):
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
-
-    engine = TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=8, max_model_len=1024)
-    yield engine
-    asyncio.run(engine.shutdown())
-
-
-async def _example_group(tiny_engine, tiny_chat, writer, prompt_index=5, num_samples=2):
+async def _example_group(client, tiny_chat, writer, prompt_index=5, num_samples=2):
     from rollflow.imports import import_object
-    from rollflow.inference.client import LocalInferenceClient
 
     agent = import_object(f"{EXAMPLE_AGENT}:run_agent", key="agent.callable")
     item = import_object(f"{EXAMPLE_AGENT}:ArithmeticTask", key="data.task")(0).item(prompt_index)
-    client = LocalInferenceClient([tiny_engine])
     async with TITOProxy(
         client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=8
     ) as proxy:
@@ -81,9 +68,9 @@ class _Page(HTMLParser):
                 self.external.append(attrs[name])
 
 
-async def test_saved_traces_and_their_page(tiny_engine, tiny_chat, tmp_path):
+async def test_saved_traces_and_their_page(inference_client, tiny_chat, tmp_path):
     writer = TraceWriter(tmp_path / "traces", "all")
-    group = await _example_group(tiny_engine, tiny_chat, writer)
+    group = await _example_group(inference_client, tiny_chat, writer)
     (file,) = (tmp_path / "traces").glob("*.jsonl")
     assert file.name == "p000005.jsonl"
     records = read_traces(tmp_path / "traces")
@@ -120,17 +107,17 @@ async def test_saved_traces_and_their_page(tiny_engine, tiny_chat, tmp_path):
 
 
 async def test_sampled_keeps_one_trajectory_per_group_and_write_failures_are_counted(
-    tiny_engine, tiny_chat, tmp_path, monkeypatch
+    inference_client, tiny_chat, tmp_path, monkeypatch
 ):
     writer = TraceWriter(tmp_path / "traces", "sampled")
-    await _example_group(tiny_engine, tiny_chat, writer, prompt_index=1, num_samples=3)
+    await _example_group(inference_client, tiny_chat, writer, prompt_index=1, num_samples=3)
     assert [r["sample_index"] for r in read_traces(tmp_path / "traces")] == [0]
 
     def fail(*args):
         raise OSError("disk full")
 
     monkeypatch.setattr(writer, "write_group", fail)
-    group = await _example_group(tiny_engine, tiny_chat, writer, prompt_index=2, num_samples=2)
+    group = await _example_group(inference_client, tiny_chat, writer, prompt_index=2, num_samples=2)
     assert group.metrics["agent_trace_write_errors"] == 1 and len(group.samples) == 4  # samples kept
 
 

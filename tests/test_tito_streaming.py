@@ -73,6 +73,7 @@ def _user(text: str) -> dict:
     return {"role": "user", "content": text}
 
 
+@pytest.mark.local_only(reason="an engine without a prefix cache, and its running and cancelled counts")
 async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engine, tiny_chat):
     client = RecordingClient([engine])
     async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
@@ -118,6 +119,7 @@ async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engi
     assert usage.completion_tokens == len(sampled)
 
 
+@pytest.mark.local_only(reason="an engine without a prefix cache, and its running and cancelled counts")
 async def test_streamed_and_whole_answers_record_the_same_turn(engine, tiny_chat):
     async with TITOProxy(
         LocalInferenceClient([engine]), tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
@@ -176,6 +178,7 @@ async def test_multibyte_text_reasoning_and_tool_calls_stream_exactly(tiny_chat,
         assert [bool(t.message.get("tool_calls")) for t in session.trace.turns] == [False, True]
 
 
+@pytest.mark.local_only(reason="an engine without a prefix cache, and its running and cancelled counts")
 async def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, tiny_chat):
     async with TITOProxy(
         LocalInferenceClient([engine]), tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
@@ -268,6 +271,7 @@ async def test_incremental_decoder_sends_stable_text_from_a_short_window(tiny_ch
     assert "".join(sent) == text and not decoder.diverged
 
 
+@pytest.mark.local_only(reason="pauses the engine mid-stream (a private, uncached one)")
 async def test_a_pause_for_weights_mid_stream_continues_the_reply_exactly(engine, tiny_chat):
     # An engine abort (pause for a weight update) ends the engine request with its partial tokens; the
     # session resubmits from them once resumed, and the agent's stream just goes on.

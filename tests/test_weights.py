@@ -598,6 +598,7 @@ def test_checkpoint_receiver_errors_are_clear(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- local and cuda_ipc
 
 
+@pytest.mark.local_only(reason="the in-process weight strategy")
 async def test_local_strategy_loads_weights_into_in_process_engines(tiny_model_dir: Path) -> None:
     from rollflow.inference.client import LocalInferenceClient
     from rollflow.inference.engine.engine import TorchEngine

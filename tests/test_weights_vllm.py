@@ -236,6 +236,7 @@ def test_create_receiver_reads_vllm_ipc_init_info_as_ipc() -> None:
 # ---------------------------------------------------------------- a real vLLM (GPU machines)
 
 
+@pytest.mark.http_only(reason="vLLM servers receiving a broadcast")
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_vllm_server_receives_a_broadcast_and_labels_the_version(

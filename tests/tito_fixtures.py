@@ -1,5 +1,6 @@
-"""Shared fixtures of the TITO tests: the tiny model's tokenizer and renderer, one real engine per test
-session, and a scripted client for tests that need chosen completions (tool calls, delays, failures)."""
+"""Shared fixtures of the TITO tests: the tiny model's tokenizer and renderer, and a scripted client for
+tests that need chosen completions (tool calls, delays, failures). The real model is behind
+``inference_client`` (tests/conftest.py), in the suite's inference mode."""
 
 from __future__ import annotations
 
@@ -22,24 +23,6 @@ def tiny_chat(tiny_model_dir) -> TinyChat:
     from rollflow.tito.testing import load_tiny_chat
 
     return load_tiny_chat(tiny_model_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_engine(tiny_model_dir):
-    """One engine for the whole test session (engines serve any event loop)."""
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
-
-    engine = TorchEngine(load_causal_lm(tiny_model_dir), max_batch_size=16, max_model_len=512)
-    yield engine
-    asyncio.run(engine.shutdown())
-
-
-@pytest.fixture
-def engine_client(tiny_engine):
-    from rollflow.inference.client import LocalInferenceClient
-
-    return LocalInferenceClient([tiny_engine])  # not closed: the engine outlives the test
 
 
 class ScriptedClient:
