@@ -17,6 +17,7 @@ HEAVY = ("torch", "transformers", "vllm", "ray")
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client",
         "rollflow.orchestrator, rollflow.cli",
+        "rollflow.launch.plan, rollflow.launch.ray_cluster",
     ],
 )
 def test_light_imports(modules):
