@@ -7,7 +7,8 @@
 =========================  =====================  ======================================================
 external_proxy_url         external_server_urls   what rollflow starts
 =========================  =====================  ======================================================
-–                          –                      ``num_servers`` servers (ServerGroup) and a router
+–                          –                      ``num_servers`` servers (ServerGroup, or on Ray: see
+                                                  ``rollflow.launch``) and a router
 –                          set                    a router over the given servers
 set                        –                      nothing; the proxy is data plane and control plane (a
                                                   rollflow router fans control calls out to its servers)
@@ -26,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -60,7 +61,7 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
 
 @contextlib.asynccontextmanager
 async def get_inference_client(
-    config: RunConfig, run_dir: str | Path | None = None
+    config: RunConfig, run_dir: str | Path | None = None, launcher: Any = None
 ) -> AsyncIterator[InferenceClient]:
     """Yield the ``InferenceClient`` for ``config.inference`` (see the module docstring for the topologies);
     on exit, close it and stop whatever was started here (servers, router), also on error or cancellation.
@@ -68,6 +69,8 @@ async def get_inference_client(
     Args:
         config: the run config.
         run_dir: where server logs go (``{run_dir}/logs/inference``); defaults to ``config.run_dir``.
+        launcher: where servers run (``rollflow.launch.launcher``); unset: one opened here for
+            ``config.cluster`` when servers are to be started.
 
     Raises:
         ServerStartError: a server did not become ready within ``inference.startup_timeout_s``.
@@ -78,7 +81,7 @@ async def get_inference_client(
     from rollflow.config import resolve_api_key
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router_process import RouterProcess
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.launcher import open_launcher
 
     inference = config.inference
     if inference.mode == "local":
@@ -106,17 +109,19 @@ async def get_inference_client(
                 options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
             if inference.return_routed_experts:
                 options["return_routed_experts"] = True
-            group = ServerGroup(
-                config.model.path,
-                inference.num_servers,
-                run_dir / "logs" / "inference",
-                engine=inference.engine,
-                startup_timeout_s=inference.startup_timeout_s,
-                server_options=options,
-                niceness=inference.niceness,
+            if launcher is None:
+                launcher = await stack.enter_async_context(open_launcher(config, run_dir))
+            server_urls = await stack.enter_async_context(
+                launcher.servers(
+                    config.model.path,
+                    inference.num_servers,
+                    run_dir / "logs" / "inference",
+                    engine=inference.engine,
+                    startup_timeout_s=inference.startup_timeout_s,
+                    server_options=options,
+                    niceness=inference.niceness,
+                )
             )
-            await stack.enter_async_context(group)
-            server_urls = group.urls
         if proxy_url is None and inference.router == "auto" and len(server_urls) == 1:
             # One server: a router would only add a hop, a process and their CPU. The server is both planes.
             proxy_url = server_urls[0]
