@@ -61,3 +61,6 @@ def uncached_engine(tiny_model_dir):
     )
     yield engine
     asyncio.run(engine.shutdown())
+
+
+from .ray_cluster_fixture import ray_cluster  # noqa: E402, F401  (the session's one Ray cluster)
