@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import structlog.testing
 
 from rollflow.config import load_config
 from rollflow.errors import PlacementError
@@ -148,7 +149,7 @@ async def test_placement_not_granted_fails_within_the_timeout_with_the_diagnosis
     try:
         config = ray_config(tmp_path, cluster, "cluster.placement_timeout_s=3")
         started = time.monotonic()
-        with pytest.raises(PlacementError) as caught:
+        with structlog.testing.capture_logs() as logs, pytest.raises(PlacementError) as caught:
             async with open_launcher(config):
                 pass
         elapsed = time.monotonic() - started
@@ -160,6 +161,8 @@ async def test_placement_not_granted_fails_within_the_timeout_with_the_diagnosis
     assert "2 trainer worker(s)" in message and "2 server(s)" in message  # the demand
     assert "0 GPU free" in message or "0 GPU" in message  # what the cluster has free
     assert "trainer.num_workers" in message
+    progress = [entry for entry in logs if entry["event"] == "waiting for Ray placement groups"]
+    assert progress and "trainer workers" in progress[0]["pending"]  # logged while waiting, not silent
     assert not placement_groups(ray)
 
 
@@ -209,7 +212,7 @@ from rollflow.launch.launcher import open_launcher
 async def main():
     config = load_config([], sys.argv[1:])
     async with open_launcher(config) as launcher:
-        async with launcher.servers("rollflow:tiny", 2, sys.argv[0] + "-logs", startup_timeout_s=120):
+        async with launcher.servers("rollflow:tiny", 1, sys.argv[0] + "-logs", startup_timeout_s=120):
             pids = [pid for info in await launcher.servers_started.info() for pid in info["server_pids"]]
             print("STARTED", json.dumps({"server_pids": pids}), flush=True)
             await asyncio.sleep(600)
@@ -218,9 +221,11 @@ asyncio.run(main())
 """
 
 
-def test_sigkill_of_the_driver_leaves_nothing_behind(ray_cluster, tmp_path):
-    """A driver killed with SIGKILL runs no teardown of its own: Ray ends its job's actors and placement groups,
-    and the servers die with their launcher's process."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
+def test_a_killed_or_interrupted_driver_leaves_nothing_behind(ray_cluster, tmp_path, sig):
+    """Ctrl-C: the launcher's teardown ends the actors and placement groups. SIGKILL: the driver runs no
+    teardown of its own; Ray ends its job's actors and placement groups, and the servers die with their
+    launcher's process."""
     import json
 
     ray, cluster = ray_cluster
@@ -232,6 +237,7 @@ def test_sigkill_of_the_driver_leaves_nothing_behind(ray_cluster, tmp_path):
             "cluster.backend='ray'",
             f"cluster.address='{cluster.address}'",
             "inference.mode='http'",
+            "inference.num_servers=1",
             "trainer.num_workers=1",
         ],
         stdout=subprocess.PIPE,
@@ -243,12 +249,17 @@ def test_sigkill_of_the_driver_leaves_nothing_behind(ray_cluster, tmp_path):
         while not (line := driver.stdout.readline()).startswith("STARTED "):
             assert line, driver.stderr.read()[-3000:]
         started = json.loads(line.removeprefix("STARTED "))
-        assert len(placement_groups(ray)) >= 2  # the trainer's and one per node with servers
-        assert len(started["server_pids"]) == 2
+        assert len(placement_groups(ray)) == 2  # the trainer's and the server node's
+        assert len(started["server_pids"]) == 1
         assert all(pid_alive(pid) for pid in started["server_pids"])
     finally:
-        driver.kill()
-        driver.wait()
+        driver.send_signal(sig)
+        try:
+            driver.wait(60)
+        finally:
+            driver.kill()
+    if sig == signal.SIGINT:
+        assert driver.returncode != 0  # KeyboardInterrupt, after the teardown
     wait_until(lambda: not alive_actors(ray), 60, "the dead driver's actors end")
     wait_until(lambda: not placement_groups(ray), 30, "the dead driver's placement groups go")
     wait_until(lambda: not any(pid_alive(pid) for pid in started["server_pids"]), 30, "its servers exit")

@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 NODE_LABEL = "ray.io/node-id"
 PROGRESS_INTERVAL_S = 30.0
+"""Longest time between two progress lines while the placement groups are pending."""
 PROBE_TIMEOUT_S = 5.0
 
 
@@ -118,14 +119,55 @@ def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         ) from None
 
 
-def connect_ray(cluster: Any, timeout_s: float) -> tuple[Any, bool]:
+class RayConnection:
+    """This process's connection to Ray, owned by a thread that lives until ``close``.
+
+    A private instance (``address = "local"``) is made of child processes that Ray ties to the thread that
+    started them (``PR_SET_PDEATHSIG`` fires when that *thread* ends): a short-lived worker thread would take
+    them down with it. So one thread calls ``ray.init``, waits, and calls ``ray.shutdown`` when closed; if this
+    process dies instead, the kernel ends the private instance with it.
+    """
+
+    def __init__(self, ray: Any, options: dict[str, Any] | None):
+        self.ray = ray
+        self.owned = options is not None
+        self._options = options or {}
+        self._started = threading.Event()
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        self.error: BaseException | None = None
+        if self.owned:
+            self._thread = threading.Thread(target=self._own, name="rollflow-ray", daemon=True)
+            self._thread.start()
+
+    def _own(self) -> None:
+        try:
+            self.ray.init(**self._options)
+        except BaseException as error:
+            self.error = error
+            self._started.set()
+            return
+        self._started.set()
+        self._stop.wait()
+        try:
+            self.ray.shutdown()
+        finally:
+            self._stopped.set()
+
+    def wait_started(self, timeout_s: float) -> bool:
+        return not self.owned or self._started.wait(timeout_s)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Disconnect (and stop a private instance) when this connection made it. Idempotent."""
+        if self.owned and self._started.is_set() and self.error is None:
+            self._stop.set()
+            self._stopped.wait(timeout_s)
+
+
+def connect_ray(cluster: Any, timeout_s: float) -> RayConnection:
     """Connect this process to the cluster ``cluster.address`` names (blocking; run it off the event loop).
 
-    A process already connected (``ray.init`` called by the caller) keeps its connection.
-
-    Returns:
-        ``(ray, owned)``: ``owned`` when this call connected (the caller then disconnects with
-        ``ray.shutdown()``).
+    A process already connected (``ray.init`` called by the caller) keeps its connection, and ``close`` leaves it.
 
     Raises:
         MissingExtraError: Ray is not installed.
@@ -133,7 +175,7 @@ def connect_ray(cluster: Any, timeout_s: float) -> tuple[Any, bool]:
     """
     ray = import_ray()
     if ray.is_initialized():
-        return ray, False
+        return RayConnection(ray, None)
     address = cluster.address
     options: dict[str, Any] = {
         "include_dashboard": False,
@@ -148,32 +190,21 @@ def connect_ray(cluster: Any, timeout_s: float) -> tuple[Any, bool]:
     else:
         probe_address(address)
         options["address"] = address
-    # ray.init retries an unresponsive head for minutes: wait for it in a daemon thread, at most timeout_s.
-    outcome: dict[str, BaseException | None] = {}
-
-    def init() -> None:
-        try:
-            ray.init(**options)
-            outcome["error"] = None
-        except BaseException as error:
-            outcome["error"] = error
-
-    thread = threading.Thread(target=init, name="rollflow-ray-init", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if "error" not in outcome:
+    connection = RayConnection(ray, options)
+    # ray.init retries an unresponsive head for minutes: wait for it at most timeout_s.
+    if not connection.wait_started(timeout_s):
         raise PlacementError(
             f"cluster.address = {address!r}: Ray did not connect within cluster.placement_timeout_s = "
             f"{timeout_s:g} s; check that the head runs (`ray status`) and the address and port are right"
         )
-    if outcome["error"] is not None:
-        error = outcome["error"]
+    if connection.error is not None:
+        error = connection.error
         raise PlacementError(
             f"cluster.address = {address!r}: cannot connect to Ray ({type(error).__name__}: {error}); start a "
             "cluster with `ray start --head`, or set cluster.address = 'local' for a private instance"
         ) from error
     log.info("connected to Ray", address=address, nodes=len(cluster_nodes(ray)))
-    return ray, True
+    return connection
 
 
 @dataclass
@@ -244,6 +275,7 @@ async def _wait_ready(ray: Any, plan: PlacementPlan, wanted: dict[str, Any], tim
     pending = {what: asyncio.wrap_future(group.ready().future()) for what, group in wanted.items()}
     started = time.monotonic()
     deadline = started + timeout_s
+    interval = min(PROGRESS_INTERVAL_S, max(timeout_s / 4, 1.0))  # a few progress lines even for short waits
     try:
         while pending:
             remaining = deadline - time.monotonic()
@@ -251,7 +283,7 @@ async def _wait_ready(ray: Any, plan: PlacementPlan, wanted: dict[str, Any], tim
                 raise PlacementError(_timeout_message(ray, plan, sorted(pending), timeout_s))
             done, _ = await asyncio.wait(
                 pending.values(),
-                timeout=min(PROGRESS_INTERVAL_S, remaining),
+                timeout=min(interval, remaining),
                 return_when=asyncio.ALL_COMPLETED,
             )
             for what, future in list(pending.items()):
@@ -307,10 +339,9 @@ def dry_run_plan(config: Any) -> PlacementPlan:
         import_ray()
         nodes = local_machine_nodes(cluster)
     else:
-        ray, owned = connect_ray(cluster, cluster.placement_timeout_s)
+        connection = connect_ray(cluster, cluster.placement_timeout_s)
         try:
-            nodes = cluster_nodes(ray)
+            nodes = cluster_nodes(connection.ray)
         finally:
-            if owned:
-                ray.shutdown()
+            connection.close()
     return make_plan(Demand.from_config(config, nodes), nodes)

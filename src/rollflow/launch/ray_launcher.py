@@ -64,7 +64,8 @@ class RayLauncher:
         if cluster.address == "local":  # an infeasible plan fails before Ray starts
             nodes = local_machine_nodes(cluster)
             make_plan(Demand.from_config(config, nodes), nodes)
-        ray, owned = await anyio.to_thread.run_sync(connect_ray, cluster, cluster.placement_timeout_s)
+        connection = await anyio.to_thread.run_sync(connect_ray, cluster, cluster.placement_timeout_s)
+        ray = connection.ray
         try:
             nodes = cluster_nodes(ray)
             plan = make_plan(Demand.from_config(config, nodes), nodes)
@@ -78,9 +79,8 @@ class RayLauncher:
                 with anyio.CancelScope(shield=True):
                     await anyio.to_thread.run_sync(launcher._release)
         finally:
-            if owned:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(ray.shutdown)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(connection.close)
 
     def start_trainer(self, spec: Any) -> TrainerHandle:
         """Blocking: one actor per trainer rank, in the plan's trainer bundles."""
@@ -97,6 +97,8 @@ class RayLauncher:
         """The plan's servers, one launcher actor per node; yields their URLs in index order."""
         from rollflow.launch.ray_servers import RayServers
 
+        if self.plan.demand.colocate and self.plan.demand.worker_gpus and self.trainer is None:
+            raise RuntimeError("colocated servers share the trainer ranks' GPUs: start the trainer first")
         if num_servers != len(self.plan.servers):
             raise ValueError(f"the placement plan has {len(self.plan.servers)} servers, not {num_servers}")
         startup_timeout_s = options.pop("startup_timeout_s", 300.0)
@@ -109,6 +111,7 @@ class RayLauncher:
             self.env,
             startup_timeout_s,
             options,
+            rank_gpus=[info["gpu_ids"] for info in self.trainer.ranks] if self.trainer is not None else None,
         ) as servers:
             self.servers_started = servers
             try:

@@ -31,9 +31,18 @@ STOP_TIMEOUT_S = 30.0
 class ServerLauncher:
     """A node's servers, as a Ray actor (wrapped with ``ray.remote`` where it is started)."""
 
-    def __init__(self, model: str, slots: list[ServerSlot], log_dir: str, options: dict[str, Any]):
+    def __init__(
+        self,
+        model: str,
+        slots: list[ServerSlot],
+        log_dir: str,
+        options: dict[str, Any],
+        shared_gpus: list[list[str]] | None = None,
+    ):
         self.model = model
         self.slots = slots
+        # Colocated: each server's GPUs are those Ray gave the trainer ranks it shares (its bundle has none).
+        self.shared_gpus = shared_gpus
         self.log_dir = log_dir
         self.options = options
         self.group: Any = None
@@ -51,7 +60,10 @@ class ServerLauncher:
         gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]
         self.process_env = []
         for position, slot in enumerate(self.slots):
-            share = gpu_ids[position * slot.gpus : (position + 1) * slot.gpus] if slot.gpus else []
+            if self.shared_gpus is not None:
+                share = self.shared_gpus[position]
+            else:
+                share = gpu_ids[position * slot.gpus : (position + 1) * slot.gpus] if slot.gpus else []
             # No GPUs: none visible, so a torch engine on "auto" takes the CPU it was planned for.
             self.process_env.append({"CUDA_VISIBLE_DEVICES": ",".join(share)})
         node_id = ray.get_runtime_context().get_node_id()
@@ -99,9 +111,12 @@ class RayServers:
         env: dict[str, str],
         startup_timeout_s: float,
         options: dict[str, Any],
+        rank_gpus: list[list[str]] | None = None,
     ) -> AsyncIterator[RayServers]:
         """Start every node's launcher and servers; stop and end them all on exit (error and cancellation
         included).
+
+        ``rank_gpus`` (each trainer rank's GPU ids) gives colocated servers the GPUs of the ranks they share.
 
         Raises:
             ServerStartError: a server did not become ready within ``startup_timeout_s`` (or exited).
@@ -113,6 +128,9 @@ class RayServers:
         actor_class = ray.remote(ServerLauncher)
         launchers = {}
         for node_id, slots in slots_by_node.items():
+            shared = None
+            if rank_gpus is not None and any(slot.worker_ranks for slot in slots):
+                shared = [[gpu for rank in slot.worker_ranks for gpu in rank_gpus[rank]] for slot in slots]
             launchers[node_id] = actor_class.options(
                 num_cpus=sum(slot.bundle.cpus for slot in slots),
                 num_gpus=sum(slot.bundle.gpus for slot in slots),
@@ -123,7 +141,11 @@ class RayServers:
                 max_restarts=0,
                 max_concurrency=4,  # info() while start() runs
             ).remote(
-                model, slots, str(log_dir.resolve()), {**options, "startup_timeout_s": startup_timeout_s}
+                model,
+                slots,
+                str(log_dir.resolve()),
+                {**options, "startup_timeout_s": startup_timeout_s},
+                shared,
             )
         servers = cls(ray, launchers)
         try:
