@@ -17,7 +17,8 @@ HEAVY = ("torch", "transformers", "vllm", "ray")
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client",
         "rollflow.orchestrator, rollflow.cli",
-        "rollflow.launch.plan, rollflow.launch.ray_cluster",
+        "rollflow.launch.plan, rollflow.launch.ray_cluster, rollflow.launch.launcher",
+        "rollflow.launch.ray_launcher, rollflow.launch.ray_trainer, rollflow.launch.ray_servers",
     ],
 )
 def test_light_imports(modules):

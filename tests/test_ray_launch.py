@@ -263,3 +263,56 @@ def test_a_killed_or_interrupted_driver_leaves_nothing_behind(ray_cluster, tmp_p
     wait_until(lambda: not alive_actors(ray), 60, "the dead driver's actors end")
     wait_until(lambda: not placement_groups(ray), 30, "the dead driver's placement groups go")
     wait_until(lambda: not any(pid_alive(pid) for pid in started["server_pids"]), 30, "its servers exit")
+
+
+PRIVATE = """
+import os, time
+from pathlib import Path
+from rollflow.config import load_config
+from rollflow.launch.ray_cluster import connect_ray
+
+def running(pids):
+    alive = set()
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(pid)
+        except OSError:
+            pass
+    return alive
+
+def descendants():
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+config = load_config([], ["cluster.backend='ray'", "cluster.num_cpus=1"])
+connection = connect_ray(config.cluster, 60)
+started = descendants()
+time.sleep(2)  # long after the connecting call returned
+print("ALIVE", len(running(started)), len(started))
+connection.close()
+time.sleep(1)
+print("LEFT", len(running(started)))  # any parent: an orphan left behind counts
+"""
+
+
+def test_a_private_instance_lives_until_closed_and_leaves_nothing():
+    """``address = "local"``: Ray's processes outlive the call that started them (they are tied to the thread
+    that starts them, so that thread lives until the run ends) and are gone after ``close``."""
+    result = subprocess.run([sys.executable, "-c", PRIVATE], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    alive = next(line for line in result.stdout.splitlines() if line.startswith("ALIVE")).split()
+    assert int(alive[1]) == int(alive[2]) > 0  # gcs, raylet, ... all running
+    left = next(line for line in result.stdout.splitlines() if line.startswith("LEFT"))
+    assert left == "LEFT 0"
