@@ -204,67 +204,6 @@ def test_unreachable_address_is_a_clear_error_within_seconds(tmp_path):
     assert time.monotonic() - started < 60
 
 
-DRIVER = """
-import asyncio, json, sys
-from rollflow.config import load_config
-from rollflow.launch.launcher import open_launcher
-
-async def main():
-    config = load_config([], sys.argv[1:])
-    async with open_launcher(config) as launcher:
-        async with launcher.servers("rollflow:tiny", 1, sys.argv[0] + "-logs", startup_timeout_s=120):
-            pids = [pid for info in await launcher.servers_started.info() for pid in info["server_pids"]]
-            print("STARTED", json.dumps({"server_pids": pids}), flush=True)
-            await asyncio.sleep(600)
-
-asyncio.run(main())
-"""
-
-
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
-def test_a_killed_or_interrupted_driver_leaves_nothing_behind(ray_cluster, tmp_path, sig):
-    """Ctrl-C: the launcher's teardown ends the actors and placement groups. SIGKILL: the driver runs no
-    teardown of its own; Ray ends its job's actors and placement groups, and the servers die with their
-    launcher's process."""
-    import json
-
-    ray, cluster = ray_cluster
-    driver = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            "cluster.backend='ray'",
-            f"cluster.address='{cluster.address}'",
-            "inference.mode='http'",
-            "inference.num_servers=1",
-            "trainer.num_workers=1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-    )
-    try:
-        while not (line := driver.stdout.readline()).startswith("STARTED "):
-            assert line, driver.stderr.read()[-3000:]
-        started = json.loads(line.removeprefix("STARTED "))
-        assert len(placement_groups(ray)) == 2  # the trainer's and the server node's
-        assert len(started["server_pids"]) == 1
-        assert all(pid_alive(pid) for pid in started["server_pids"])
-    finally:
-        driver.send_signal(sig)
-        try:
-            driver.wait(60)
-        finally:
-            driver.kill()
-    if sig == signal.SIGINT:
-        assert driver.returncode != 0  # KeyboardInterrupt, after the teardown
-    wait_until(lambda: not alive_actors(ray), 60, "the dead driver's actors end")
-    wait_until(lambda: not placement_groups(ray), 30, "the dead driver's placement groups go")
-    wait_until(lambda: not any(pid_alive(pid) for pid in started["server_pids"]), 30, "its servers exit")
-
-
 PRIVATE = """
 import os, time
 from pathlib import Path
@@ -307,12 +246,95 @@ print("LEFT", len(running(started)))  # any parent: an orphan left behind counts
 """
 
 
-def test_a_private_instance_lives_until_closed_and_leaves_nothing():
-    """``address = "local"``: Ray's processes outlive the call that started them (they are tied to the thread
-    that starts them, so that thread lives until the run ends) and are gone after ``close``."""
-    result = subprocess.run([sys.executable, "-c", PRIVATE], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    alive = next(line for line in result.stdout.splitlines() if line.startswith("ALIVE")).split()
-    assert int(alive[1]) == int(alive[2]) > 0  # gcs, raylet, ... all running
-    left = next(line for line in result.stdout.splitlines() if line.startswith("LEFT"))
-    assert left == "LEFT 0"
+DRIVER = """
+import asyncio, json, sys, threading
+from rollflow.config import load_config
+from rollflow.launch.launcher import open_launcher
+
+async def main():
+    config = load_config([], sys.argv[1:])
+    async with open_launcher(config) as launcher:
+        async with launcher.servers("rollflow:tiny", 1, sys.argv[0] + "-logs", startup_timeout_s=120):
+            pids = [pid for info in await launcher.servers_started.info() for pid in info["server_pids"]]
+            print("STARTED", json.dumps({"server_pids": pids}), flush=True)
+            # A line on stdin: exit normally (read in a daemon thread, which Ctrl-C's shutdown does not wait for).
+            loop, line = asyncio.get_running_loop(), asyncio.Event()
+            read = lambda: (sys.stdin.readline(), loop.call_soon_threadsafe(line.set))
+            threading.Thread(target=read, daemon=True).start()
+            await line.wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_cluster, tmp_path):
+    """Three drivers at once (each a trainer bundle and a server on the CPU): one exits normally, one gets
+    Ctrl-C (the launcher's teardown ends its actors and placement groups), one gets SIGKILL (it runs no teardown
+    of its own: Ray ends its job's actors and placement groups, its server dies with the launcher's process).
+
+    Meanwhile (they share the wait) a fourth process starts a private instance (``address = "local"``): Ray's
+    processes outlive the call that started them (Ray ties them to the starting thread, so that thread lives
+    until the run ends) and are gone after ``close``."""
+    import json
+
+    private = subprocess.Popen(
+        [sys.executable, "-c", PRIVATE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+    ray, cluster = ray_cluster
+    options = [
+        "cluster.backend='ray'",
+        f"cluster.address='{cluster.address}'",
+        "cluster.cpus_per_worker=0.5",
+        "cluster.cpus_per_server=0.5",
+        "trainer.device='cpu'",
+        "inference.device='cpu'",
+        "inference.mode='http'",
+        "inference.num_servers=1",
+        "trainer.num_workers=1",
+    ]
+    endings = {"exit": None, "ctrl-c": signal.SIGINT, "kill-9": signal.SIGKILL}
+    drivers = {
+        ending: subprocess.Popen(
+            [sys.executable, "-c", DRIVER, *options],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+        )
+        for ending in endings
+    }
+    started = {}
+    try:
+        for ending, driver in drivers.items():
+            while not (line := driver.stdout.readline()).startswith("STARTED "):
+                assert line, driver.stderr.read()[-3000:]
+            started[ending] = json.loads(line.removeprefix("STARTED "))["server_pids"]
+            assert len(started[ending]) == 1 and pid_alive(started[ending][0])
+        assert len(placement_groups(ray)) == 2 * len(drivers)  # each: the trainer's and its server node's
+        for ending, driver in drivers.items():
+            if endings[ending] is None:
+                driver.stdin.write("\n")
+                driver.stdin.flush()
+            else:
+                driver.send_signal(endings[ending])
+        for driver in drivers.values():
+            driver.wait(60)
+    finally:
+        for driver in drivers.values():
+            driver.kill()
+            driver.wait()
+    assert drivers["exit"].returncode == 0, drivers["exit"].stderr.read()[-3000:]
+    assert drivers["ctrl-c"].returncode != 0  # KeyboardInterrupt, after the teardown
+    for ending, pids in started.items():
+        wait_until(
+            lambda pids=pids: not any(pid_alive(pid) for pid in pids), 30, f"the {ending} driver's server"
+        )
+    wait_until(lambda: not alive_actors(ray), 60, "the drivers' actors end")
+    wait_until(lambda: not placement_groups(ray), 30, "the drivers' placement groups go")
+    out, err = private.communicate(timeout=120)
+    assert private.returncode == 0, err[-3000:]
+    alive = next(line for line in out.splitlines() if line.startswith("ALIVE")).split()
+    assert int(alive[1]) == int(alive[2]) > 0  # gcs, raylet, ... all still running
+    assert next(line for line in out.splitlines() if line.startswith("LEFT")) == "LEFT 0"
