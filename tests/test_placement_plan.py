@@ -236,6 +236,24 @@ def test_missing_ray_names_the_key_and_install(monkeypatch):
         ray_cluster.dry_run_plan(config)
 
 
+async def test_missing_ray_fails_the_launcher_before_anything_starts(monkeypatch):
+    from rollflow.launch.launcher import open_launcher
+
+    real_import = builtins.__import__
+
+    def no_ray(name, *args, **kwargs):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    config = load_config(overrides=["cluster.backend='ray'", "cluster.address='auto'"])
+    with pytest.raises(MissingExtraError, match=r"cluster.backend = 'ray'.*pip install 'rollflow\[ray\]'"):
+        async with open_launcher(config):
+            pass
+
+
 def test_unreachable_address_fails_fast_naming_the_key():
     from rollflow.launch.ray_cluster import probe_address
 
