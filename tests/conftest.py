@@ -63,6 +63,8 @@ def uncached_engine(tiny_model_dir):
     asyncio.run(engine.shutdown())
 
 
+from .ray_cluster_fixture import ray_cluster  # noqa: E402, F401  (the session's one Ray cluster)
+
 # ---------------------------------------------------------------- the inference client under test
 
 ONE_MODE_MARKERS = ("local_only", "http_only")

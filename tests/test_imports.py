@@ -19,6 +19,8 @@ SRC = Path(__file__).resolve().parent.parent / "src"
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client",
         "rollflow.orchestrator, rollflow.cli",
+        "rollflow.launch.plan, rollflow.launch.ray_cluster, rollflow.launch.launcher",
+        "rollflow.launch.ray_launcher, rollflow.launch.ray_trainer, rollflow.launch.ray_servers",
     ],
 )
 def test_light_imports(modules):

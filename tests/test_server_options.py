@@ -157,7 +157,7 @@ def test_server_env_by_engine_and_device():
 class _EnvEcho(ServerGroup):
     """Servers that report their ``CUDA_VISIBLE_DEVICES`` in their ready line instead of serving a model."""
 
-    def _command(self):
+    def _command(self, index):
         script = (
             "import json, os; print(json.dumps({'event': 'ready', 'url': 'http://echo/' + "
             "os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}), flush=True); import time; time.sleep(60)"
@@ -167,7 +167,7 @@ class _EnvEcho(ServerGroup):
 
 async def test_each_server_process_starts_with_its_own_environment(tmp_path):
     env = server_gpu_env(2, 1, ["3", "5"])
-    async with _EnvEcho("m", 2, tmp_path, server_env=env, startup_timeout_s=60) as group:
+    async with _EnvEcho("m", 2, tmp_path, process_env=env, startup_timeout_s=60) as group:
         assert group.urls == ["http://echo/3", "http://echo/5"]
-    with pytest.raises(ValueError, match="server_env has 1 entries for 2 servers"):
-        _EnvEcho("m", 2, tmp_path, server_env=env[:1])
+    with pytest.raises(ValueError, match="process_env has 1 entries for 2 processes"):
+        _EnvEcho("m", 2, tmp_path, process_env=env[:1])

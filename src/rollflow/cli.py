@@ -170,7 +170,12 @@ def _parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="train with a config (TOML files, later ones win)")
     run.add_argument("configs", nargs="*", type=Path, metavar="CONFIG", help="TOML config files")
     _add_overrides(run)
-    run.add_argument("--dry-run", action="store_true", help="print the resolved config as JSON and exit")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config as JSON (and, with cluster.backend = 'ray', the placement plan on stderr) "
+        "and exit",
+    )
     run.add_argument(
         "--resume",
         type=Path,
@@ -439,6 +444,10 @@ def _run(args: argparse.Namespace) -> int:
     config = _resolve_run_config(args)
     if args.dry_run:
         sys.stdout.write(to_json(config).decode() + "\n")
+        if config.cluster.backend == "ray":
+            from rollflow.launch.ray_cluster import dry_run_plan
+
+            sys.stderr.write(dry_run_plan(config).describe() + "\n")
         return 0
     resume = args.resume is not None
     check_unlocked(config.run_dir)

@@ -397,9 +397,10 @@ class WeightSyncConfig(Section):
     """Size of the packed buffers a broadcast sends (broadcast and cuda_ipc)."""
     backend: Literal["gloo", "nccl"] | None = None
     """Broadcast backend; unset picks NCCL when CUDA is available, else gloo."""
-    master_address: str = "127.0.0.1"
+    master_address: str = "auto"
     """Address trainer rank 0 binds its rendezvous on (broadcast store, checkpoint HTTP server), which the
-    inference servers connect to; ``0.0.0.0`` binds every interface and advertises the trainer host's address."""
+    inference servers connect to; ``0.0.0.0`` binds every interface and advertises the trainer host's address.
+    ``auto``: 127.0.0.1 with ``cluster.backend = "local"``, the address of trainer rank 0's node on Ray."""
     checkpoint_dir: str | None = None
     """Directory shared with the servers for the checkpoint strategy; unset sends the file over HTTP."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -412,14 +413,18 @@ class WeightSyncConfig(Section):
             return self.strategy
         return "local" if inference_mode == "local" else "broadcast"
 
-    def strategy_options(self, strategy: str, engine: str = "torch") -> dict[str, Any]:
+    def strategy_options(
+        self, strategy: str, engine: str = "torch", rank0_address: str = "127.0.0.1"
+    ) -> dict[str, Any]:
         """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``, sending to
-        servers of kind ``engine`` (``inference.engine``: vLLM takes only its own payload keys)."""
+        servers of kind ``engine`` (``inference.engine``: vLLM takes only its own payload keys);
+        ``rank0_address`` (trainer rank 0's node) stands for ``master_address = "auto"``."""
+        master_address = rank0_address if self.master_address == "auto" else self.master_address
         if strategy == "broadcast":
             return dict(
                 bucket_size_mb=self.bucket_size_mb,
                 backend=self.backend,
-                master_address=self.master_address,
+                master_address=master_address,
                 timeout_s=self.timeout_s,
                 engine=engine,
                 dtype=self.dtype,
@@ -427,7 +432,7 @@ class WeightSyncConfig(Section):
         if strategy == "checkpoint":
             return dict(
                 checkpoint_dir=self.checkpoint_dir,
-                host=self.master_address,
+                host=master_address,
                 timeout_s=self.timeout_s,
                 dtype=self.dtype,
             )
@@ -436,6 +441,34 @@ class WeightSyncConfig(Section):
                 bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine, dtype=self.dtype
             )
         return {}
+
+
+class ClusterConfig(Section):
+    """Where the run's processes run (``rollflow.launch``): on this machine, or placed on a Ray cluster."""
+
+    backend: Literal["local", "ray"] = "local"
+    """``local``: engine servers, router and trainer workers are subprocesses of this one. ``ray``: engine
+    servers and trainer workers run as Ray actors placed by a placement plan (``rollflow run --dry-run``
+    prints it); the orchestrator, the router and the client stay here and reach the servers by URL. Needs
+    ``pip install 'rollflow[ray]'``."""
+    address: str = "local"
+    """The Ray cluster: ``local`` starts a private Ray instance on this machine for the run; ``auto`` joins
+    the cluster this machine belongs to (``ray start --head`` / ``ray start --address``); ``HOST:PORT`` or
+    ``ray://HOST:PORT`` joins the one there."""
+    placement_timeout_s: PositiveFloat = 180.0
+    """Longest the run waits for the cluster to grant its placement groups (a multi-node start takes about a
+    minute); then it fails with what was asked, what the cluster has and the keys to change."""
+    env: dict[str, str] = {}
+    """Environment variables set in every actor (trainer workers, server launchers, and so the servers)."""
+    forward_env: list[str] = msgspec.field(default_factory=lambda: ["NCCL_*", "GLOO_*", "HF_*"])
+    """Variables of this process's environment forwarded into every actor, as names or ``fnmatch`` patterns
+    (the network interfaces NCCL and gloo bind, the Hugging Face cache); ``env`` wins over them."""
+    cpus_per_worker: PositiveFloat = 1.0
+    """Ray CPUs reserved for each trainer worker (its bundle: these CPUs, and one GPU when it trains on GPUs)."""
+    cpus_per_server: PositiveFloat = 1.0
+    """Ray CPUs reserved for each engine server (its bundle: these CPUs and its tensor-parallel GPUs)."""
+    num_cpus: Positive | None = None
+    """``address = "local"``: CPUs of the private Ray instance (unset: Ray counts this machine's)."""
 
 
 class LoggingConfig(Section):
@@ -564,6 +597,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     orchestrator: OrchestratorConfig = msgspec.field(default_factory=OrchestratorConfig)
     weight_sync: WeightSyncConfig = msgspec.field(default_factory=WeightSyncConfig)
+    cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     agent: AgentConfig | None = None
     """Agent rollouts (``[agent]``); unset: single-turn generation."""
@@ -605,6 +639,7 @@ def _cross_field_errors(config: RunConfig) -> list[str]:
     errors += _server_option_errors(config.inference)
     errors += _colocation_errors(config)
     errors += _agent_errors(config)
+    errors += _cluster_errors(config)
     strategy = config.weight_sync.resolved_strategy(config.inference.mode)
     if (strategy == "local") != (config.inference.mode == "local"):
         errors.append(
@@ -955,6 +990,44 @@ def _colocation_errors(config: RunConfig) -> list[str]:
     return errors
 
 
+def _cluster_errors(config: RunConfig) -> list[str]:
+    cluster = config.cluster
+    errors = []
+    address = cluster.address
+    if address not in ("local", "auto") and not _RAY_ADDRESS.fullmatch(address):
+        errors.append(
+            f"cluster.address = {address!r} must be 'local' (a private Ray instance), 'auto' (the cluster this "
+            "machine joined with `ray start`) or a head address like 'HOST:6379' or 'ray://HOST:10001'"
+        )
+    for name in cluster.env:
+        if not _ENV_NAME.fullmatch(name):
+            errors.append(f"cluster.env has {name!r}, which is not an environment variable name")
+    if cluster.backend == "local":
+        changed = [
+            f"cluster.{key}"
+            for key in ("address", "env", "num_cpus")
+            if getattr(cluster, key) != getattr(_CLUSTER_DEFAULTS, key)
+        ]
+        if changed:
+            errors.append(
+                f"{' and '.join(changed)} only apply to cluster.backend = 'ray' (got 'local', which runs "
+                "every process on this machine); set cluster.backend = 'ray' or remove them"
+            )
+    else:
+        if cluster.num_cpus is not None and address != "local":
+            errors.append(
+                f"cluster.num_cpus sizes the private Ray instance of cluster.address = 'local', not the "
+                f"cluster at {address!r}; remove it"
+            )
+        if config.trainer.placement == "process":
+            errors.append(
+                "trainer.placement = 'process' places a local trainer; with cluster.backend = 'ray' the "
+                "trainer's ranks always run as Ray actors (trainer.num_workers of them): remove "
+                "trainer.placement or set cluster.backend = 'local'"
+            )
+    return errors
+
+
 def resolve_api_key(inference: InferenceConfig) -> str | None:
     """``inference.api_key``, else ``$ROLLFLOW_API_KEY``, else None (read at use, so a key from the
     environment never lands in the saved config)."""
@@ -983,6 +1056,9 @@ def _apply_env_overrides(data: dict[str, Any]) -> dict[str, Any]:
 
 INFERENCE_MODE_ENV = "ROLLFLOW_INFERENCE_MODE"
 _BASE_URL = re.compile(r"https?://[A-Za-z0-9._\-\[\]:]+(:[0-9]{1,5})?/?")
+_RAY_ADDRESS = re.compile(r"(ray://)?[A-Za-z0-9._\-\[\]:]+:[0-9]{1,5}")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_CLUSTER_DEFAULTS = ClusterConfig()
 _RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")

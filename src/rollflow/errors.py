@@ -26,6 +26,12 @@ class ConfigError(RollflowError, ValueError):
     """A configuration value is missing, unknown, of the wrong type or inconsistent with another."""
 
 
+class PlacementError(ConfigError):
+    """The cluster cannot hold the run's processes as configured (too few GPUs or CPUs, a tensor-parallel
+    group larger than a node, placement groups not granted in time, an unreachable cluster); the message
+    names what was asked, what the cluster has and the config keys to change."""
+
+
 class ModelNotFoundError(RollflowError, FileNotFoundError):
     """A model path or name could not be resolved to a local model."""
 

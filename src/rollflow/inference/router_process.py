@@ -3,7 +3,8 @@
 The router handles every generation request twice (in from the client, out to a server). In the trainer's
 process that work would hold the interpreter lock the training thread needs between its kernels, slowing
 the step that generation is supposed to overlap with; in its own process it only takes a share of a core.
-It is started, logged (``{log_dir}/router-0.log``) and torn down like the engine servers.
+It is started, logged (``{log_dir}/router-0.log``) and torn down like the engine servers
+(``rollflow.launch.local.LocalProcesses``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rollflow.inference.server_group import ProcessGroup, http_limit_flags
+from rollflow.inference.server_group import http_limit_flags
+from rollflow.launch.local import LocalProcesses
 
 
-class RouterProcess(ProcessGroup):
+class RouterProcess(LocalProcesses):
     """``rollflow router`` over ``server_urls`` in its own process; ``url`` is where it listens.
 
     Args:
@@ -71,7 +73,7 @@ class RouterProcess(ProcessGroup):
     def _describe(self) -> str:
         return f"the router on {self.host}:{self.port}"
 
-    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
+    def _command(self, index: int = 0) -> tuple[list[str], dict[str, str], int | None]:
         command = [
             sys.executable,
             "-m",
@@ -113,7 +115,7 @@ def vllm_router_command() -> list[str]:
     return [sys.executable, "-m", "vllm_router.launch_router"]
 
 
-class VllmRouterProcess(ProcessGroup):
+class VllmRouterProcess(LocalProcesses):
     """vllm-router (Rust) over ``server_urls`` in its own process, as rollflow's data-plane router.
 
     It is started with ``--policy consistent_hash``, which hashes the ``X-Session-ID`` header the client sends,
@@ -163,8 +165,8 @@ class VllmRouterProcess(ProcessGroup):
     def _describe(self) -> str:
         return f"vllm-router on {self.host}:{self.port}"
 
-    def _command(self) -> tuple[list[str], dict[str, str], int | None]:
-        from rollflow.inference.server_group import free_port
+    def _command(self, index: int = 0) -> tuple[list[str], dict[str, str], int | None]:
+        from rollflow.launch.local import free_port
 
         command = vllm_router_command()
         port = self.port or free_port(self.host)

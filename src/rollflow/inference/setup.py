@@ -7,7 +7,8 @@
 =========================  =====================  ======================================================
 external_proxy_url         external_server_urls   what rollflow starts
 =========================  =====================  ======================================================
-–                          –                      ``num_servers`` servers (ServerGroup) and a router
+–                          –                      ``num_servers`` servers (ServerGroup, or on Ray: see
+                                                  ``rollflow.launch``) and a router
 –                          set                    a router over the given servers
 set                        –                      nothing; the proxy is data plane and control plane (a
                                                   rollflow router fans control calls out to its servers)
@@ -28,7 +29,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -115,7 +116,7 @@ def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict
 
 @contextlib.asynccontextmanager
 async def get_inference_client(
-    config: RunConfig, run_dir: str | Path | None = None
+    config: RunConfig, run_dir: str | Path | None = None, launcher: Any = None
 ) -> AsyncIterator[InferenceClient]:
     """Yield the ``InferenceClient`` for ``config.inference`` (see the module docstring for the topologies);
     on exit, close it and stop whatever was started here (servers, router), also on error or cancellation.
@@ -123,6 +124,8 @@ async def get_inference_client(
     Args:
         config: the run config.
         run_dir: where server logs go (``{run_dir}/logs/inference``); defaults to ``config.run_dir``.
+        launcher: where servers run (``rollflow.launch.launcher``); unset: one opened here for
+            ``config.cluster`` when servers are to be started.
 
     Raises:
         ServerStartError: a server did not become ready within ``inference.startup_timeout_s``.
@@ -135,7 +138,7 @@ async def get_inference_client(
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.launcher import open_launcher
 
     inference = config.inference
     if inference.mode == "local":
@@ -154,18 +157,23 @@ async def get_inference_client(
         proxy_url = inference.external_proxy_url
         server_urls = list(inference.external_server_urls)
         if proxy_url is None and not server_urls:
-            group = ServerGroup(
-                config.model.path,
-                inference.num_servers,
-                run_dir / "logs" / "inference",
-                engine=inference.engine,
-                startup_timeout_s=inference.startup_timeout_s,
-                server_options=server_options(config, api_key),
-                server_env=server_env(config),
-                niceness=inference.niceness,
+            group_options: dict[str, Any] = {}
+            if config.cluster.backend == "local":  # Ray's launcher gives each server its bundle's GPUs
+                group_options["process_env"] = server_env(config) or None
+            if launcher is None:
+                launcher = await stack.enter_async_context(open_launcher(config, run_dir))
+            server_urls = await stack.enter_async_context(
+                launcher.servers(
+                    config.model.path,
+                    inference.num_servers,
+                    run_dir / "logs" / "inference",
+                    engine=inference.engine,
+                    startup_timeout_s=inference.startup_timeout_s,
+                    server_options=server_options(config, api_key),
+                    niceness=inference.niceness,
+                    **group_options,
+                )
             )
-            await stack.enter_async_context(group)
-            server_urls = group.urls
         if proxy_url is None and inference.router == "auto" and len(server_urls) == 1:
             # One server: a router would only add a hop, a process and their CPU. The server is both planes.
             proxy_url = server_urls[0]

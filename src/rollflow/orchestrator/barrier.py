@@ -37,15 +37,18 @@ class WeightBarrier:
         self.timeout_s = timeout_s
 
     @classmethod
-    def from_config(cls, config: RunConfig, client: InferenceClient) -> WeightBarrier:
-        """The barrier a run uses: ``weight_sync``'s strategy (resolved for the inference mode and engine)."""
+    def from_config(
+        cls, config: RunConfig, client: InferenceClient, rank0_address: str = "127.0.0.1"
+    ) -> WeightBarrier:
+        """The barrier a run uses: ``weight_sync``'s strategy (resolved for the inference mode and engine);
+        ``rank0_address``, the trainer rank 0's node, is ``weight_sync.master_address = "auto"``."""
         from rollflow.weights import WeightTransfer, create_strategy
 
         sync = config.weight_sync
         strategy = sync.resolved_strategy(config.inference.mode)
         if config.inference.colocate and sync.strategy == "auto" and _colocated_on_cuda(config):
             strategy = "cuda_ipc"  # trainer and servers share the GPU: hand the buffers over, no copy
-        options = sync.strategy_options(strategy, config.inference.engine)
+        options = sync.strategy_options(strategy, config.inference.engine, rank0_address)
         return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
 
     async def update(self, trainer: Any, policy_version: int, pause_mode: PauseMode) -> dict[str, float]:

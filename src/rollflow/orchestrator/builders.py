@@ -48,11 +48,12 @@ def load_chat(config: RunConfig, model_dir: str | Path | None = None) -> tuple[A
     return tokenizer, create_chat_renderer(tokenizer, config.model, model_dir)
 
 
-def build_barrier(config: RunConfig, client: Any) -> WeightBarrier:
-    """The weight barrier of ``config.weight_sync`` over ``client``; its owner closes it."""
+def build_barrier(config: RunConfig, client: Any, rank0_address: str = "127.0.0.1") -> WeightBarrier:
+    """The weight barrier of ``config.weight_sync`` over ``client``; ``rank0_address`` (the trainer rank 0's
+    node) is where ``weight_sync.master_address = "auto"`` points. Its owner closes it."""
     from rollflow.orchestrator.barrier import WeightBarrier
 
-    return WeightBarrier.from_config(config, client)
+    return WeightBarrier.from_config(config, client, rank0_address)
 
 
 def build_proxy(

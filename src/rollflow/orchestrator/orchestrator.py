@@ -7,7 +7,8 @@ Each component has one job and never references the orchestrator:
 - ``SingleTurnGenerator``: samples a group of completions for one request and scores it (``ScoredGroup``).
 - Trainer handle (``rollflow.train.handle``): one optimizer step per batch the packer
   (``packing.py``) made of the step's groups; a ``Trainer`` in a worker thread, a ``TrainerProcess`` of its
-  own (``trainer.placement``), or ``trainer.num_workers`` data-parallel ``TrainerWorkers``.
+  own (``trainer.placement``), or ``trainer.num_workers`` data-parallel ``TrainerWorkers`` (local processes
+  or Ray actors: the launcher, ``rollflow.launch``, decides where by ``cluster.backend``).
 - ``WeightBarrier``: pause engines ▸ the trainer pushes its weights ▸ policy version += 1 ▸ resume.
 - ``StalenessSchedule``: when prompts may start (``sync``, ``one_step``, ``fully_async``) and how the barrier
   pauses.
@@ -97,6 +98,9 @@ class Orchestrator:
     # Fixed components.
     client: Any  # InferenceClient: in-process engines, or servers behind a router
     trainer: TrainerHandle  # a Trainer, a TrainerProcess (trainer.placement) or TrainerWorkers (num_workers)
+    launcher: (
+        Any  # rollflow.launch.launcher.Launcher: where trainer workers and servers run (cluster.backend)
+    )
 
     def __init__(
         self,
@@ -181,6 +185,7 @@ class Orchestrator:
             return
         default_log_level()
         from rollflow.inference.setup import get_inference_client
+        from rollflow.launch.launcher import open_launcher
         from rollflow.tracking import check_backends, open_sinks
 
         config = self.config
@@ -196,12 +201,14 @@ class Orchestrator:
             rewarder = Rewarder.from_config(config.data.reward, self.task, config.data.rewards)
             config = self.config = self._with_epoch_steps(config)
             checkpoint = self._prepare_run_dir()
+            # Where the trainer workers and servers run (cluster.backend): on Ray, the placement is granted here.
+            self.launcher = await self._exit_stack.enter_async_context(open_launcher(config, self.run_dir))
             renderer, tokenizer, self.trainer = await anyio.to_thread.run_sync(self._build_trainer_side)
             self._exit_stack.callback(self.trainer.close)
             self.client = self._given_client or await self._exit_stack.enter_async_context(
-                get_inference_client(config, self.run_dir)
+                get_inference_client(config, self.run_dir, launcher=self.launcher)
             )
-            self.barrier = build_barrier(config, self.client)
+            self.barrier = build_barrier(config, self.client, self.launcher.rank0_address)
             self._exit_stack.callback(self.barrier.close)
             # Agent rollouts ([agent]): each sample is an agent session through the TITO proxy.
             self.generator = await self._exit_stack.enter_async_context(
@@ -315,14 +322,14 @@ class Orchestrator:
         return checkpoint
 
     def _build_trainer_side(self) -> tuple[Any, Any, Any]:
-        """Blocking: load the chat renderer, the tokenizer and the trainer's copy of the model (in this process,
-        or in the trainer process that ``trainer.placement = "process"`` starts)."""
-        from rollflow.models.loading import check_devices, load_causal_lm, resolve_model_path
-        from rollflow.train.process import TrainerProcess, TrainerSpec
-        from rollflow.train.trainer import Trainer
+        """Blocking: load the chat renderer, the tokenizer and have the launcher start the trainer (in this
+        process, a trainer process, local worker processes or Ray actors)."""
+        from rollflow.models.loading import check_devices, resolve_model_path
+        from rollflow.train.process import TrainerSpec
 
         config = self.config
-        check_devices(config)  # before any model loads or process starts
+        if config.cluster.backend == "local":  # on Ray, the devices are the nodes', not this machine's
+            check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
         tokenizer, renderer = load_chat(config, model_dir)
         spec = TrainerSpec(
@@ -334,13 +341,7 @@ class Orchestrator:
             off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
             total_steps=config.orchestrator.steps,
         )
-        if config.trainer.num_workers > 1:
-            from rollflow.train.workers import TrainerWorkers
-
-            return renderer, tokenizer, TrainerWorkers(spec)
-        if config.trainer.placement == "process":
-            return renderer, tokenizer, TrainerProcess(spec)
-        return renderer, tokenizer, Trainer(load_causal_lm(model_dir), **spec.trainer_kwargs())
+        return renderer, tokenizer, self.launcher.start_trainer(spec)
 
     async def _restore(self, checkpoint: Path) -> None:
         self.state = load_state(checkpoint)

@@ -294,20 +294,44 @@ def _serve_rank(
         except (EOFError, OSError):
             return  # the parent is gone
         if method == "close":
-            _leave_group()
+            leave_group()
             # Nothing is left to flush but the standard streams; the interpreter's own teardown (torch's
             # and transformers' modules) would take seconds on a busy machine.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
         try:
-            reply: tuple[str, Any, str] = ("ok", _run(trainer, method, args), "")
+            reply: tuple[str, Any, str] = ("ok", run_call(trainer, method, args), "")
         except Exception as error:
             reply = error_reply(error, TrainerWorkerError)
         conn.send(reply)
 
 
 def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int):
+    if rank == 0:
+        store = open_store(HOST, 0, world_size, is_master=True)
+        conn.send(("ok", store.port, ""))
+    else:
+        _, port = conn.recv()
+        store = open_store(HOST, port, world_size, is_master=False)
+    return build_rank(spec, rank, world_size, device, threads, store, cuda_index=rank)
+
+
+def open_store(host: str, port: int, world_size: int, is_master: bool) -> Any:
+    """The group's rendezvous store: rank 0 hosts it (port 0: the OS picks a free port, with no window for
+    another process to take it; ``store.port`` tells which), the others connect to ``host:port``."""
+    import torch.distributed as dist
+
+    if is_master:
+        return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False)
+    return dist.TCPStore(host, port, world_size, is_master=False)
+
+
+def build_rank(
+    spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int, store: Any, cuda_index: int
+) -> Any:
+    """Join the torch.distributed group through ``store`` and build this rank's ``Trainer`` (on CUDA device
+    ``cuda_index`` when ``device`` is ``cuda``). Shared by local worker processes and Ray actors."""
     import torch
     import torch.distributed as dist
 
@@ -316,21 +340,14 @@ def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int,
     from rollflow.train.trainer import Trainer
 
     torch.set_num_threads(threads)
-    if rank == 0:
-        # Port 0: the OS picks a free port on this host, with no window for another process to take it.
-        store = dist.TCPStore(HOST, 0, world_size, is_master=True, wait_for_workers=False)
-        conn.send(("ok", store.port, ""))
-    else:
-        _, port = conn.recv()
-        store = dist.TCPStore(HOST, port, world_size, is_master=False)
     backend = "gloo"
     if device == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(cuda_index)
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
-    target = torch.device(f"cuda:{rank}" if device == "cuda" else "cpu")
+    target = torch.device(f"cuda:{cuda_index}" if device == "cuda" else "cpu")
     if spec.config.parallelism == "fsdp2":
         model = _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
     else:
@@ -384,7 +401,8 @@ def _compute_dtype(config: Any, device: str) -> Any:
     return None
 
 
-def _run(trainer: Any, method: str, args: list[Any]) -> Any:
+def run_call(trainer: Any, method: str, args: list[Any]) -> Any:
+    """One handle call on this rank's trainer."""
     if method == "train_step":
         return trainer.train_step(*args)
     if method == "full_weights":
@@ -409,7 +427,8 @@ def _full_weights(trainer: Any) -> list[tuple[str, Any]] | None:
     return weights if keep else None
 
 
-def _leave_group() -> None:
+def leave_group() -> None:
+    """Destroy this process's torch.distributed group, if any."""
     import torch.distributed as dist
 
     with contextlib.suppress(Exception):

@@ -1,0 +1,10 @@
+"""Where rollflow's processes run: local subprocesses, or Ray actors placed by a placement plan.
+
+- ``plan``: the placement plan (pure: no Ray, no torch).
+- ``local``: ``LocalProcesses``, children of this process started together and never left behind (the engine
+  servers and the router are kinds of it).
+- ``ray_cluster`` / ``ray_servers`` / ``ray_trainer``: the Ray backend (imported only with
+  ``cluster.backend = "ray"``).
+
+Nothing here imports Ray or torch at module scope.
+"""
