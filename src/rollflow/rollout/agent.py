@@ -186,7 +186,7 @@ class AgentGenerator:
     """Generates a prompt's group by running the agent ``num_samples`` times, each in its own TITO session.
 
     Args:
-        proxy: the running proxy the agent talks to (owned by the caller; see ``build_agent_generator``).
+        proxy: the running proxy the agent talks to (owned by the caller; see ``rollflow.orchestrator.builders.build_agent_generator``).
         agent: an async callable ``agent(base_url, task) -> reward``, e.g. from ``resolve_agent``.
         mode: the composer mode (``per_branch``, ``single_branch``, ``step_wise``).
         composer: a composer called like ``rollflow.tito.compose`` (default), or its import path.
