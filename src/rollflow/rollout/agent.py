@@ -41,7 +41,7 @@ import anyio
 import msgspec
 import structlog
 
-from rollflow.errors import ConfigError
+from rollflow.errors import AgentError, ConfigError
 from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
 from rollflow.rollout.generator import sample_seed
@@ -74,10 +74,6 @@ class AgentTask(msgspec.Struct, frozen=True):
     seed: int = 0
     # The model name requests must use.
     model: str = ""
-
-
-class AgentError(Exception):
-    """The agent failed: it raised, exited non-zero, or did not report a usable reward."""
 
 
 class CommandAgent:
