@@ -108,7 +108,7 @@ async def test_an_unreachable_server_is_retryable_and_a_dead_engine_is_not():
 
 
 async def test_5xx_and_exhausted_503s_are_unavailable():
-    """A server answering 500 is unavailable at once; one answering 503 (paused) is waited on until
+    """A server answering 500, 502 or 429 is unavailable at once; one answering 503 (paused) is waited on until
     ``request_timeout_s``, then unavailable. Both retryable, neither a request error."""
     from aiohttp import web
 
@@ -128,7 +128,7 @@ async def test_5xx_and_exhausted_503s_are_unavailable():
     port = site._server.sockets[0].getsockname()[1]
     client = RemoteInferenceClient(f"http://127.0.0.1:{port}", request_timeout_s=0.5)
     try:
-        for value in (500, 503):
+        for value in (500, 502, 429, 503):
             status["value"] = value
             with pytest.raises(InferenceUnavailableError) as raised:
                 await client.generate(GenerateRequest([1], SamplingParams(max_tokens=1)))

@@ -206,9 +206,8 @@ async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
                 assert response.status == 404
 
         status, body = await _post(f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0}, auth)
-        assert (status, body["error"]["code"]) == (400, "invalid_request") and "max_seq_len" in body["error"][
-            "message"
-        ]
+        assert (status, body["error"]["code"]) == (400, "invalid_request")
+        assert "max_seq_len" in body["error"]["message"]
         status, body = await _post(
             f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0, "mode": "x", "max_seq_len": 9}, auth
         )

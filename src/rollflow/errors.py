@@ -317,6 +317,21 @@ class WeightSyncTimeoutError(RollflowError, TimeoutError):
     """A weight update did not finish within ``weight_sync.timeout_s``."""
 
 
+# ---------------------------------------------------------------- rollouts
+
+
+class AgentError(RollflowError):
+    """The agent failed: it raised, exited non-zero, or did not report a usable reward."""
+
+
+class RewardPartError(RollflowError):
+    """A part of a weighted reward failed; names it."""
+
+    def __init__(self, name: str, error: Exception):
+        super().__init__(f"reward {name!r}: {type(error).__name__}: {error}")
+        self.name = name
+
+
 # ---------------------------------------------------------------- the TITO proxy
 
 

@@ -198,7 +198,7 @@ def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteI
     ``status`` is None for an error reported inside a stream (its status is then read from the body's
     ``type`` and ``code``). A 4xx keeps the server's string ``code`` (vLLM sends the status as ``code``:
     then it is the status's code); a 503 whose ``type`` is ``EngineDeadError`` is a dead engine; any other
-    5xx is unavailable (retryable).
+    5xx, and a 429, is unavailable (retryable).
     """
     fields = _error_fields(body)
     code = fields.get("code") if isinstance(fields.get("code"), str) else None
@@ -209,7 +209,7 @@ def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteI
         status = fields["code"]
     if status is None:
         status = 500 if code in (None, INTERNAL_ERROR, SERVICE_UNAVAILABLE) else 400
-    if status >= 500:
+    if status >= 500 or status == 429:  # 429: over capacity now, not the request's fault
         return RemoteUnavailableError(message, url=url, status=status, body=body, code=code)
     kind = RemoteContextLengthExceededError if code == CONTEXT_LENGTH_EXCEEDED else RemoteRequestError
     return kind(message, url=url, status=status, body=body, code=code or error_code(status), param=param)

@@ -42,7 +42,7 @@ import anyio
 import msgspec
 import structlog
 
-from rollflow.errors import ConfigError
+from rollflow.errors import AgentError, ConfigError
 from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
 from rollflow.rollout.generator import sample_seed
@@ -75,10 +75,6 @@ class AgentTask(msgspec.Struct, frozen=True):
     seed: int = 0
     # The model name requests must use.
     model: str = ""
-
-
-class AgentError(Exception):
-    """The agent failed: it raised, exited non-zero, or did not report a usable reward."""
 
 
 class CommandAgent:
@@ -187,7 +183,7 @@ class AgentGenerator:
     """Generates a prompt's group by running the agent ``num_samples`` times, each in its own TITO session.
 
     Args:
-        proxy: the running proxy the agent talks to (owned by the caller; see ``build_agent_generator``).
+        proxy: the running proxy the agent talks to (owned by the caller; see ``rollflow.orchestrator.builders.build_agent_generator``).
         agent: an async callable ``agent(base_url, task) -> reward``, e.g. from ``resolve_agent``.
         mode: the composer mode (``per_branch``, ``single_branch``, ``step_wise``).
         composer: a composer called like ``rollflow.tito.compose`` (default), or its import path.

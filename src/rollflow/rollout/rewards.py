@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import structlog
 
-from rollflow.errors import ConfigError
+from rollflow.errors import ConfigError, RewardPartError
 from rollflow.imports import import_object
 from rollflow.messages import Sample
 from rollflow.rollout.tasks import Task, TaskItem
@@ -88,14 +88,6 @@ class WeightedReward:
             values[name] = float(value)
             total += weight * float(value)
         return total, values
-
-
-class RewardPartError(Exception):
-    """A part of a weighted reward failed; names it."""
-
-    def __init__(self, name: str, error: Exception):
-        super().__init__(f"reward {name!r}: {type(error).__name__}: {error}")
-        self.name = name
 
 
 class Rewarder:
