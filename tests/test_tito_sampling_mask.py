@@ -47,6 +47,10 @@ async def test_proxy_records_kept_counts_and_the_sample_carries_them(engine_clie
     assert len(sampled_nodes) == 2
     for node in sampled_nodes:
         assert node.kept_counts.tolist() == [7] * len(node.logprobs)
+    saved = {node["id"]: node for node in trace.to_dict()["nodes"]}  # what agent.save_traces writes
+    assert [saved[node.id]["kept_counts"] for node in sampled_nodes] == [
+        node.kept_counts.tolist() for node in sampled_nodes
+    ]
     for sample in compose(trace, reward=1.0, max_seq_len=512, mode="per_branch"):
         assert sample.kept_counts is not None
         assert len(sample.kept_counts) == len(sample.completion_token_ids)

@@ -318,6 +318,8 @@ class Trace:
                     if node.policy_versions is not None
                     else None,
                     "finish_reason": node.finish_reason,
+                    # Only where top-k/top-p cut a sampled token: the sampler's kept counts.
+                    **({"kept_counts": node.kept_counts.tolist()} if node.kept_counts is not None else {}),
                 }
                 for node in self.nodes[1:]
             ],
