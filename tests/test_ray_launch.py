@@ -80,9 +80,13 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
     1. each trainer rank and each server runs on the node the plan chose, with its own GPU (checked inside);
     2. two sync steps: the weights the Ray workers push reach the servers on the other node (the engines
        sample with exactly the workers' weights);
-    3. a server killed: the run fails over to the other one and trains on;
+    3. a server killed: the run fails over to the other one and trains on; an error raised in the ranks
+       comes back naming rank and node;
     4. a trainer actor killed: the next step fails naming its rank and node;
     5. teardown: no actor, placement group or server process is left."""
+    import anyio
+
+    from rollflow.errors import CheckpointError
     from rollflow.orchestrator import Orchestrator
     from rollflow.train.workers import TrainerWorkerError
 
@@ -121,6 +125,13 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
         os.killpg(servers["server_pids"][0], signal.SIGKILL)
         metrics = await orchestrator.run(steps=2)
         assert [m["policy_version"] for m in metrics] == [3, 4]
+
+        # An error raised in the ranks comes back as itself, naming the rank and its node; they go on serving.
+        with pytest.raises(CheckpointError, match="neither") as raised:
+            await anyio.to_thread.run_sync(orchestrator.trainer.load_checkpoint, tmp_path / "no-checkpoint")
+        assert any(
+            f"trainer worker rank 0 on node {ranks[0]['address']}" in note for note in raised.value.__notes__
+        )
 
         # 4. A dead trainer actor: the run fails, naming the rank and its node.
         victim = ranks[1]
