@@ -263,8 +263,8 @@ from rollflow.config import load_config
 from rollflow.launch.launcher import open_launcher
 
 async def main():
-    config = load_config([], sys.argv[1:])
-    async with open_launcher(config) as launcher:
+    config = load_config([], sys.argv[2:])
+    async with open_launcher(config, trainer=sys.argv[1] == "with-trainer") as launcher:
         async with launcher.servers("rollflow:tiny", 1, sys.argv[0] + "-logs", startup_timeout_s=120):
             pids = [pid for info in await launcher.servers_started.info() for pid in info["server_pids"]]
             print("STARTED", json.dumps({"server_pids": pids}), flush=True)
@@ -279,9 +279,10 @@ asyncio.run(main())
 
 
 def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_cluster, tmp_path):
-    """Three drivers at once (each a trainer bundle and a server on the CPU): one exits normally, one gets
-    Ctrl-C (the launcher's teardown ends its actors and placement groups), one gets SIGKILL (it runs no teardown
-    of its own: Ray ends its job's actors and placement groups, its server dies with the launcher's process).
+    """Three drivers at once (each a server and a trainer bundle on the CPU): one exits normally (servers only,
+    as ``rollflow generate``), one gets Ctrl-C (the launcher's teardown ends its actors and placement groups),
+    one gets SIGKILL (it runs no teardown of its own: Ray ends its job's actors and placement groups, its
+    server dies with the launcher's process).
 
     Meanwhile (they share the wait) a fourth process starts a private instance (``address = "local"``): Ray's
     processes outlive the call that started them (Ray ties them to the starting thread, so that thread lives
@@ -307,7 +308,7 @@ def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_
     endings = {"exit": None, "ctrl-c": signal.SIGINT, "kill-9": signal.SIGKILL}
     drivers = {
         ending: subprocess.Popen(
-            [sys.executable, "-c", DRIVER, *options],
+            [sys.executable, "-c", DRIVER, "servers-only" if ending == "exit" else "with-trainer", *options],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -323,7 +324,8 @@ def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_
                 assert line, driver.stderr.read()[-3000:]
             started[ending] = json.loads(line.removeprefix("STARTED "))["server_pids"]
             assert len(started[ending]) == 1 and pid_alive(started[ending][0])
-        assert len(placement_groups(ray)) == 2 * len(drivers)  # each: the trainer's and its server node's
+        # Each: its server node's, and the trainer's but for the servers-only one (as `rollflow generate`).
+        assert len(placement_groups(ray)) == 2 * len(drivers) - 1
         for ending, driver in drivers.items():
             if endings[ending] is None:
                 driver.stdin.write("\n")

@@ -110,7 +110,7 @@ async def get_inference_client(
             if inference.return_routed_experts:
                 options["return_routed_experts"] = True
             if launcher is None:
-                launcher = await stack.enter_async_context(open_launcher(config, run_dir))
+                launcher = await stack.enter_async_context(open_launcher(config, run_dir, trainer=False))
             server_urls = await stack.enter_async_context(
                 launcher.servers(
                     config.model.path,
