@@ -63,8 +63,11 @@ def test_head_wins_a_tie_for_rank0():
 
 
 def test_servers_spread_over_free_nodes():
+    # Servers only (rollflow generate / eval on Ray): no trainer bundles.
     plan = make_plan(demand(workers=0, servers=4), gpu_nodes(2, 2))
     assert [slot.node.node_id for slot in plan.servers] == ["node0000", "node0001", "node0000", "node0001"]
+    assert plan.to_dict()["rank0_node"] is None and not plan.to_dict()["workers"]
+    assert "trainer ranks" not in plan.describe()
 
 
 def test_cpu_cluster_bundles_hold_cpus_only():

@@ -80,9 +80,13 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
     1. each trainer rank and each server runs on the node the plan chose, with its own GPU (checked inside);
     2. two sync steps: the weights the Ray workers push reach the servers on the other node (the engines
        sample with exactly the workers' weights);
-    3. a server killed: the run fails over to the other one and trains on;
+    3. a server killed: the run fails over to the other one and trains on; an error raised in the ranks
+       comes back naming rank and node;
     4. a trainer actor killed: the next step fails naming its rank and node;
     5. teardown: no actor, placement group or server process is left."""
+    import anyio
+
+    from rollflow.errors import CheckpointError
     from rollflow.orchestrator import Orchestrator
     from rollflow.train.workers import TrainerWorkerError
 
@@ -121,6 +125,13 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
         os.killpg(servers["server_pids"][0], signal.SIGKILL)
         metrics = await orchestrator.run(steps=2)
         assert [m["policy_version"] for m in metrics] == [3, 4]
+
+        # An error raised in the ranks comes back as itself, naming the rank and its node; they go on serving.
+        with pytest.raises(CheckpointError, match="neither") as raised:
+            await anyio.to_thread.run_sync(orchestrator.trainer.load_checkpoint, tmp_path / "no-checkpoint")
+        assert any(
+            f"trainer worker rank 0 on node {ranks[0]['address']}" in note for note in raised.value.__notes__
+        )
 
         # 4. A dead trainer actor: the run fails, naming the rank and its node.
         victim = ranks[1]
@@ -252,8 +263,8 @@ from rollflow.config import load_config
 from rollflow.launch.launcher import open_launcher
 
 async def main():
-    config = load_config([], sys.argv[1:])
-    async with open_launcher(config) as launcher:
+    config = load_config([], sys.argv[2:])
+    async with open_launcher(config, trainer=sys.argv[1] == "with-trainer") as launcher:
         async with launcher.servers("rollflow:tiny", 1, sys.argv[0] + "-logs", startup_timeout_s=120):
             pids = [pid for info in await launcher.servers_started.info() for pid in info["server_pids"]]
             print("STARTED", json.dumps({"server_pids": pids}), flush=True)
@@ -268,9 +279,10 @@ asyncio.run(main())
 
 
 def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_cluster, tmp_path):
-    """Three drivers at once (each a trainer bundle and a server on the CPU): one exits normally, one gets
-    Ctrl-C (the launcher's teardown ends its actors and placement groups), one gets SIGKILL (it runs no teardown
-    of its own: Ray ends its job's actors and placement groups, its server dies with the launcher's process).
+    """Three drivers at once (each a server and a trainer bundle on the CPU): one exits normally (servers only,
+    as ``rollflow generate``), one gets Ctrl-C (the launcher's teardown ends its actors and placement groups),
+    one gets SIGKILL (it runs no teardown of its own: Ray ends its job's actors and placement groups, its
+    server dies with the launcher's process).
 
     Meanwhile (they share the wait) a fourth process starts a private instance (``address = "local"``): Ray's
     processes outlive the call that started them (Ray ties them to the starting thread, so that thread lives
@@ -296,7 +308,7 @@ def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_
     endings = {"exit": None, "ctrl-c": signal.SIGINT, "kill-9": signal.SIGKILL}
     drivers = {
         ending: subprocess.Popen(
-            [sys.executable, "-c", DRIVER, *options],
+            [sys.executable, "-c", DRIVER, "servers-only" if ending == "exit" else "with-trainer", *options],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -312,7 +324,8 @@ def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_
                 assert line, driver.stderr.read()[-3000:]
             started[ending] = json.loads(line.removeprefix("STARTED "))["server_pids"]
             assert len(started[ending]) == 1 and pid_alive(started[ending][0])
-        assert len(placement_groups(ray)) == 2 * len(drivers)  # each: the trainer's and its server node's
+        # Each: its server node's, and the trainer's but for the servers-only one (as `rollflow generate`).
+        assert len(placement_groups(ray)) == 2 * len(drivers) - 1
         for ending, driver in drivers.items():
             if endings[ending] is None:
                 driver.stdin.write("\n")

@@ -161,7 +161,7 @@ async def get_inference_client(
             if config.cluster.backend == "local":  # Ray's launcher gives each server its bundle's GPUs
                 group_options["process_env"] = server_env(config) or None
             if launcher is None:
-                launcher = await stack.enter_async_context(open_launcher(config, run_dir))
+                launcher = await stack.enter_async_context(open_launcher(config, run_dir, trainer=False))
             server_urls = await stack.enter_async_context(
                 launcher.servers(
                     config.model.path,

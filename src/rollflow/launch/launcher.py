@@ -66,9 +66,12 @@ class LocalLauncher:
 
 
 @contextlib.asynccontextmanager
-async def open_launcher(config: Any, run_dir: Path | None = None) -> AsyncIterator[Launcher]:
+async def open_launcher(
+    config: Any, run_dir: Path | None = None, trainer: bool = True
+) -> AsyncIterator[Launcher]:
     """The launcher ``config.cluster`` asks for; on exit (error and cancellation included) whatever the Ray
-    backend reserved (actors, placement groups, its connection) is released.
+    backend reserved (actors, placement groups, its connection) is released. ``trainer = False``: servers only
+    (``rollflow generate``, ``eval``): no trainer bundles are reserved.
 
     Raises:
         MissingExtraError: ``cluster.backend = "ray"`` without Ray installed.
@@ -80,5 +83,5 @@ async def open_launcher(config: Any, run_dir: Path | None = None) -> AsyncIterat
         return
     from rollflow.launch.ray_launcher import RayLauncher
 
-    async with RayLauncher.open(config, run_dir) as launcher:
+    async with RayLauncher.open(config, run_dir, trainer=trainer) as launcher:
         yield launcher

@@ -139,7 +139,7 @@ class PlacementPlan:
 
     @property
     def rank0_node(self) -> Node:
-        """The node of trainer rank 0 (rendezvous, weight sender)."""
+        """The node of trainer rank 0 (rendezvous, weight sender); a plan without workers has none."""
         return self.workers[0].node
 
     def servers_by_node(self) -> dict[str, list[ServerSlot]]:
@@ -170,7 +170,7 @@ class PlacementPlan:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form (node ids, ranks, servers, bundles)."""
         return {
-            "rank0_node": self.rank0_node.node_id,
+            "rank0_node": self.rank0_node.node_id if self.workers else None,
             "workers": [
                 {"rank": s.rank, "node": s.node.node_id, "address": s.node.address, **s.bundle.resources()}
                 for s in self.workers

@@ -14,6 +14,7 @@ launcher's process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -51,8 +52,11 @@ class RayLauncher:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, config: Any, run_dir: Path | None = None) -> AsyncIterator[RayLauncher]:
-        """Connect, plan and reserve; on exit release everything (see the module docstring).
+    async def open(
+        cls, config: Any, run_dir: Path | None = None, trainer: bool = True
+    ) -> AsyncIterator[RayLauncher]:
+        """Connect, plan and reserve (``trainer = False``: the servers only); on exit release everything (see
+        the module docstring).
 
         Raises:
             MissingExtraError: Ray is not installed.
@@ -63,12 +67,12 @@ class RayLauncher:
         import_ray()
         if cluster.address == "local":  # an infeasible plan fails before Ray starts
             nodes = local_machine_nodes(cluster)
-            make_plan(Demand.from_config(config, nodes), nodes)
+            make_plan(_demand(config, nodes, trainer), nodes)
         connection = await anyio.to_thread.run_sync(connect_ray, cluster, cluster.placement_timeout_s)
         ray = connection.ray
         try:
             nodes = cluster_nodes(ray)
-            plan = make_plan(Demand.from_config(config, nodes), nodes)
+            plan = make_plan(_demand(config, nodes, trainer), nodes)
             log.info("placement plan", plan="\n" + plan.describe())
             name = f"rollflow-{config.name}-{secrets.token_hex(3)}"
             groups = await PlacementGroups.reserve(ray, plan, cluster.placement_timeout_s, name=name)
@@ -123,3 +127,8 @@ class RayLauncher:
         if self.trainer is not None:
             self.trainer.close()
         self.groups.remove(self.ray)
+
+
+def _demand(config: Any, nodes: list[Any], trainer: bool) -> Demand:
+    demand = Demand.from_config(config, nodes)
+    return demand if trainer else dataclasses.replace(demand, num_workers=0, colocate=False)
