@@ -10,15 +10,15 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import MODEL, engine_client, tiny_chat, tiny_engine  # noqa: F401
+from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
 
 pytestmark = pytest.mark.asyncio
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_proxy_records_kept_counts_and_the_sample_carries_them(engine_client, tiny_chat, stream):
+async def test_proxy_records_kept_counts_and_the_sample_carries_them(inference_client, tiny_chat, stream):
     async with TITOProxy(
-        engine_client,
+        inference_client,
         tiny_chat.renderer,
         tiny_chat.tokenizer,
         model_name=MODEL,
@@ -58,9 +58,9 @@ async def test_proxy_records_kept_counts_and_the_sample_carries_them(engine_clie
         assert sample.kept_counts == [7 if trained else 0 for trained in sample.loss_mask]
 
 
-async def test_untruncated_agent_samples_carry_no_kept_counts(engine_client, tiny_chat):
+async def test_untruncated_agent_samples_carry_no_kept_counts(inference_client, tiny_chat):
     async with TITOProxy(
-        engine_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=4
+        inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=4
     ) as proxy:
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
