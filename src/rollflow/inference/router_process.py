@@ -115,7 +115,7 @@ def vllm_router_command() -> list[str]:
     return [sys.executable, "-m", "vllm_router.launch_router"]
 
 
-class VllmRouterProcess(LocalProcesses):
+class VllmRouterProcess(RouterProcess):
     """vllm-router (Rust) over ``server_urls`` in its own process, as rollflow's data-plane router.
 
     It is started with ``--policy consistent_hash``, which hashes the ``X-Session-ID`` header the client sends,
@@ -124,43 +124,15 @@ class VllmRouterProcess(LocalProcesses):
     rollflow's kind: the client sends control calls to every server itself. It needs no API key of its own: the
     client's ``Authorization`` header passes through to the servers. Ready when its ``/health`` answers 200.
 
-    Args: as ``RouterProcess`` (less ``http_limits``, which vllm-router does not take); port 0 picks a free one.
+    Args: as ``RouterProcess``, less ``api_key`` and ``http_limits`` (vllm-router takes neither); port 0 picks
+    a free one.
     """
 
-    kind = "router"
-
-    def __init__(
-        self,
-        server_urls: Sequence[str],
-        log_dir: str | os.PathLike[str],
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        health_check_interval_s: float = 2.0,
-        request_timeout_s: float = 600.0,
-        startup_timeout_s: float = 60.0,
-        stop_grace_s: float = 10.0,
-        niceness: int = 0,
-    ):
-        if not server_urls:
-            raise ValueError("VllmRouterProcess needs at least one server URL")
-        super().__init__(
-            1,
-            log_dir,
-            host=host,
-            startup_timeout_s=startup_timeout_s,
-            stop_grace_s=stop_grace_s,
-            niceness=niceness,
-        )
-        self.server_urls = list(server_urls)
-        self.port = port
-        self.health_check_interval_s = health_check_interval_s
-        self.request_timeout_s = request_timeout_s
-
-    @property
-    def url(self) -> str | None:
-        """The router's base URL once it is ready."""
-        return self.urls[0] if self.urls else None
+    def __init__(self, server_urls: Sequence[str], log_dir: str | os.PathLike[str], **options: Any):
+        for unsupported in ("api_key", "http_limits"):
+            if options.get(unsupported) is not None:
+                raise ValueError(f"vllm-router takes no {unsupported}")
+        super().__init__(server_urls, log_dir, **options)
 
     def _describe(self) -> str:
         return f"vllm-router on {self.host}:{self.port}"

@@ -16,15 +16,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import structlog
 
 from rollflow.launch.plan import PlacementPlan
-from rollflow.messages import PackedBatch, StepResult
-from rollflow.train.handle import WeightPush
+from rollflow.train.handle import RankGroup
 from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec
 from rollflow.train.workers import ERROR_GRACE_S, TrainerWorkerError
 
@@ -93,7 +90,7 @@ class TrainerRank:
         leave_group()
 
 
-class RayTrainerWorkers:
+class RayTrainerWorkers(RankGroup):
     """``len(plan.workers)`` data-parallel trainer ranks as Ray actors behind one handle (``TrainerHandle``).
 
     Raises (from the constructor):
@@ -142,32 +139,6 @@ class RayTrainerWorkers:
             self._kill()
             raise
         log.info("trainer workers ready on Ray", ranks=[f"{r['rank']}@{r['address']}" for r in self.ranks])
-
-    def train_step(self, batch: PackedBatch, policy_version: int | None = None) -> StepResult:
-        """One optimizer step: rank ``r`` trains ``batch.ranks[r]``; the step's result (rank 0's)."""
-        if len(batch.ranks) != self.world_size:
-            raise ValueError(
-                f"step {batch.step} was packed for {len(batch.ranks)} ranks, but the trainer has "
-                f"{self.world_size}; pack it with num_ranks = trainer.world_size"
-            )
-        results = self._call("train_step", per_rank=[(share, policy_version) for share in batch.ranks])
-        result: StepResult = results[0]
-        result.metrics = {**batch.metrics, **result.metrics}
-        return result
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        """The full weights, gathered by every rank, rank 0's CPU copies."""
-        yield from self._call("full_weights")[0]
-
-    def push_weights(self, push: WeightPush) -> Any:
-        """Run ``push(rank, named_weights)`` in every rank; rank 0's result (its sender listens on its node)."""
-        return self._call("push_weights", (push,))[0]
-
-    def save_checkpoint(self, directory: str | Path) -> None:
-        self._call("save_checkpoint", (str(Path(directory).resolve()),))
-
-    def load_checkpoint(self, directory: str | Path) -> None:
-        self._call("load_checkpoint", (str(Path(directory).resolve()),))
 
     def close(self) -> None:
         """Leave the group and end every rank's actor. Idempotent."""

@@ -1,8 +1,9 @@
 """The trainer handle: what the orchestrator calls on a trainer, wherever its ranks run.
 
-Three implementations: ``Trainer`` (in this process), ``TrainerProcess`` (one child process) and
-``TrainerWorkers`` (``trainer.num_workers`` data-parallel processes in one torch.distributed group). Every
-method blocks; the orchestrator calls them from a worker thread, one at a time.
+Four implementations: ``Trainer`` (in this process), ``TrainerProcess`` (one child process), and two
+``RankGroup``s of ``trainer.num_workers`` data-parallel ranks in one torch.distributed group:
+``TrainerWorkers`` (local processes) and ``rollflow.launch.ray_trainer.RayTrainerWorkers`` (Ray actors).
+Every method blocks; the orchestrator calls them from a worker thread, one at a time.
 """
 
 from __future__ import annotations
@@ -47,3 +48,49 @@ class TrainerHandle(Protocol):
     def close(self) -> None:
         """Release the ranks (processes, process group); idempotent."""
         ...
+
+
+class RankGroup:
+    """The trainer handle over ``world_size`` ranks that each run a ``Trainer``: every call goes to every
+    rank through ``_call`` and rank 0 answers. Subclasses own the ranks (local worker processes, Ray actors)
+    and their transport."""
+
+    world_size: int
+
+    def _call(
+        self, method: str, args: tuple[Any, ...] = (), per_rank: list[tuple[Any, ...]] | None = None
+    ) -> list[Any]:
+        """Run ``method`` on every rank (``per_rank[r]`` as rank r's arguments, else ``args``); the answers in
+        rank order."""
+        raise NotImplementedError
+
+    def train_step(self, batch: PackedBatch, policy_version: int | None = None) -> StepResult:
+        """One optimizer step: rank ``r`` trains ``batch.ranks[r]``; the step's result (rank 0's, with the
+        packer's metrics)."""
+        if len(batch.ranks) != self.world_size:
+            raise ValueError(
+                f"step {batch.step} was packed for {len(batch.ranks)} ranks, but the trainer has "
+                f"{self.world_size} (trainer.num_workers); pack it with num_ranks = trainer.world_size"
+            )
+        results = self._call("train_step", per_rank=[(share, policy_version) for share in batch.ranks])
+        result: StepResult = results[0]
+        result.metrics = {**batch.metrics, **result.metrics}
+        return result
+
+    def named_weights(self) -> NamedWeights:
+        """The full weights (every rank joins each shard's gather; rank 0 sends them here), CPU copies in
+        ``Trainer.named_weights``'s names and order."""
+        yield from self._call("full_weights")[0]
+
+    def push_weights(self, push: WeightPush) -> Any:
+        """Run ``push(rank, named_weights)`` (picklable) on every rank, on its rank's weights (DTensor shards
+        under ``fsdp2``); rank 0's result (its sender listens on rank 0's node)."""
+        return self._call("push_weights", (push,))[0]
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Every rank writes its shards (``rollflow.train.sharded``); rank 0 also the full weights."""
+        self._call("save_checkpoint", (str(Path(directory).resolve()),))
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Every rank reads its shards, resharded from whatever number of ranks wrote them."""
+        self._call("load_checkpoint", (str(Path(directory).resolve()),))

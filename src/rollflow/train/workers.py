@@ -23,7 +23,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -33,8 +32,7 @@ from typing import Any
 import structlog
 
 from rollflow.errors import ConfigError, RollflowError
-from rollflow.messages import PackedBatch, StepResult
-from rollflow.train.handle import WeightPush
+from rollflow.train.handle import RankGroup
 from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec, error_reply
 
 log = structlog.get_logger(__name__)
@@ -60,7 +58,7 @@ class _Worker:
     conn: Connection
 
 
-class TrainerWorkers:
+class TrainerWorkers(RankGroup):
     """``spec.config.num_workers`` data-parallel trainer processes behind one handle (``TrainerHandle``).
 
     Calls block and are serialized; run them from a worker thread. ``close`` stops every worker.
@@ -114,37 +112,6 @@ class TrainerWorkers:
     def pids(self) -> list[int | None]:
         """Worker process ids, in rank order."""
         return [worker.process.pid for worker in self._workers]
-
-    def train_step(self, batch: PackedBatch, policy_version: int | None = None) -> StepResult:
-        """One optimizer step: rank ``r`` trains ``batch.ranks[r]``; returns the step's result (rank 0's,
-        with the packer's metrics)."""
-        if len(batch.ranks) != self.world_size:
-            raise ValueError(
-                f"step {batch.step} was packed for {len(batch.ranks)} ranks, but trainer.num_workers = "
-                f"{self.world_size}; pack it with num_ranks = trainer.world_size"
-            )
-        results = self._call("train_step", per_rank=[(share, policy_version) for share in batch.ranks])
-        result: StepResult = results[0]
-        result.metrics = {**batch.metrics, **result.metrics}
-        return result
-
-    def named_weights(self) -> Iterator[tuple[str, Any]]:
-        """The full weights (every rank joins each shard's gather; rank 0 sends them here), CPU copies in
-        ``Trainer.named_weights``'s names and order."""
-        yield from self._call("full_weights")[0]
-
-    def push_weights(self, push: WeightPush) -> Any:
-        """Run ``push(rank, named_weights)`` (picklable) in every worker, on its rank's weights (DTensor
-        shards under ``fsdp2``); rank 0's result."""
-        return self._call("push_weights", (push,))[0]
-
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Every rank writes its shards (``rollflow.train.sharded``); rank 0 also the full weights."""
-        self._call("save_checkpoint", (str(directory),))
-
-    def load_checkpoint(self, directory: str | Path) -> None:
-        """Every rank reads its shards, resharded from whatever number of ranks wrote them."""
-        self._call("load_checkpoint", (str(directory),))
 
     def close(self) -> None:
         """Ask every worker to exit; kill those that do not within ``CLOSE_TIMEOUT_S``. Idempotent."""
