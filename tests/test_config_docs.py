@@ -40,3 +40,9 @@ def test_explain_a_key_a_section_and_an_unknown_key(capsys):
         explain("trainer.lrr")
     assert main(["config", "--explain", "nope.key"]) == 2
     assert "no such config key" in capsys.readouterr().err
+
+
+def test_every_key_is_documented_where_it_is_declared():
+    sections = {name for name, value in to_dict(RunConfig()).items() if isinstance(value, dict)}
+    undocumented = [doc.key for doc in config_reference() if doc.key not in sections and not doc.doc.strip()]
+    assert undocumented == []

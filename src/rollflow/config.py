@@ -92,6 +92,7 @@ class SamplingConfig(Section):
     samples_per_prompt: Positive = 8
     """Completions sampled per prompt (the group size for GRPO/RLOO baselines)."""
     max_tokens: Positive = 8
+    """Completion budget of each sample, in tokens (a completion that reaches it ends with ``length``)."""
     temperature: NonNegativeFloat = 1.0
     """Sampling temperature, within what the float32 sampler represents: [1e-5, 1e4]
     (``rollflow.messages.sampling_error``; 0, greedy, leaves RL nothing to explore and is refused)."""
@@ -177,6 +178,8 @@ class InferenceConfig(Section):
     fails the run with an error naming the flag (``rollflow.inference.logprob_check``). Turn it off only for
     a server that cannot sample ``n`` one-token completions with ``top_k``."""
     num_engines: Positive = 1
+    """``mode = "local"``: torch engines in this process, each its own copy of the model (requests are spread
+    over them); ``http`` mode starts ``num_servers`` instead."""
     max_batch_size: Positive = 64
     """Sequences decoded together by one engine (its KV-cache slots)."""
     max_model_len: Positive = 1024
@@ -239,6 +242,7 @@ class TrainerConfig(Section):
     ``gradient_checkpointing_enable``): about a layer's activations instead of all of them, for ~1/3 more
     compute."""
     weight_decay: NonNegativeFloat = 0.0
+    """AdamW's decoupled weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
     """AdamW's moving-average decays, each in [0, 1)."""
     max_grad_norm: PositiveFloat = 1.0
@@ -305,6 +309,7 @@ class TrainerConfig(Section):
     """``loss_agg = "constant"`` only (required there): the constant each sequence's token sum is divided
     by; Dr. GRPO uses the generation budget, ``sampling.max_tokens``."""
     clip_low: NonNegativeFloat = 0.2
+    """Lower side of the PPO ratio clip range (see ``clip_high``)."""
     clip_high: NonNegativeFloat = 0.2
     """PPO ratio clip range: [1 - clip_low, 1 + clip_high]; ``clip_high > clip_low`` is DAPO's clip-higher.
     It only acts when the ratio moves away from 1: from the second update of a step on (``ppo_epochs`` or
@@ -363,6 +368,7 @@ class OrchestratorConfig(Section):
     training step t (staleness ≤ 1). ``fully_async``: generation never waits for training, within
     ``max_staleness``."""
     prompts_per_step: Positive = 16
+    """Prompts (groups of ``sampling.samples_per_prompt`` samples) trained in each step."""
     steps: Positive = 100
     """Optimizer steps of the run."""
     max_staleness: NonNegative = 2
@@ -524,6 +530,8 @@ class AgentConfig(Section):
     max_seq_len: Positive | None = None
     """Longest training sample in tokens (required): longer ones are cut, or masked with ``filter_overlong``."""
     filter_overlong: bool = False
+    """A sample longer than ``max_seq_len`` is masked (kept with no trainable token, counted) instead of cut
+    to ``max_seq_len``."""
     timeout_s: PositiveFloat = 300.0
     """Longest one trajectory may run; a timed-out trajectory is masked and counted as a timeout."""
     max_concurrent: Positive | None = None
@@ -587,6 +595,7 @@ class RunConfig(Section):
     """Run name; the run directory is ``{output_dir}/{name}``, so one path component (not ``.`` or ``..``).
     One live run per run directory (``{run_dir}/run.lock``)."""
     output_dir: str = "runs"
+    """Directory holding the run directories (relative to the working directory)."""
     seed: int = 0
     """Seeds the trainer and the samplers."""
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
