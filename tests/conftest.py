@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from pathlib import Path
 
 import pytest
+import structlog
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # A shell that starts a job in the background (CI runners do) makes it ignore SIGINT, and children inherit
@@ -15,6 +17,19 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog(monkeypatch):
+    """Each test starts from structlog's defaults, and a CLI command run inside a test does not cache its
+    loggers: a cached logger keeps the CLI's configuration and bypasses the one ``capture_logs`` sets."""
+    import rollflow.cli
+
+    monkeypatch.setattr(
+        rollflow.cli, "configure_logging", functools.partial(rollflow.cli.configure_logging, cache=False)
+    )
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture(scope="session")

@@ -160,12 +160,15 @@ async def test_a_server_dying_mid_run_does_not_stop_the_run(tmp_path, monkeypatc
         "inference.health_check_interval_s=0.5",
         "orchestrator.steps=5",
     )
+    # Servers of the suite's shared fixtures may be running too: only those this run starts count.
+    before = set(server_children()), set(server_children(b"router"))
     async with Orchestrator(config) as orchestrator:
         await orchestrator.run(steps=2)
-        servers = server_children()
+        servers = sorted(set(server_children()) - before[0])
         assert len(servers) == 2
         os.kill(servers[0], signal.SIGKILL)
         metrics = await orchestrator.run()
     assert [m["step"] for m in metrics] == [3, 4, 5]
     assert orchestrator.state.policy_version == 5
-    assert server_children() == [] and server_children(b"router") == []  # nothing left behind
+    # Nothing left behind.
+    assert set(server_children()) <= before[0] and set(server_children(b"router")) <= before[1]

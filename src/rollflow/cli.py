@@ -60,8 +60,10 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(level: str) -> None:
-    """Console rendering on a terminal, one JSON object per line otherwise; both on stderr."""
+def configure_logging(level: str, *, cache: bool = True) -> None:
+    """Console rendering on a terminal, one JSON object per line otherwise; both on stderr. ``cache``: each
+    logger keeps this configuration from its first use on (cheaper; a process that reconfigures structlog
+    later, such as a test suite, passes False)."""
     renderer = (
         structlog.dev.ConsoleRenderer(colors=True)
         if sys.stderr.isatty()
@@ -77,7 +79,7 @@ def configure_logging(level: str) -> None:
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
-        cache_logger_on_first_use=True,
+        cache_logger_on_first_use=cache,
     )
 
 
