@@ -76,7 +76,10 @@ def open_sinks(config: RunConfig, run_dir: Path, steps_done: int = 0, resume: bo
 
     Args:
         steps_done: the step a resumed run continues after; TensorBoard hides what an earlier process logged
-            beyond it (those steps are redone). wandb and MLflow start a new run per process.
+            beyond it (those steps are redone).
+        resume: the run is resumed (``--resume``): wandb and MLflow continue the runs recorded in ``run_dir``
+            (``wandb_run.json``, ``mlflow_run.json``) and skip the steps those already hold; otherwise they
+            start new runs.
     """
     check_backends(config)
     sinks: list[Any] = []
