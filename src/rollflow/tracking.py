@@ -180,11 +180,16 @@ class _LoggedRun:
         partial.write_text(json.dumps(self.record))
         partial.replace(self.path)
 
-    def logged(self, step: int) -> None:
+    def logged(self, step: int, save: bool = True) -> bool:
+        """Note that ``step`` was logged; with ``save``, record it when it is a new last step. Returns whether
+        it is."""
         self._here = step
-        if self.last_step is None or step > self.last_step:
-            self.last_step = step
+        if self.last_step is not None and step <= self.last_step:
+            return False
+        self.last_step = step
+        if save:
             self.save()
+        return True
 
 
 class WandbSink:
@@ -216,12 +221,15 @@ class WandbSink:
         if self.run.starting_step:  # online: the server knows the run's last step, whatever our record says
             self._logged.last_step = max(self._logged.last_step or 0, self.run.starting_step - 1)
         self._logged.save(id=self.run.id)
+        # Online, wandb itself knows the run's last step on resume (``starting_step``); offline it does not,
+        # so each step is recorded (a file write and rename per step, which would triple an online log's cost).
+        self._record_steps = config.logging.wandb_mode == "offline"
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = int(metrics["step"])
         if self._logged.fresh(step):
             self.run.log(numeric(metrics), step=step)
-            self._logged.logged(step)
+            self._logged.logged(step, save=self._record_steps)
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
         if self._logged.ours(step):
@@ -229,6 +237,8 @@ class WandbSink:
             self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
+        if not self._record_steps:
+            self._logged.save()  # the last step, for the record (online resumes go by the server's)
         self.run.finish()
 
 
@@ -312,7 +322,7 @@ class MlflowSink:
         step, now = int(metrics["step"]), int(time.time() * 1000)
         if not self._logged.fresh(step):
             return
-        self._logged.logged(step)
+        self._logged.logged(step, save=False)  # recorded on the sink's thread, once the metrics are written
         items = [
             Metric(_MLFLOW_INVALID.sub("_", key), value, now, step)
             for key, value in numeric(metrics).items()
@@ -323,6 +333,7 @@ class MlflowSink:
     def _log_metrics(self, items: list[Any]) -> None:
         for start in range(0, len(items), 1000):
             self._client.log_batch(self.run_id, metrics=items[start : start + 1000])
+        self._logged.save()
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
         if not self._logged.ours(step):
