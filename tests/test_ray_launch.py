@@ -91,7 +91,10 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
     from rollflow.train.workers import TrainerWorkerError
 
     ray, cluster = ray_cluster
-    config = ray_config(tmp_path, cluster, "inference.health_check_interval_s=0.5", steps=20)
+    # With a KL penalty: each rank also holds the reference policy (rollflow.train.workers.build_rank).
+    config = ray_config(
+        tmp_path, cluster, "inference.health_check_interval_s=0.5", "trainer.kl_coef=0.01", steps=20
+    )
     orchestrator = Orchestrator(config)
     try:
         await orchestrator.setup()
@@ -117,6 +120,7 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
         # 2. Weights pushed by the Ray workers, sampled by the servers on the other node.
         metrics = await orchestrator.run(steps=2)
         assert [m["policy_version"] for m in metrics] == [1, 2]
+        assert metrics[0]["kl"] == pytest.approx(0.0, abs=1e-7) and metrics[1]["kl"] > 0  # vs the initial
         for m in metrics:
             assert m["weight_transfer_time_s"] > 0 and math.isfinite(m["loss"])
             assert m["logprob_mismatch"] < 1e-4, m["logprob_mismatch"]

@@ -231,3 +231,83 @@ def test_prometheus_port_in_use_is_a_clear_error(tmp_path):
         port = taken.getsockname()[1]
         with pytest.raises(ConfigError, match=f"logging.prometheus_port = {port}: cannot listen"):
             asyncio.run(train(run_config(tmp_path, f"logging.prometheus_port={port}")))
+
+
+def history_steps(log_file) -> list[dict]:
+    records = read_wandb_records(log_file)
+    return [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+
+
+def test_a_resumed_run_continues_the_same_wandb_and_mlflow_runs(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    for name, value in (
+        ("DIR", tmp_path),
+        ("CONFIG_DIR", tmp_path / "cfg"),
+        ("CACHE_DIR", tmp_path / "cache"),
+    ):
+        monkeypatch.setenv(f"WANDB_{name}", str(value))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = run_config(
+        tmp_path,
+        "orchestrator.steps=4",
+        "checkpoint.every=2",
+        "logging.backends=['jsonl', 'wandb', 'mlflow']",
+        "logging.samples_every=1",
+        "logging.samples_max=1",
+    )
+
+    async def scenario():
+        async with Orchestrator(config) as orchestrator:
+            first = await orchestrator.run(steps=3)  # checkpoint at step 2; step 3 is redone after the resume
+        async with Orchestrator(config, resume=True) as orchestrator:
+            assert orchestrator.state.step == 2
+            second = await orchestrator.run()
+        return first, second
+
+    first, second = asyncio.run(scenario())
+    assert [m["step"] for m in first] == [1, 2, 3] and [m["step"] for m in second] == [3, 4]
+    # What the tracked curves hold: each step once, the redone step 3 with its first values.
+    logged = first + second[1:]
+
+    # wandb: one run id over both processes (an offline directory each, joined by `wandb sync`); the second
+    # logs no step at or below the first's last one, which wandb would drop.
+    directories = sorted(glob.glob(str(config.run_dir / "wandb" / "offline-run-*")))
+    assert len(directories) == 2
+    run_ids = set()
+    history = []
+    for directory in directories:
+        (log_file,) = glob.glob(f"{directory}/run-*.wandb")
+        records = read_wandb_records(log_file)
+        run_ids |= {r.run.run_id for r in records if r.WhichOneof("record_type") == "run"}
+        history.append(history_steps(log_file))
+    assert len(run_ids) == 1 and run_ids == {
+        json.loads((config.run_dir / "wandb_run.json").read_text())["id"]
+    }
+    assert [[h["_step"] for h in part] for part in history] == [[1, 2, 3], [4]]
+    assert [h["reward_mean"] for part in history for h in part] == pytest.approx(
+        [m["reward_mean"] for m in logged]
+    )
+    tables = glob.glob(
+        str(config.run_dir / "wandb" / "offline-run-*" / "files" / "media" / "table" / "*.json")
+    )
+    assert len(tables) == 4, "a samples table per step, the redone step's once"
+
+    # MLflow: one run, finished, each step once.
+    client = MlflowClient(tracking_uri=f"sqlite:///{config.run_dir.absolute() / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("rollflow").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.info.run_id == json.loads((config.run_dir / "mlflow_run.json").read_text())["run_id"]
+    for key in ("reward_mean", "loss"):
+        points = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [p.step for p in points] == [1, 2, 3, 4], key
+        assert [p.value for p in points] == pytest.approx([m[key] for m in logged]), key
+
+    # A new run in another directory starts new tracking runs.
+    other = run_config(tmp_path, "name=other", "logging.backends=['jsonl', 'mlflow']")
+    asyncio.run(train(other))
+    assert json.loads((other.run_dir / "mlflow_run.json").read_text())["run_id"] != run.info.run_id

@@ -318,7 +318,9 @@ class TrainerConfig(Section):
     ``decoupled`` and one update per step the ratio is exactly 1 and the clip never binds."""
     kl_coef: NonNegativeFloat = 0.0
     """Weight of the KL penalty to the initial (reference) policy (estimated per ``kl_estimator``, applied
-    per ``kl_in``); 0 disables it and the reference model."""
+    per ``kl_in``); 0 disables it and the reference model. The reference is a frozen copy of the initial
+    weights (no gradients, no optimizer state, not checkpointed) that doubles the parameter memory: per
+    worker with ``num_workers > 1`` (sharded like the policy under ``fsdp2``, a whole replica under ``ddp``)."""
     kl_estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
     """Per-token estimate of KL(policy || reference) from the sampled token's logprobs, with
     ``log_ratio = log pi - log pi_ref`` (Schulman's estimators): ``k1``: ``log_ratio`` (unbiased, can be
@@ -751,11 +753,6 @@ def _trainer_errors(config: RunConfig) -> list[str]:
         errors.append(
             "trainer.kl_in = 'reward' with trainer.kl_coef = 0 puts no penalty in the reward; set "
             "trainer.kl_coef > 0 (e.g. 0.001) or leave trainer.kl_in = 'loss'"
-        )
-    if trainer.num_workers > 1 and trainer.kl_coef > 0:
-        errors.append(
-            f"trainer.kl_coef = {trainer.kl_coef} needs a reference model, which trainer.num_workers = "
-            f"{trainer.num_workers} does not support yet; set trainer.kl_coef = 0 or trainer.num_workers = 1"
         )
     return errors
 

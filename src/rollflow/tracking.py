@@ -5,6 +5,12 @@ naming the install command, raised by ``check_backends`` before a run loads anyt
 offline by default (a wandb run directory under ``{run_dir}/wandb``, an MLflow SQLite store
 ``{run_dir}/mlflow.db`` with artifacts in ``{run_dir}/mlartifacts``), as on clusters without network. Every sink takes the step metrics (``log``) and, every
 ``logging.samples_every`` steps, a table of sampled completions (``log_samples``).
+
+A resumed rollflow run (``rollflow run --resume``) continues the same wandb run and the same MLflow run: their
+ids are kept in the run directory (``wandb_run.json``, ``mlflow_run.json``) with the last step each logged.
+Steps a resumed run redoes (those after its last checkpoint) are not logged to them again: wandb drops a step
+below its last one, and MLflow would plot two points per step; their curves keep the first values of such a
+step, while ``metrics.jsonl`` and TensorBoard hold the redone ones.
 """
 
 from __future__ import annotations
@@ -64,13 +70,16 @@ def check_backends(config: RunConfig) -> None:
                 )
 
 
-def open_sinks(config: RunConfig, run_dir: Path, steps_done: int = 0) -> list[Any]:
+def open_sinks(config: RunConfig, run_dir: Path, steps_done: int = 0, resume: bool = False) -> list[Any]:
     """The tracking sinks ``logging.backends`` asks for (``jsonl`` is the run's own ``metrics.jsonl``, opened
     by the orchestrator). Blocking (wandb starts its service process).
 
     Args:
         steps_done: the step a resumed run continues after; TensorBoard hides what an earlier process logged
-            beyond it (those steps are redone). wandb and MLflow start a new run per process.
+            beyond it (those steps are redone).
+        resume: the run is resumed (``--resume``): wandb and MLflow continue the runs recorded in ``run_dir``
+            (``wandb_run.json``, ``mlflow_run.json``) and skip the steps those already hold; otherwise they
+            start new runs.
     """
     check_backends(config)
     sinks: list[Any] = []
@@ -83,9 +92,9 @@ def open_sinks(config: RunConfig, run_dir: Path, steps_done: int = 0) -> list[An
                     )
                 )
             elif name == "wandb":
-                sinks.append(WandbSink(config, run_dir))
+                sinks.append(WandbSink(config, run_dir, resume))
             elif name == "mlflow":
-                sinks.append(MlflowSink(config, run_dir))
+                sinks.append(MlflowSink(config, run_dir, resume))
         if config.logging.prometheus_port is not None:
             sinks.append(PrometheusSink(config.logging.prometheus_host, config.logging.prometheus_port))
     except BaseException:
@@ -139,34 +148,97 @@ class TensorBoardSink:
         self._writer.close()
 
 
+class _LoggedRun:
+    """A tracking backend's run as recorded in the run directory (``{run_dir}/{name}``): its id and the last
+    step logged to it, so that a resumed rollflow run continues it and skips the steps it already holds."""
+
+    def __init__(self, path: Path, resume: bool):
+        self.path = path
+        self.record: dict[str, Any] = {}
+        if resume and path.is_file():
+            try:
+                self.record = json.loads(path.read_text())
+            except (OSError, ValueError) as error:
+                log.warning(
+                    "tracking run record unreadable: a new run starts", path=str(path), error=str(error)
+                )
+        self.last_step: int | None = self.record.get("last_step")
+        self._here: int | None = None  # the last step this process logged
+
+    def fresh(self, step: int) -> bool:
+        """Whether ``step`` is past every step logged to this run (by this process or an earlier one)."""
+        return self.last_step is None or step > self.last_step
+
+    def ours(self, step: int) -> bool:
+        """Whether more of ``step`` may go to the run (its samples table): it is fresh or this process logged it."""
+        return self.fresh(step) or step == self._here
+
+    def save(self, **fields: Any) -> None:
+        """Record ``fields`` (atomically: a crash leaves the old record or the new one)."""
+        self.record.update(fields, last_step=self.last_step)
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text(json.dumps(self.record))
+        partial.replace(self.path)
+
+    def logged(self, step: int, save: bool = True) -> bool:
+        """Note that ``step`` was logged; with ``save``, record it when it is a new last step. Returns whether
+        it is."""
+        self._here = step
+        if self.last_step is not None and step <= self.last_step:
+            return False
+        self.last_step = step
+        if save:
+            self.save()
+        return True
+
+
 class WandbSink:
     """A wandb run named after the rollflow run, its config the run's config; ``logging.wandb_mode``
-    ``offline`` writes it under ``{run_dir}/wandb`` only (``wandb sync`` uploads it later)."""
+    ``offline`` writes it under ``{run_dir}/wandb`` only (``wandb sync`` uploads it later). A resumed rollflow
+    run continues the same wandb run (its id is in ``{run_dir}/wandb_run.json``; offline, each process writes
+    its own directory under the same id, which ``wandb sync`` joins)."""
 
-    def __init__(self, config: RunConfig, run_dir: Path):
+    def __init__(self, config: RunConfig, run_dir: Path, resume: bool = False):
         import wandb
 
         from rollflow.config import to_dict
 
         self._wandb = wandb
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._logged = _LoggedRun(run_dir / "wandb_run.json", resume)
+        run_id = self._logged.record.get("id")  # None: wandb picks a new one, recorded below
         self.run = wandb.init(
             project=config.logging.wandb_project,
             name=config.name,
             dir=str(run_dir),
             mode=config.logging.wandb_mode,
+            id=run_id,
+            resume="allow" if run_id else None,
             config=to_dict(config),
+            allow_val_change=True,  # a resumed run may change keys (e.g. orchestrator.steps)
             settings=wandb.Settings(console="off", silent=True),
         )
+        if self.run.starting_step:  # online: the server knows the run's last step, whatever our record says
+            self._logged.last_step = max(self._logged.last_step or 0, self.run.starting_step - 1)
+        self._logged.save(id=self.run.id)
+        # Online, wandb itself knows the run's last step on resume (``starting_step``); offline it does not,
+        # so each step is recorded (a file write and rename per step, which would triple an online log's cost).
+        self._record_steps = config.logging.wandb_mode == "offline"
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self.run.log(numeric(metrics), step=int(metrics["step"]))
+        step = int(metrics["step"])
+        if self._logged.fresh(step):
+            self.run.log(numeric(metrics), step=step)
+            self._logged.logged(step, save=self._record_steps)
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
-        table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=[list(row) for row in rows])
-        self.run.log({"samples": table}, step=step)
+        if self._logged.ours(step):
+            table = self._wandb.Table(columns=list(SAMPLE_COLUMNS), data=[list(row) for row in rows])
+            self.run.log({"samples": table}, step=step)
 
     def close(self) -> None:
+        if not self._record_steps:
+            self._logged.save()  # the last step, for the record (online resumes go by the server's)
         self.run.finish()
 
 
@@ -177,9 +249,10 @@ _MLFLOW_INVALID = re.compile(r"[^\w\-. :/]")
 class MlflowSink:
     """An MLflow run named after the rollflow run (params: the run's config, flattened) in experiment
     ``logging.mlflow_experiment`` of ``logging.mlflow_tracking_uri`` (default a file store in the run
-    directory); samples tables as JSON artifacts ``samples/step_NNNNNN.json``."""
+    directory); samples tables as JSON artifacts ``samples/step_NNNNNN.json``. A resumed rollflow run continues
+    the same MLflow run (its id is in ``{run_dir}/mlflow_run.json``), logging the params it lacks."""
 
-    def __init__(self, config: RunConfig, run_dir: Path):
+    def __init__(self, config: RunConfig, run_dir: Path, resume: bool = False):
         from mlflow.tracking import MlflowClient
 
         from rollflow.config import to_dict
@@ -197,10 +270,44 @@ class MlflowSink:
             # A local store keeps its artifacts beside it, not in the working directory (mlflow's default).
             location = None if config.logging.mlflow_tracking_uri else (run_dir / "mlartifacts").as_uri()
             experiment_id = self._client.create_experiment(name, artifact_location=location)
-        self.run_id = self._client.create_run(experiment_id, run_name=config.name).info.run_id
+        self._logged = _LoggedRun(run_dir / "mlflow_run.json", resume)
+        params = _flatten(to_dict(config))
+        resumed = self._resumed_run(uri)
+        if resumed is not None:
+            self.run_id = resumed.info.run_id
+            self._client.update_run(self.run_id, status="RUNNING")
+            # MLflow refuses to change a logged param: only the new keys are logged.
+            changed = sorted(k for k, v in resumed.data.params.items() if params.get(k, v)[:6000] != v)
+            if changed:
+                log.info("mlflow: params changed on resume keep their first values", params=changed)
+            params = {k: v for k, v in params.items() if k not in resumed.data.params}
+        else:
+            self._logged.record, self._logged.last_step = {}, None  # a new run holds no step yet
+            self.run_id = self._client.create_run(experiment_id, run_name=config.name).info.run_id
+        self._logged.save(run_id=self.run_id, tracking_uri=uri)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-sink")
         self._writes: list[Future[Any]] = []
-        self._log_params(_flatten(to_dict(config)))
+        self._log_params(params)
+
+    def _resumed_run(self, uri: str) -> Any:
+        """The MLflow run this run directory started, if it is in the store at ``uri``; else None."""
+        run_id = self._logged.record.get("run_id")
+        if not run_id:
+            return None
+        if self._logged.record.get("tracking_uri") != uri:
+            log.warning(
+                "mlflow: the tracking URI changed since the run started: a new MLflow run starts", uri=uri
+            )
+            return None
+        try:
+            return self._client.get_run(run_id)
+        except Exception as error:  # deleted, or another store at the same URI
+            log.warning(
+                "mlflow: the run to continue is gone: a new MLflow run starts",
+                run_id=run_id,
+                error=str(error),
+            )
+            return None
 
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
@@ -213,6 +320,9 @@ class MlflowSink:
         from mlflow.entities import Metric
 
         step, now = int(metrics["step"]), int(time.time() * 1000)
+        if not self._logged.fresh(step):
+            return
+        self._logged.logged(step, save=False)  # recorded on the sink's thread, once the metrics are written
         items = [
             Metric(_MLFLOW_INVALID.sub("_", key), value, now, step)
             for key, value in numeric(metrics).items()
@@ -223,8 +333,11 @@ class MlflowSink:
     def _log_metrics(self, items: list[Any]) -> None:
         for start in range(0, len(items), 1000):
             self._client.log_batch(self.run_id, metrics=items[start : start + 1000])
+        self._logged.save()
 
     def log_samples(self, step: int, rows: Sequence[Sequence[Any]]) -> None:
+        if not self._logged.ours(step):
+            return
         table = [dict(zip(SAMPLE_COLUMNS, row, strict=True)) for row in rows]
         self._submit(
             self._client.log_text, self.run_id, json.dumps(table, indent=1), f"samples/step_{step:06d}.json"

@@ -235,7 +235,7 @@ class Orchestrator:
             self._rollouts = JsonlWriter(self.run_dir / ROLLOUTS_FILE)
             # The tracking backends ([logging]) come after metrics.jsonl, before the caller's sinks.
             self._sinks[1:1] = await anyio.to_thread.run_sync(
-                open_sinks, config, self.run_dir, self.state.step
+                open_sinks, config, self.run_dir, self.state.step, self.resume
             )
         except BaseException:
             with anyio.CancelScope(shield=True):

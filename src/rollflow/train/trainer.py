@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import structlog
@@ -180,6 +181,9 @@ class Trainer:
             None takes ``config.off_policy`` with ``auto`` resolved as in ``sync`` mode (``none``).
         total_steps: optimizer steps of the run (``orchestrator.steps``), the length of a ``linear`` or
             ``cosine`` ``lr_schedule``.
+        reference_model: the initial policy for the KL penalty (``config.kl_coef > 0``), built the way
+            ``model`` was (a data-parallel rank passes its own, sharded like the policy under ``fsdp2``);
+            None: a frozen copy of ``model``. Frozen here either way; unused without the penalty.
 
     The model is moved to ``config.device`` with float32 weights (the master weights: gradients and AdamW
     state are float32 too); ``config.dtype = "bfloat16"`` computes the forward under ``torch.autocast``.
@@ -200,6 +204,7 @@ class Trainer:
         seed: int = 0,
         off_policy: OffPolicy | None = None,
         total_steps: int | None = None,
+        reference_model: torch.nn.Module | None = None,
     ) -> None:
         from rollflow.models.loading import resolve_device, resolve_dtype
 
@@ -234,7 +239,12 @@ class Trainer:
         # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
         self.reference_model: torch.nn.Module | None = None
         if config.kl_coef > 0:
-            self.reference_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if reference_model is None:
+                reference_model = copy.deepcopy(model)
+            else:
+                reference_model = reference_model.to(device=self.device, dtype=torch.float32)
+                routing_replay.install(reference_model)
+            self.reference_model = reference_model.eval().requires_grad_(False)
         if config.gradient_checkpointing:
             # transformers v5 name (gradient_checkpointing_enable is its deprecated alias); non-reentrant
             # checkpointing works with inputs that need no grad and under autocast.
@@ -402,16 +412,12 @@ class Trainer:
     ) -> dict[str, float]:
         """``trainer.kl_in = "reward"``: each sample's reward less ``kl_coef`` times its tokens' KL (start
         weights against the reference), then its group's advantages again; replaces the micro-batches'
-        advantages in place. Returns the ``kl``, ``kl_reward_penalty_mean`` and ``advantage_abs_mean`` metrics.
+        advantages in place. Returns the ``kl``, ``kl_reward_penalty_mean`` and ``advantage_abs_mean`` metrics,
+        the step's (every rank's samples).
 
-        Raises:
-            ValueError: on more than one rank (a group's samples may sit on several).
+        On several ranks a group's samples may sit on several of them: each rank's samples (group, trajectory,
+        reward, KL sum) are gathered on every rank, which computes the whole step's advantages and keeps its own.
         """
-        if self.world_size > 1:
-            raise ValueError(
-                "trainer.kl_in = 'reward' recomputes each group's advantages, which needs all of a group's "
-                "samples on one rank; set trainer.num_workers = 1 or trainer.kl_in = 'loss'"
-            )
         samples: list[Sample] = []
         kl_sums: list[float] = []
         kl_total = 0.0
@@ -423,7 +429,15 @@ class Trainer:
             kl_total += float(per_token.sum())
             samples += [item.sample for item in items]
             kl_sums += per_token.sum(dim=1).tolist()[: len(items)]  # an empty micro-batch has one blank row
-        advantages = kl_penalised_advantages(samples, kl_sums, self.config.kl_coef, self.config.advantage)
+        offset = 0
+        if self.world_size > 1:
+            step_samples, step_kl_sums, offset, kl_total = self._gather_kl_samples(samples, kl_sums, kl_total)
+        else:
+            step_samples, step_kl_sums = samples, kl_sums
+        step_advantages = kl_penalised_advantages(
+            step_samples, step_kl_sums, self.config.kl_coef, self.config.advantage
+        )
+        advantages = step_advantages[offset : offset + len(samples)]
         first = 0
         for index, micro_batch in enumerate(micro_batches):
             rows = len(share.micro_batches[index])
@@ -438,9 +452,42 @@ class Trainer:
             first += rows
         return {
             "kl": kl_total / num_step_tokens,
-            "kl_reward_penalty_mean": self.config.kl_coef * math.fsum(kl_sums) / max(len(kl_sums), 1),
-            "advantage_abs_mean": math.fsum(abs(value) for value in advantages) / max(len(advantages), 1),
+            "kl_reward_penalty_mean": self.config.kl_coef
+            * math.fsum(step_kl_sums)
+            / max(len(step_kl_sums), 1),
+            "advantage_abs_mean": math.fsum(abs(value) for value in step_advantages)
+            / max(len(step_advantages), 1),
         }
+
+    def _gather_kl_samples(
+        self, samples: list[Sample], kl_sums: list[float], kl_total: float
+    ) -> tuple[list[SimpleNamespace], list[float], int, float]:
+        """Every rank's samples (as what ``kl_penalised_advantages`` reads of them) and KL sums, in rank
+        order; the offset of this rank's first one; the step's KL total. Two all-reduces of float64 tensors
+        (exact for the indices and sums: each value comes from one rank, the others add zeros)."""
+        world, rank = self.world_size, self.parallel.rank
+        sizes = torch.zeros(world + 1, dtype=torch.float64, device=self.device)
+        sizes[rank] = len(samples)
+        sizes[world] = kl_total
+        sizes = self.parallel.all_reduce(sizes).cpu()
+        counts = [int(count) for count in sizes[:world]]
+        offset = sum(counts[:rank])
+        rows = torch.zeros((sum(counts), 4), dtype=torch.float64)
+        for row, (sample, kl_sum) in enumerate(zip(samples, kl_sums, strict=True)):
+            trajectory = math.nan if sample.trajectory is None else sample.trajectory
+            rows[offset + row] = torch.tensor(
+                [sample.prompt_index, trajectory, sample.reward, kl_sum], dtype=torch.float64
+            )
+        rows = self.parallel.all_reduce(rows.to(self.device)).cpu().tolist()
+        gathered = [
+            SimpleNamespace(
+                prompt_index=int(prompt_index),
+                trajectory=None if math.isnan(trajectory) else int(trajectory),
+                reward=reward,
+            )
+            for prompt_index, trajectory, reward, _ in rows
+        ]
+        return gathered, [row[3] for row in rows], offset, float(sizes[world])
 
     def _update(
         self,

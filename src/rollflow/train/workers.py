@@ -64,7 +64,7 @@ class TrainerWorkers(RankGroup):
     Calls block and are serialized; run them from a worker thread. ``close`` stops every worker.
 
     Raises (from the constructor, before any process starts):
-        ConfigError: more workers than GPUs when training on CUDA, or a KL penalty (no reference model yet).
+        ConfigError: more workers than GPUs when training on CUDA.
     Raises (from the constructor, after):
         TrainerWorkerError: a worker exited or the group was not ready within ``STARTUP_TIMEOUT_S``.
         Exception: what building the trainer raised in a worker (e.g. a model that does not load).
@@ -72,11 +72,6 @@ class TrainerWorkers(RankGroup):
 
     def __init__(self, spec: TrainerSpec):
         config = spec.config
-        if config.kl_coef > 0:
-            raise ConfigError(
-                f"trainer.kl_coef = {config.kl_coef} needs a reference model, which trainer workers do not "
-                "support yet; set trainer.kl_coef = 0 or trainer.num_workers = 1"
-            )
         self.world_size = config.num_workers
         self.parallelism = config.parallelism
         device = _check_devices(config)
@@ -298,7 +293,11 @@ def build_rank(
     spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int, store: Any, cuda_index: int
 ) -> Any:
     """Join the torch.distributed group through ``store`` and build this rank's ``Trainer`` (on CUDA device
-    ``cuda_index`` when ``device`` is ``cuda``). Shared by local worker processes and Ray actors."""
+    ``cuda_index`` when ``device`` is ``cuda``). Shared by local worker processes and Ray actors.
+
+    With a KL penalty (``trainer.kl_coef > 0``) the rank also holds the reference policy, loaded from the same
+    initial weights and built the same way as the policy (sharded under ``fsdp2``, a whole replica under
+    ``ddp``), frozen: no gradients, no optimizer state, never part of a checkpoint."""
     import torch
     import torch.distributed as dist
 
@@ -315,11 +314,15 @@ def build_rank(
         backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
     )
     target = torch.device(f"cuda:{cuda_index}" if device == "cuda" else "cpu")
-    if spec.config.parallelism == "fsdp2":
-        model = _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
-    else:
-        model = load_causal_lm(spec.model_dir).to(target)
-    trainer = Trainer(model, **spec.trainer_kwargs())
+
+    def load() -> Any:
+        if spec.config.parallelism == "fsdp2":
+            return _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
+        return load_causal_lm(spec.model_dir).to(target)
+
+    model = load()
+    reference = load() if spec.config.kl_coef > 0 else None
+    trainer = Trainer(model, **spec.trainer_kwargs(), reference_model=reference)
     trainer.parallel = DataParallel(spec.config.parallelism)
     return trainer
 
