@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import hmac
 from collections import OrderedDict
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -55,10 +56,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import ENGINE_DEAD_TYPE
+from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.router_front import RouterFront
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
@@ -94,6 +96,7 @@ _HOP_HEADERS = frozenset(
     )
 )
 _HOP_HEADER_BYTES = frozenset(name.encode() for name in _HOP_HEADERS)
+_STREAM_HOP_HEADERS = _HOP_HEADERS | {"content-length"}
 # Paths open without the bearer token (probes and scrapers carry no secret).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 _HEALTH_PROBE = msgspec.json.encode(
@@ -103,6 +106,30 @@ _HEALTH_PROBE = msgspec.json.encode(
         "request_id": "router-health",
     }
 )
+
+
+_WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Status"
+
+
+def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
+    """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
+    body = msgspec.json.encode(error_body(status, message, type=type))
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            status,
+            _reason(status),
+            len(body),
+            body,
+        )
+    )
 
 
 class _SessionField(msgspec.Struct):
@@ -235,6 +262,11 @@ class InferenceRouter:
         self._client: aiohttp.ClientSession | None = None  # probes and the control plane
         self._pools: dict[str, UpstreamPool] = {}  # the data plane: kept-alive connections per server
         self._health_task: asyncio.Task[None] | None = None
+        self._server: asyncio.Server | None = None
+        self._fronts: set[RouterFront] = set()  # connections the hot path serves (see router_front)
+        # Read by RouterFront for every request.
+        self.fast_paths = frozenset(PROXIED_POST)
+        self.hop_header_bytes = _HOP_HEADER_BYTES
         self.url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -277,14 +309,18 @@ class InferenceRouter:
             app, limits=self.http_limits, access_log=None, handler_cancellation=True
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # Every connection starts with the hot-path front, which hands it to aiohttp's handler
+        # (``self._runner.server``) at its first request the hot path does not serve.
+        handoff = self._runner.server
+        assert handoff is not None
         try:
-            await site.start()
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: RouterFront(self, handoff), self.host, self.port, backlog=128
+            )
         except BaseException:
             await self.stop()
             raise
-        sockets = self._runner.addresses
-        bound_port = sockets[0][1]
+        bound_port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{bound_port}"
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
         log.info("router started", url=self.url, workers=list(self.workers))
@@ -298,6 +334,13 @@ class InferenceRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for front in list(self._fronts):
+            if front.transport is not None:
+                front.transport.close()
+        self._fronts.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -518,6 +561,115 @@ class InferenceRouter:
                 ),
                 None,
             )
+        finally:
+            worker.outstanding -= 1
+
+    async def proxy_fast(
+        self,
+        front: RouterFront,
+        method: str,
+        path_qs: str,
+        session_id: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """``_handle_proxy`` for a request ``RouterFront`` read itself: the same routing, retries, failover and
+        errors, the answer written straight to the caller's connection."""
+        self.num_requests += 1
+        tried: set[str] = set()
+        last_error = "no healthy inference server"
+        for attempt in range(2):
+            worker = self.pick(session_id, tried)
+            if worker is None:
+                break
+            tried.add(worker.url)
+            if attempt:
+                self.num_retries += 1
+            error = await self._forward_fast(front, method, path_qs, worker, body, headers)
+            if error is None:
+                return
+            last_error = f"{worker.url}: {error!r}"
+        self.num_errors += 1
+        path = path_qs.partition("?")[0]
+        if self.workers and all(worker.engine_dead for worker in self.workers.values()):
+            front.write(
+                _error_bytes(
+                    503,
+                    f"{method} {path} failed: the engine of every inference server "
+                    f"({len(self.workers)}) is dead; restart them",
+                    type=ENGINE_DEAD_TYPE,
+                )
+            )
+            return
+        status = 503 if not tried else 502
+        front.write(_error_bytes(status, f"{method} {path} failed: {last_error}"))
+
+    async def _forward_fast(
+        self,
+        front: RouterFront,
+        method: str,
+        path_qs: str,
+        worker: _Worker,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> BaseException | None:
+        """``_forward`` writing to ``front``; the error when the connection failed before anything was
+        written (the caller may retry elsewhere)."""
+        pool = self._pools.get(worker.url)
+        if pool is None:
+            pool = self._pools[worker.url] = UpstreamPool(
+                worker.url, connect_timeout_s=self.connect_timeout_s
+            )
+        worker.outstanding += 1
+        worker.requests += 1
+        started = False
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                upstream = await pool.request(method, path_qs, headers, body)
+                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, _reason(upstream.status)))
+                for name, value in upstream.headers:
+                    if name.lower() not in _STREAM_HOP_HEADERS:
+                        head += f"{name}: {value}\r\n".encode("latin-1")
+                head += _WORKER_HEADER_PREFIX + worker.url.encode() + b"\r\n"
+                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
+                    data = await upstream.read()
+                    if _is_engine_dead(upstream.status, data):
+                        # Nothing reached the caller yet: take the server out and let the caller retry.
+                        self._mark_dead(worker, "its engine died", engine_dead=True)
+                        return RuntimeError(f"the engine of {worker.url} is dead")
+                    head += b"Content-Length: %d\r\n\r\n" % len(data)
+                    head += data
+                    front.write(head)
+                    return None
+                head += b"Transfer-Encoding: chunked\r\n\r\n"
+                front.write(head)
+                started = True
+                async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
+                    async for chunk in chunks:
+                        if chunk:
+                            front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                            await front.drain()
+                front.write(b"0\r\n\r\n")
+                return None
+        except UpstreamError as error:
+            worker.failures += 1
+            if error.connect:
+                self._mark_dead(worker, f"connection failed: {error}")
+            else:
+                # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
+                asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            if started:
+                raise
+            return error
+        except TimeoutError:
+            if started:
+                raise
+            front.write(
+                _error_bytes(
+                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
+                )
+            )
+            return None
         finally:
             worker.outstanding -= 1
 
