@@ -26,7 +26,8 @@ Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world si
 server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
 
 Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
-request without it has its body decoded, for ``session_id``); it goes out with the caller's raw headers over a
+request without it has its body decoded, for ``session_id``), read and answered by the router's own small
+HTTP/1.1 front (``rollflow.inference.router_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
 kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
 
@@ -357,6 +358,11 @@ class InferenceRouter:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def open_connections(self) -> int:
+        """Connections open to the router: those of its hot-path front and those handed to aiohttp."""
+        server = self._runner.server if self._runner is not None else None
+        return len(self._fronts) + (len(server.connections) if server is not None else 0)
 
     # ------------------------------------------------------------------ membership and routing
 

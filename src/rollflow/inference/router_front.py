@@ -79,7 +79,7 @@ class RouterFront(asyncio.Protocol):
         router = self._router
         router._fronts.add(self)
         limits = router.http_limits
-        if len(router._fronts) > limits.max_connections:
+        if router.open_connections() > limits.max_connections:
             self._fail(
                 503,
                 f"the server has {limits.max_connections} connections open (its limit, max_connections); "
@@ -98,7 +98,7 @@ class RouterFront(asyncio.Protocol):
         self._next()
 
     def eof_received(self) -> bool | None:
-        return False  # close once the answer in flight (if any) is written
+        return False  # a half-closed connection is closed, as aiohttp's handler does
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
@@ -163,6 +163,8 @@ class RouterFront(asyncio.Protocol):
 
     def _parse_head(self, head: bytes) -> tuple[str, str, list[tuple[bytes, bytes]], str, int, bool] | None:
         """The request if the hot path serves it, else None (aiohttp will)."""
+        if b"\n" in head.replace(b"\r\n", b"") or b"\r" in head.replace(b"\r\n", b""):
+            return None  # bare CR or LF: aiohttp's parser decides (never forward what it would split)
         lines = head.split(b"\r\n")
         parts = lines[0].split(b" ")
         if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
@@ -219,10 +221,6 @@ class RouterFront(asyncio.Protocol):
     ) -> None:
         try:
             await self._router.proxy_fast(self, method, path, session_id, headers, body)
-        except asyncio.CancelledError:
-            if self.closed:
-                return  # the caller left; nothing to answer
-            raise
         except Exception as error:  # a broken answer mid-stream: the connection cannot carry another
             log.debug("proxied answer broken", path=path, error=repr(error))
             self._close()
