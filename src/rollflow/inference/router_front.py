@@ -191,7 +191,9 @@ class RouterFront(asyncio.Protocol):
                     return None
                 length = int(value)
             elif lower == b"x-session-id":
-                session_id = value.decode("latin-1") or None
+                if session_id is not None:
+                    return None  # named twice: aiohttp's path reads the first, as it always did
+                session_id = value.decode("latin-1")
             elif lower == b"authorization":
                 authorization = value
             elif lower == b"connection":
@@ -202,7 +204,7 @@ class RouterFront(asyncio.Protocol):
                 return None
             if lower not in hop:
                 headers.append((name, value))
-        if not host or session_id is None or length is None or length > router.max_body_bytes:
+        if not host or not session_id or length is None or length > router.max_body_bytes:
             return None
         if router.api_key:
             scheme, _, token = authorization.partition(b" ") if authorization else (b"", b"", b"")
