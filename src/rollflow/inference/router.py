@@ -48,6 +48,7 @@ import contextlib
 import hashlib
 import hmac
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
@@ -483,6 +484,29 @@ class InferenceRouter:
                 return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
             session_id = fields.session_id or None
         headers = _forwarded_raw_headers(request.raw_headers)
+        answered: list[web.StreamResponse] = []
+
+        async def forward(worker: _Worker) -> BaseException | None:
+            response, error = await self._forward(request, worker, body, headers)
+            if response is not None:
+                answered.append(response)
+            return error
+
+        failure = await self._route(session_id, f"{request.method} {request.path}", forward)
+        if failure is None:
+            return answered[0]
+        status, message, error_type = failure
+        return json_error(status, message, type=error_type)
+
+    async def _route(
+        self,
+        session_id: str | None,
+        what: str,
+        forward: Callable[[_Worker], Awaitable[BaseException | None]],
+    ) -> tuple[int, str, str | None] | None:
+        """Send a request to the session's server, and once more elsewhere when that one failed before
+        answering: ``forward(worker)`` answers the caller, or returns the error that kept it from doing so.
+        None once a server answered, else the error to send: ``(status, message, type)``."""
         self.num_requests += 1
         tried: set[str] = set()
         last_error = "no healthy inference server"
@@ -493,20 +517,34 @@ class InferenceRouter:
             tried.add(worker.url)
             if attempt:
                 self.num_retries += 1
-            response, error = await self._forward(request, worker, body, headers)
-            if response is not None:
-                return response
+            error = await forward(worker)
+            if error is None:
+                return None
             last_error = f"{worker.url}: {error!r}"
         self.num_errors += 1
         if self.workers and all(worker.engine_dead for worker in self.workers.values()):
-            return json_error(
-                503,
-                f"{request.method} {request.path} failed: the engine of every inference server "
-                f"({len(self.workers)}) is dead; restart them",
-                type=ENGINE_DEAD_TYPE,
+            message = (
+                f"{what} failed: the engine of every inference server ({len(self.workers)}) is dead; "
+                "restart them"
             )
-        status = 503 if not tried else 502
-        return json_error(status, f"{request.method} {request.path} failed: {last_error}")
+            return 503, message, ENGINE_DEAD_TYPE
+        return (503 if not tried else 502), f"{what} failed: {last_error}", None
+
+    def _pool(self, worker: _Worker) -> UpstreamPool:
+        pool = self._pools.get(worker.url)
+        if pool is None:
+            pool = self._pools[worker.url] = UpstreamPool(
+                worker.url, connect_timeout_s=self.connect_timeout_s
+            )
+        return pool
+
+    def _upstream_failed(self, worker: _Worker, error: UpstreamError) -> None:
+        worker.failures += 1
+        if error.connect:
+            self._mark_dead(worker, f"connection failed: {error}")
+        else:
+            # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
+            asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
 
     async def _handle_control(self, request: web.Request) -> web.Response:
         return await handle_control(self, request, _forwarded_headers(request.headers))
@@ -519,11 +557,7 @@ class InferenceRouter:
 
         The caller's headers go as they are: with an ``api_key`` the auth middleware already checked that they
         carry it, so the server gets it too."""
-        pool = self._pools.get(worker.url)
-        if pool is None:
-            pool = self._pools[worker.url] = UpstreamPool(
-                worker.url, connect_timeout_s=self.connect_timeout_s
-            )
+        pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
         response: web.StreamResponse | None = None
@@ -549,12 +583,7 @@ class InferenceRouter:
                 await response.write_eof()
                 return response, None
         except UpstreamError as error:
-            worker.failures += 1
-            if error.connect:
-                self._mark_dead(worker, f"connection failed: {error}")
-            else:
-                # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
-                asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            self._upstream_failed(worker, error)
             if response is not None:
                 raise
             return None, error
@@ -581,34 +610,14 @@ class InferenceRouter:
     ) -> None:
         """``_handle_proxy`` for a request ``RouterFront`` read itself: the same routing, retries, failover and
         errors, the answer written straight to the caller's connection."""
-        self.num_requests += 1
-        tried: set[str] = set()
-        last_error = "no healthy inference server"
-        for attempt in range(2):
-            worker = self.pick(session_id, tried)
-            if worker is None:
-                break
-            tried.add(worker.url)
-            if attempt:
-                self.num_retries += 1
-            error = await self._forward_fast(front, method, path_qs, worker, body, headers)
-            if error is None:
-                return
-            last_error = f"{worker.url}: {error!r}"
-        self.num_errors += 1
-        path = path_qs.partition("?")[0]
-        if self.workers and all(worker.engine_dead for worker in self.workers.values()):
-            front.write(
-                _error_bytes(
-                    503,
-                    f"{method} {path} failed: the engine of every inference server "
-                    f"({len(self.workers)}) is dead; restart them",
-                    type=ENGINE_DEAD_TYPE,
-                )
-            )
-            return
-        status = 503 if not tried else 502
-        front.write(_error_bytes(status, f"{method} {path} failed: {last_error}"))
+
+        async def forward(worker: _Worker) -> BaseException | None:
+            return await self._forward_fast(front, method, path_qs, worker, body, headers)
+
+        failure = await self._route(session_id, f"{method} {path_qs.partition('?')[0]}", forward)
+        if failure is not None:
+            status, message, error_type = failure
+            front.write(_error_bytes(status, message, type=error_type))
 
     async def _forward_fast(
         self,
@@ -621,11 +630,7 @@ class InferenceRouter:
     ) -> BaseException | None:
         """``_forward`` writing to ``front``; the error when the connection failed before anything was
         written (the caller may retry elsewhere)."""
-        pool = self._pools.get(worker.url)
-        if pool is None:
-            pool = self._pools[worker.url] = UpstreamPool(
-                worker.url, connect_timeout_s=self.connect_timeout_s
-            )
+        pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
         started = False
@@ -658,12 +663,7 @@ class InferenceRouter:
                 front.write(b"0\r\n\r\n")
                 return None
         except UpstreamError as error:
-            worker.failures += 1
-            if error.connect:
-                self._mark_dead(worker, f"connection failed: {error}")
-            else:
-                # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
-                asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            self._upstream_failed(worker, error)
             if started:
                 raise
             return error
