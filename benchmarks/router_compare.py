@@ -10,7 +10,8 @@ order rotates per repeat), so each sees the same noisy machine; the load generat
 
 Prints one JSON line per (path, concurrency): requests/s (median over ``--repeats`` runs, with min and max),
 the ratio to direct (median of the per-repeat ratios), p50 and p99 latency (over every request of every
-repeat), and the machine's load average before and after.
+repeat), the router process's CPU per request (``router_cpu_us_per_request``, from ``/proc``: less noisy than
+rates on a shared machine) and the machine's load average before and after.
 """
 
 from __future__ import annotations
@@ -37,6 +38,16 @@ def percentile(values: list[float], q: float) -> float:
 
 def load_average() -> list[float]:
     return [round(value, 2) for value in os.getloadavg()]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU time the processes ``pids`` (all their threads) have used so far (Linux)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def free_port() -> int:
@@ -136,18 +147,22 @@ async def main(args: argparse.Namespace) -> None:
         async with aiohttp.ClientSession(connector=connector) as session:
             try:
                 paths: dict[str, list[str]] = {"direct": list(group.urls)}
+                router_pids: dict[str, list[int]] = {"direct": []}  # whose CPU a path adds
                 url, process = await start_rollflow_router(group.urls)
                 processes.append(process)
                 paths["rollflow"] = [url]
+                router_pids["rollflow"] = [process.pid]
                 if vllm_router and not args.no_vllm_router:
                     url, process = await start_vllm_router(vllm_router, group.urls)
                     processes.append(process)
                     await wait_ready(session, url, process)
                     paths["vllm-router"] = [url]
+                    router_pids["vllm-router"] = [process.pid]
                     # The same router as rollflow starts it (inference.router_impl = "vllm-router").
                     managed = VllmRouterProcess(group.urls, log_dir, health_check_interval_s=5.0)
                     await stack.enter_async_context(managed)
                     paths["rollflow-managed-vllm-router"] = [managed.url]
+                    router_pids["rollflow-managed-vllm-router"] = list(managed.pids)
                 else:
                     print(json.dumps({"benchmark": "router_compare", "note": "vllm-router not installed"}))
                 for concurrency in args.concurrency:
@@ -155,13 +170,16 @@ async def main(args: argparse.Namespace) -> None:
                         await run_load(session, urls, body, concurrency, concurrency * 2)
                     load_before = load_average()
                     runs: dict[str, list[tuple[float, list[float], int]]] = {name: [] for name in paths}
+                    router_cpu_s = dict.fromkeys(paths, 0.0)
                     names = list(paths)
                     for repeat in range(args.repeats):
                         shift = repeat % len(names)
                         for name in names[shift:] + names[:shift]:
+                            cpu_before = cpu_seconds(router_pids[name])
                             runs[name].append(
                                 await run_load(session, paths[name], body, concurrency, args.requests)
                             )
+                            router_cpu_s[name] += cpu_seconds(router_pids[name]) - cpu_before
                     load_after = load_average()
                     direct_rates = [rate for rate, _, _ in runs["direct"]]
                     for name, results in runs.items():
@@ -179,6 +197,10 @@ async def main(args: argparse.Namespace) -> None:
                             "p50_ms": round(percentile(latencies, 0.5) * 1e3, 2),
                             "p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
                             "errors": sum(errors for _, _, errors in results),
+                            # The router process's CPU per request (0 for direct): what it takes from engines.
+                            "router_cpu_us_per_request": round(
+                                router_cpu_s[name] / (args.repeats * args.requests) * 1e6, 1
+                            ),
                             "repeats": args.repeats,
                             "requests_per_run": args.requests,
                             "load_avg_before": load_before,

@@ -26,7 +26,8 @@ Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world si
 server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
 
 Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
-request without it has its body decoded, for ``session_id``); it goes out with the caller's raw headers over a
+request without it has its body decoded, for ``session_id``), read and answered by the router's own small
+HTTP/1.1 front (``rollflow.inference.router_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
 kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
 
@@ -47,6 +48,8 @@ import contextlib
 import hashlib
 import hmac
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -55,10 +58,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import ENGINE_DEAD_TYPE
+from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.router_front import RouterFront
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
@@ -94,6 +98,7 @@ _HOP_HEADERS = frozenset(
     )
 )
 _HOP_HEADER_BYTES = frozenset(name.encode() for name in _HOP_HEADERS)
+_STREAM_HOP_HEADERS = _HOP_HEADERS | {"content-length"}
 # Paths open without the bearer token (probes and scrapers carry no secret).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 _HEALTH_PROBE = msgspec.json.encode(
@@ -103,6 +108,30 @@ _HEALTH_PROBE = msgspec.json.encode(
         "request_id": "router-health",
     }
 )
+
+
+_WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Status"
+
+
+def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
+    """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
+    body = msgspec.json.encode(error_body(status, message, type=type))
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%s"
+        % (
+            status,
+            _reason(status),
+            len(body),
+            body,
+        )
+    )
 
 
 class _SessionField(msgspec.Struct):
@@ -235,6 +264,11 @@ class InferenceRouter:
         self._client: aiohttp.ClientSession | None = None  # probes and the control plane
         self._pools: dict[str, UpstreamPool] = {}  # the data plane: kept-alive connections per server
         self._health_task: asyncio.Task[None] | None = None
+        self._server: asyncio.Server | None = None
+        self._fronts: set[RouterFront] = set()  # connections the hot path serves (see router_front)
+        # Read by RouterFront for every request.
+        self.fast_paths = frozenset(PROXIED_POST)
+        self.hop_header_bytes = _HOP_HEADER_BYTES
         self.url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -277,14 +311,18 @@ class InferenceRouter:
             app, limits=self.http_limits, access_log=None, handler_cancellation=True
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        # Every connection starts with the hot-path front, which hands it to aiohttp's handler
+        # (``self._runner.server``) at its first request the hot path does not serve.
+        handoff = self._runner.server
+        assert handoff is not None
         try:
-            await site.start()
+            self._server = await asyncio.get_running_loop().create_server(
+                lambda: RouterFront(self, handoff), self.host, self.port, backlog=128
+            )
         except BaseException:
             await self.stop()
             raise
-        sockets = self._runner.addresses
-        bound_port = sockets[0][1]
+        bound_port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{bound_port}"
         self._health_task = asyncio.create_task(self._health_loop(), name="router-health")
         log.info("router started", url=self.url, workers=list(self.workers))
@@ -298,6 +336,13 @@ class InferenceRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for front in list(self._fronts):
+            if front.transport is not None:
+                front.transport.close()
+        self._fronts.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -314,6 +359,11 @@ class InferenceRouter:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.stop()
+
+    def open_connections(self) -> int:
+        """Connections open to the router: those of its hot-path front and those handed to aiohttp."""
+        server = self._runner.server if self._runner is not None else None
+        return len(self._fronts) + (len(server.connections) if server is not None else 0)
 
     # ------------------------------------------------------------------ membership and routing
 
@@ -434,6 +484,29 @@ class InferenceRouter:
                 return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
             session_id = fields.session_id or None
         headers = _forwarded_raw_headers(request.raw_headers)
+        answered: list[web.StreamResponse] = []
+
+        async def forward(worker: _Worker) -> BaseException | None:
+            response, error = await self._forward(request, worker, body, headers)
+            if response is not None:
+                answered.append(response)
+            return error
+
+        failure = await self._route(session_id, f"{request.method} {request.path}", forward)
+        if failure is None:
+            return answered[0]
+        status, message, error_type = failure
+        return json_error(status, message, type=error_type)
+
+    async def _route(
+        self,
+        session_id: str | None,
+        what: str,
+        forward: Callable[[_Worker], Awaitable[BaseException | None]],
+    ) -> tuple[int, str, str | None] | None:
+        """Send a request to the session's server, and once more elsewhere when that one failed before
+        answering: ``forward(worker)`` answers the caller, or returns the error that kept it from doing so.
+        None once a server answered, else the error to send: ``(status, message, type)``."""
         self.num_requests += 1
         tried: set[str] = set()
         last_error = "no healthy inference server"
@@ -444,20 +517,34 @@ class InferenceRouter:
             tried.add(worker.url)
             if attempt:
                 self.num_retries += 1
-            response, error = await self._forward(request, worker, body, headers)
-            if response is not None:
-                return response
+            error = await forward(worker)
+            if error is None:
+                return None
             last_error = f"{worker.url}: {error!r}"
         self.num_errors += 1
         if self.workers and all(worker.engine_dead for worker in self.workers.values()):
-            return json_error(
-                503,
-                f"{request.method} {request.path} failed: the engine of every inference server "
-                f"({len(self.workers)}) is dead; restart them",
-                type=ENGINE_DEAD_TYPE,
+            message = (
+                f"{what} failed: the engine of every inference server ({len(self.workers)}) is dead; "
+                "restart them"
             )
-        status = 503 if not tried else 502
-        return json_error(status, f"{request.method} {request.path} failed: {last_error}")
+            return 503, message, ENGINE_DEAD_TYPE
+        return (503 if not tried else 502), f"{what} failed: {last_error}", None
+
+    def _pool(self, worker: _Worker) -> UpstreamPool:
+        pool = self._pools.get(worker.url)
+        if pool is None:
+            pool = self._pools[worker.url] = UpstreamPool(
+                worker.url, connect_timeout_s=self.connect_timeout_s
+            )
+        return pool
+
+    def _upstream_failed(self, worker: _Worker, error: UpstreamError) -> None:
+        worker.failures += 1
+        if error.connect:
+            self._mark_dead(worker, f"connection failed: {error}")
+        else:
+            # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
+            asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
 
     async def _handle_control(self, request: web.Request) -> web.Response:
         return await handle_control(self, request, _forwarded_headers(request.headers))
@@ -470,11 +557,7 @@ class InferenceRouter:
 
         The caller's headers go as they are: with an ``api_key`` the auth middleware already checked that they
         carry it, so the server gets it too."""
-        pool = self._pools.get(worker.url)
-        if pool is None:
-            pool = self._pools[worker.url] = UpstreamPool(
-                worker.url, connect_timeout_s=self.connect_timeout_s
-            )
+        pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
         response: web.StreamResponse | None = None
@@ -500,12 +583,7 @@ class InferenceRouter:
                 await response.write_eof()
                 return response, None
         except UpstreamError as error:
-            worker.failures += 1
-            if error.connect:
-                self._mark_dead(worker, f"connection failed: {error}")
-            else:
-                # Maybe dying, maybe a broken connection: let a probe decide now rather than guess.
-                asyncio.create_task(self._probe(worker))  # noqa: RUF006 - fire and forget; it only flips a flag
+            self._upstream_failed(worker, error)
             if response is not None:
                 raise
             return None, error
@@ -518,6 +596,86 @@ class InferenceRouter:
                 ),
                 None,
             )
+        finally:
+            worker.outstanding -= 1
+
+    async def proxy_fast(
+        self,
+        front: RouterFront,
+        method: str,
+        path_qs: str,
+        session_id: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> None:
+        """``_handle_proxy`` for a request ``RouterFront`` read itself: the same routing, retries, failover and
+        errors, the answer written straight to the caller's connection."""
+
+        async def forward(worker: _Worker) -> BaseException | None:
+            return await self._forward_fast(front, method, path_qs, worker, body, headers)
+
+        failure = await self._route(session_id, f"{method} {path_qs.partition('?')[0]}", forward)
+        if failure is not None:
+            status, message, error_type = failure
+            front.write(_error_bytes(status, message, type=error_type))
+
+    async def _forward_fast(
+        self,
+        front: RouterFront,
+        method: str,
+        path_qs: str,
+        worker: _Worker,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+    ) -> BaseException | None:
+        """``_forward`` writing to ``front``; the error when the connection failed before anything was
+        written (the caller may retry elsewhere)."""
+        pool = self._pool(worker)
+        worker.outstanding += 1
+        worker.requests += 1
+        started = False
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                upstream = await pool.request(method, path_qs, headers, body)
+                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, _reason(upstream.status)))
+                for name, value in upstream.headers:
+                    if name.lower() not in _STREAM_HOP_HEADERS:
+                        head += f"{name}: {value}\r\n".encode("latin-1")
+                head += _WORKER_HEADER_PREFIX + worker.url.encode() + b"\r\n"
+                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
+                    data = await upstream.read()
+                    if _is_engine_dead(upstream.status, data):
+                        # Nothing reached the caller yet: take the server out and let the caller retry.
+                        self._mark_dead(worker, "its engine died", engine_dead=True)
+                        return RuntimeError(f"the engine of {worker.url} is dead")
+                    head += b"Content-Length: %d\r\n\r\n" % len(data)
+                    head += data
+                    front.write(head)
+                    return None
+                head += b"Transfer-Encoding: chunked\r\n\r\n"
+                front.write(head)
+                started = True
+                async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
+                    async for chunk in chunks:
+                        if chunk:
+                            front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                            await front.drain()
+                front.write(b"0\r\n\r\n")
+                return None
+        except UpstreamError as error:
+            self._upstream_failed(worker, error)
+            if started:
+                raise
+            return error
+        except TimeoutError:
+            if started:
+                raise
+            front.write(
+                _error_bytes(
+                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
+                )
+            )
+            return None
         finally:
             worker.outstanding -= 1
 
