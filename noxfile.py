@@ -52,7 +52,7 @@ def bench(session: nox.Session) -> None:
     _install(session)
     # Benchmarks never import tests/: what they share with the tests is in rollflow.tito.testing.
     env = {"HF_HUB_OFFLINE": "1"}
-    for script in sorted(Path("benchmarks").glob("*.py")):
+    for script in sorted(Path("benchmarks").glob("[!_]*.py")):  # _*.py: shared helpers
         session.run("python", str(script), env=env)
 
 

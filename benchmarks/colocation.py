@@ -18,13 +18,11 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
+from _quickstart import QUICKSTART, run_quickstart
 
 
 def run(schedule: str, steps: int, level: int | None, directory: Path) -> dict:
@@ -41,19 +39,7 @@ def run(schedule: str, steps: int, level: int | None, directory: Path) -> dict:
         "checkpoint.every=0",
         *colocation,
     ]
-    started = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "rollflow", "run", str(QUICKSTART), "--no-progress"]
-        + [arg for override in overrides for arg in ("--set", override)],
-        cwd=directory,
-        capture_output=True,
-        text=True,
-    )
-    elapsed = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{schedule}, sleep level {level} failed:\n{result.stderr[-3000:]}")
-    lines = (directory / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines if line.strip()]
+    metrics, elapsed = run_quickstart(directory, overrides, f"{schedule}, sleep level {level}")
     rewards = [m["reward_mean"] for m in metrics]
     return {
         "figure": "colocated_quickstart" if level is not None else "colocated_quickstart_baseline",

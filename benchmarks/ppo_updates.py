@@ -18,33 +18,22 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
+from _quickstart import run_quickstart
+
 REWARD_BAR = 0.95
 
 
 def run(schedule: str, epochs: int, mini_batches: int, steps: int, directory: Path) -> dict:
-    started = time.monotonic()
-    overrides = {
-        "orchestrator.mode": f"'{schedule}'",
-        "orchestrator.steps": steps,
-        "trainer.ppo_epochs": epochs,
-        "trainer.mini_batches": mini_batches,
-    }
-    command = [sys.executable, "-m", "rollflow", "run", str(QUICKSTART), "--no-progress"]
-    for key, value in overrides.items():
-        command += ["--set", f"{key}={value}"]
-    result = subprocess.run(command, cwd=directory, capture_output=True, text=True)
-    elapsed = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{schedule} {epochs}x{mini_batches} failed:\n{result.stderr[-3000:]}")
-    lines = (directory / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines if line.strip()]
+    overrides = [
+        f"orchestrator.mode='{schedule}'",
+        f"orchestrator.steps={steps}",
+        f"trainer.ppo_epochs={epochs}",
+        f"trainer.mini_batches={mini_batches}",
+    ]
+    metrics, elapsed = run_quickstart(directory, overrides, f"{schedule} {epochs}x{mini_batches}")
     rewards = [m["reward_mean"] for m in metrics]
     clip = [m["clip_fraction"] for m in metrics]
     last_pass = f"ppo_epoch_{epochs}/clip_fraction"

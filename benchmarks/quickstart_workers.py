@@ -16,45 +16,24 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
+from _quickstart import run_quickstart
 
 
 def run(schedule: str, workers: int, steps: int, directory: Path) -> dict:
-    started = time.monotonic()
-    result = subprocess.run(
+    metrics, elapsed = run_quickstart(
+        directory,
         [
-            sys.executable,
-            "-m",
-            "rollflow",
-            "run",
-            str(QUICKSTART),
-            "--no-progress",
-            "--set",
             "inference.router_port=0",
-            "--set",
             "inference.mode='http'",
-            "--set",
             f"orchestrator.mode='{schedule}'",
-            "--set",
             f"orchestrator.steps={steps}",
-            "--set",
             f"trainer.num_workers={workers}",
         ],
-        cwd=directory,
-        capture_output=True,
-        text=True,
+        f"{schedule}, {workers} worker(s)",
     )
-    elapsed = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{schedule}, {workers} worker(s) failed:\n{result.stderr[-3000:]}")
-    lines = (directory / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines if line.strip()]
     rewards = [m["reward_mean"] for m in metrics]
     on_policy = [m["logprob_mismatch"] for m in metrics if math.isfinite(m["logprob_mismatch"])]
     return {

@@ -15,13 +15,11 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.toml"
+from _quickstart import run_quickstart
+
 RAY = ["cluster.backend='ray'", "cluster.address='local'", "cluster.num_cpus=4"]
 
 
@@ -35,16 +33,7 @@ def run(backend: str, schedule: str, steps: int, directory: Path) -> dict:
         f"orchestrator.steps={steps}",
         *(RAY if backend == "ray" else []),
     ]
-    command = [sys.executable, "-m", "rollflow", "run", str(QUICKSTART), "--no-progress"]
-    for override in overrides:
-        command += ["--set", override]
-    started = time.monotonic()
-    result = subprocess.run(command, cwd=directory, capture_output=True, text=True)
-    elapsed = time.monotonic() - started
-    if result.returncode != 0:
-        raise SystemExit(f"{backend} failed:\n{result.stderr[-3000:]}")
-    lines = (directory / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
-    metrics = [json.loads(line) for line in lines if line.strip()]
+    metrics, elapsed = run_quickstart(directory, overrides, backend)
     rewards = [m["reward_mean"] for m in metrics]
     on_policy = [m["logprob_mismatch"] for m in metrics if math.isfinite(m["logprob_mismatch"])]
     run_time = sum(m["step_time_s"] for m in metrics)
