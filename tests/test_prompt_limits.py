@@ -136,6 +136,7 @@ async def test_tito_proxy_refuses_messages_over_the_cap_and_renders_long_ones_of
         assert reply["error"]["code"] == "context_length_exceeded"
         assert reply["error"]["param"] == "messages"
         assert adapter.renderer.threads == []
+        assert session.trace.stats.context_exceeded == 1  # as when the engine refuses the prompt
         long_text = "hello world " * (OFFLOAD_CHARS // 12 + 10)
         status, reply = await _post(
             url, {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "max_tokens": 4}

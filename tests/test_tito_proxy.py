@@ -282,7 +282,9 @@ async def test_close_session_drains_then_cancels_stragglers(tiny_chat):
         session = await proxy.open_session()
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         call = asyncio.create_task(client.chat.completions.create(model=MODEL, messages=[_user("hi")]))
-        await asyncio.sleep(0.05)
+        with anyio.fail_after(30):  # the call is in flight (a loaded machine may take a while to get there)
+            while not scripted.requests:
+                await asyncio.sleep(0.01)
         trace = await proxy.close_session(session)  # waits for the call in flight
         assert len(trace.turns) == 1 and (await call).id == trace.turns[0].response_id
 

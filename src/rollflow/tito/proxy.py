@@ -383,6 +383,7 @@ class TITOProxy:
             chars = message_text_chars(chat.messages)
             if chars > self.max_prompt_chars:
                 assert self.max_model_len is not None
+                session.trace.stats.context_exceeded += 1  # counted like the engine's own refusal
                 raise RequestError(
                     prompt_too_long_message(chars, self.max_prompt_chars, self.max_model_len),
                     param="messages",
