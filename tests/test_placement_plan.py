@@ -277,29 +277,16 @@ def test_actor_env_forwards_patterns_and_env_wins():
     }
 
 
+def _dry_run(directory, *overrides: str) -> subprocess.CompletedProcess:
+    """``rollflow run examples/quickstart.toml --set cluster.backend='ray' --set … --dry-run`` in ``directory``."""
+    command = [sys.executable, "-m", "rollflow", "run", str(REPO_ROOT / "examples" / "quickstart.toml")]
+    for override in ("cluster.backend='ray'", *overrides):
+        command += ["--set", override]
+    return subprocess.run([*command, "--dry-run"], capture_output=True, text=True, cwd=directory, timeout=60)
+
+
 def test_cli_dry_run_prints_the_plan(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollflow",
-            "run",
-            str(REPO_ROOT / "examples" / "quickstart.toml"),
-            "--set",
-            "cluster.backend='ray'",
-            "--set",
-            "cluster.num_cpus=4",
-            "--set",
-            "inference.mode='http'",
-            "--set",
-            "trainer.num_workers=2",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    result = _dry_run(tmp_path, "cluster.num_cpus=4", "inference.mode='http'", "trainer.num_workers=2")
     assert result.returncode == 0, result.stderr
     assert "placement plan: 2 trainer worker(s)" in result.stderr
     assert "trainer ranks 0-1 (rank 0: rendezvous, weight sender); servers 0-1" in result.stderr
@@ -307,25 +294,6 @@ def test_cli_dry_run_prints_the_plan(tmp_path):
 
 
 def test_cli_dry_run_infeasible_plan_exits_2(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollflow",
-            "run",
-            str(REPO_ROOT / "examples" / "quickstart.toml"),
-            "--set",
-            "cluster.backend='ray'",
-            "--set",
-            "cluster.num_cpus=2",
-            "--set",
-            "trainer.num_workers=3",
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    result = _dry_run(tmp_path, "cluster.num_cpus=2", "trainer.num_workers=3")
     assert result.returncode == 2, result.stderr
     assert "trainer.num_workers = 3" in result.stderr and "127.0.0.1" in result.stderr
