@@ -11,8 +11,8 @@ heap out of the garbage collector's passes, as ``rollflow proxy`` does (``rollfl
 
 Then per-stage costs: one more proxy run (``--stage-sessions``, agents in their own process) reads the event
 loop thread's CPU clock around each synchronous stage of a turn (request decode, message normalisation,
-bridge/render, response parse, trace commit, response build and encode) and over the whole run; the rest is the
-HTTP server, the event loop, the engine hand-off and the garbage collector.
+bridge/render, response parse, trace commit, response build and encode), in the garbage collector (``gc.callbacks``)
+and over the whole run; the rest is the HTTP server, the event loop and the engine hand-off.
 
 Then trace memory: one trace with ``--branches`` branches (default 64) that share one long prefix
 (``--prefix-words`` words in the first user message). ``trace_bytes`` is everything the trace retains
@@ -166,18 +166,26 @@ STAGES = (
     ("response_parse", "rollflow.tito.renderer", "TITORenderer.parse"),
     ("trace_commit", "rollflow.tito.trace", "Trace._commit_choices"),
     ("response_build", "rollflow.tito.proxy", "TITOProxy._completion"),
-    ("response_encode", "rollflow.tito.proxy", "_json"),
+    ("response_encode", "rollflow.tito.proxy", "_raw_json_response"),
 )
 
 
 async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str, float]:
     """The event loop thread's CPU per request in each synchronous stage of a turn (each wrapped to read the
-    thread's CPU clock before and after), its total, and what is left for the rest: the HTTP server, the event
-    loop, the engine hand-off and the garbage collector. Agents run in their own process."""
+    thread's CPU clock before and after), in the garbage collector, its total, and what is left for the rest:
+    the HTTP server, the event loop and the engine hand-off (a collection that starts inside a stage counts
+    there too). Agents run in their own process."""
     import importlib
 
     spent = dict.fromkeys((stage for stage, _, _ in STAGES), 0)
     originals = []
+    collecting = [0, 0]  # CPU ns in collections, start of the current one
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            collecting[1] = time.thread_time_ns()
+        else:
+            collecting[0] += time.thread_time_ns() - collecting[1]
 
     def timed(stage, function):
         def wrapper(*args, **kwargs):
@@ -196,16 +204,19 @@ async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str,
             owner = getattr(owner, parent)
         originals.append((owner, name, getattr(owner, name)))
         setattr(owner, name, timed(stage, getattr(owner, name)))
+    gc.callbacks.append(on_collection)
     try:
         start = time.thread_time_ns()
         latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens, agents="process")
         total = time.thread_time_ns() - start
     finally:
+        gc.callbacks.remove(on_collection)
         for owner, name, original in originals:
             setattr(owner, name, original)
     per_request = 1e-3 / len(latencies)  # ns -> us per request
     costs = {stage: value * per_request for stage, value in spent.items()}
-    costs["http_loop_gc_and_rest"] = total * per_request - sum(costs.values())
+    costs["garbage_collector"] = collecting[0] * per_request
+    costs["http_loop_and_rest"] = total * per_request - sum(costs.values())
     costs["loop_thread_total"] = total * per_request
     return {stage: round(cost, 1) for stage, cost in costs.items()}
 
@@ -369,7 +380,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--agents",
         choices=("process", "in-process"),

@@ -27,7 +27,7 @@ server, so the router can also be a client's whole control plane; see ``rollflow
 
 Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
 request without it has its body decoded, for ``session_id``), read and answered by the router's own small
-HTTP/1.1 front (``rollflow.inference.router_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
+HTTP/1.1 front (``rollflow.inference.http_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
 kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
 
@@ -48,7 +48,7 @@ import contextlib
 import hashlib
 import hmac
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
@@ -60,9 +60,9 @@ from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
+from rollflow.inference.http_front import Header, HttpFront, serve_with_front
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
-from rollflow.inference.router_front import RouterFront
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
@@ -265,10 +265,9 @@ class InferenceRouter:
         self._pools: dict[str, UpstreamPool] = {}  # the data plane: kept-alive connections per server
         self._health_task: asyncio.Task[None] | None = None
         self._server: asyncio.Server | None = None
-        self._fronts: set[RouterFront] = set()  # connections the hot path serves (see router_front)
-        # Read by RouterFront for every request.
-        self.fast_paths = frozenset(PROXIED_POST)
-        self.hop_header_bytes = _HOP_HEADER_BYTES
+        self.fronts: set[HttpFront] = set()  # connections the hot path serves (see http_front)
+        self._fast_paths = frozenset(PROXIED_POST)
+        self._api_key_bytes = api_key.encode() if api_key else None
         self.url: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -316,9 +315,7 @@ class InferenceRouter:
         handoff = self._runner.server
         assert handoff is not None
         try:
-            self._server = await asyncio.get_running_loop().create_server(
-                lambda: RouterFront(self, handoff), self.host, self.port, backlog=128
-            )
+            self._server = await serve_with_front(self, handoff, self.host, self.port)
         except BaseException:
             await self.stop()
             raise
@@ -339,10 +336,10 @@ class InferenceRouter:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for front in list(self._fronts):
+        for front in list(self.fronts):
             if front.transport is not None:
                 front.transport.close()
-        self._fronts.clear()
+        self.fronts.clear()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -363,7 +360,38 @@ class InferenceRouter:
     def open_connections(self) -> int:
         """Connections open to the router: those of its hot-path front and those handed to aiohttp."""
         server = self._runner.server if self._runner is not None else None
-        return len(self._fronts) + (len(server.connections) if server is not None else 0)
+        return len(self.fronts) + (len(server.connections) if server is not None else 0)
+
+    # ------------------------------------------------------------------ the front's hot path (FrontHost)
+
+    def accepts(self, path: str) -> bool:
+        return path.partition("?")[0] in self._fast_paths
+
+    def fast_request(
+        self, front: HttpFront, path: str, headers: list[Header], body: bytes
+    ) -> Coroutine[Any, Any, None] | None:
+        """A proxied POST naming its session once in ``X-Session-ID`` (with the bearer token when an API key is
+        set) is proxied from and to the socket; anything else aiohttp serves as it always did (sessions named in
+        the body, 401 …)."""
+        session_id: str | None = None
+        authorization: bytes | None = None
+        forwarded: list[tuple[bytes, bytes]] = []
+        for lower, name, value in headers:
+            if lower == b"x-session-id":
+                if session_id is not None:
+                    return None  # named twice: aiohttp's path reads the first, as it always did
+                session_id = value.decode("latin-1")
+            elif lower == b"authorization":
+                authorization = value
+            if lower not in _HOP_HEADER_BYTES:
+                forwarded.append((name, value))
+        if not session_id:
+            return None
+        if self._api_key_bytes is not None:
+            scheme, _, token = authorization.partition(b" ") if authorization else (b"", b"", b"")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
+                return None  # aiohttp's middleware answers 401
+        return self.proxy_fast(front, "POST", path, session_id, forwarded, body)
 
     # ------------------------------------------------------------------ membership and routing
 
@@ -601,14 +629,14 @@ class InferenceRouter:
 
     async def proxy_fast(
         self,
-        front: RouterFront,
+        front: HttpFront,
         method: str,
         path_qs: str,
         session_id: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
     ) -> None:
-        """``_handle_proxy`` for a request ``RouterFront`` read itself: the same routing, retries, failover and
+        """``_handle_proxy`` for a request ``HttpFront`` read itself: the same routing, retries, failover and
         errors, the answer written straight to the caller's connection."""
 
         async def forward(worker: _Worker) -> BaseException | None:
@@ -621,7 +649,7 @@ class InferenceRouter:
 
     async def _forward_fast(
         self,
-        front: RouterFront,
+        front: HttpFront,
         method: str,
         path_qs: str,
         worker: _Worker,

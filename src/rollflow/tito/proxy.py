@@ -18,6 +18,12 @@ HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "cod
 (400 naming the field, 404 unknown model or session, 409 closed session, 413 body too large); a 5xx is a bug,
 except 503 when inference itself is gone. A client that disconnects cancels its request, which aborts the
 engine request. This module imports neither torch nor transformers.
+
+Serving cost: a non-streamed chat completion is read and answered by the listener's own small HTTP/1.1 front
+(``rollflow.inference.http_front``) rather than aiohttp's server, through the same checks, the same session
+and the same errors; everything else (streams, ``/models``, admin endpoints, malformed or refused requests) is
+served by aiohttp on the same port. ``benchmarks/tito_load.py`` measures the proxy against calling the engine
+directly.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Coroutine
+from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -40,6 +48,7 @@ from aiohttp import web
 from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner
+from rollflow.inference.http_front import Header, HttpFront, serve_with_front
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
@@ -55,6 +64,7 @@ from rollflow.tito.wire import (
     Choice,
     ChoiceLogprobs,
     ChunkChoice,
+    DecodedRequest,
     Delta,
     DeltaFunction,
     DeltaToolCall,
@@ -75,6 +85,8 @@ _ENCODER = msgspec.json.Encoder()
 # Closed sessions' tokens are remembered (to answer 409 rather than 404) up to this many.
 _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_SESSION_PREFIX = "/sessions/"
+_COMPLETIONS_SUFFIX = "/v1/chat/completions"
 # A streamed reply is parsed again at most after this many times the last parse's duration.
 PARSE_BACKOFF = 4.0
 
@@ -103,6 +115,31 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
     return _json(error_body(status, message, param=param, code=code), status)
+
+
+def _error_answer(error: Exception) -> tuple[int, Any]:
+    """(status, JSON body) for an exception a request handler raised: the same for aiohttp and the front."""
+    if isinstance(error, RequestError):
+        return error.status, error.body()
+    if isinstance(error, TraceSealedError):
+        return 409, error_body(409, str(error), code="session_closed")
+    if isinstance(error, RollflowError):
+        log.exception("tito proxy: request failed")
+        return 500, error_body(500, f"{type(error).__name__}: {error}")
+    log.exception("tito proxy: unexpected error")  # a bug: say so, keep serving
+    return 500, error_body(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def _raw_json_response(status: int, data: Any, close: bool) -> bytes:
+    """A whole HTTP/1.1 response with ``data`` as its JSON body (what ``_json`` answers through aiohttp)."""
+    body = _ENCODER.encode(data)
+    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
+        status,
+        HTTPStatus(status).phrase.encode(),
+        len(body),
+        b"Connection: close\r\n" if close else b"",
+    )
+    return head + body
 
 
 def _enc_hook(value: Any) -> Any:
@@ -194,6 +231,8 @@ class TITOProxy:
         )
         # Runtime state.
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.Server | None = None
+        self.fronts: set[HttpFront] = set()  # connections the hot path serves (see http_front)
         self._sessions: dict[str, Session] = {}  # by URL token
         self._by_id: dict[str, Session] = {}
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tokens and ids
@@ -234,14 +273,16 @@ class TITOProxy:
             app, limits=self.http_limits, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
         await runner.setup()
+        # Every connection starts with the hot-path front, which hands it to aiohttp's handler at its first
+        # request the front does not serve.
+        assert runner.server is not None
         try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
+            self._server = await serve_with_front(self, runner.server, self.host, self.port)
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
-        self.port = runner.addresses[0][1]
+        self.port = self._server.sockets[0].getsockname()[1]
         log.debug("tito proxy listening", base_url=self.base_url)
 
     async def close(self) -> None:
@@ -251,6 +292,13 @@ class TITOProxy:
             for session in list(self._by_id.values()):
                 await self.close_session(session)
         finally:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            for front in list(self.fronts):
+                if front.transport is not None:
+                    front.transport.close()
+            self.fronts.clear()
             if self._runner is not None:
                 runner, self._runner = self._runner, None
                 with anyio.CancelScope(shield=True):
@@ -331,18 +379,10 @@ class TITOProxy:
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             return await handler(request)
-        except RequestError as error:
-            return _json(error.body(), error.status)
-        except TraceSealedError as error:
-            return _error(409, str(error), code="session_closed")
         except web.HTTPException as error:
             return _error(error.status, error.reason or error.text or "")
-        except RollflowError as error:
-            log.exception("tito proxy: request failed")
-            return _error(500, f"{type(error).__name__}: {error}")
-        except Exception as error:  # a bug: say so, keep serving
-            log.exception("tito proxy: unexpected error")
-            return _error(500, f"internal error: {type(error).__name__}: {error}")
+        except Exception as error:
+            return _json(*reversed(_error_answer(error)))
 
     def _session(self, request: web.Request) -> Session:
         token = request.match_info["token"]
@@ -376,6 +416,30 @@ class TITOProxy:
         session = self._session(request)
         body = await self._body(request)
         decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
+        headers = request.headers
+        key, is_retry = self._admit(
+            session, decoded, body, headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
+        )
+        chat = decoded.request
+        if chat.stream:
+            return await self._stream(request, session, chat, key, is_retry)
+        turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+        return _json(self._completion(chat, turns))
+
+    def _admit(
+        self,
+        session: Session,
+        decoded: DecodedRequest,
+        body: bytes,
+        idempotency_key: str | None,
+        retry_count: str | None,
+    ) -> tuple[str | None, bool]:
+        """The checks of a decoded chat completion before it is sampled; its (request key, is_retry).
+
+        Raises:
+            RequestError: the prompt cannot fit, the model is not served here, or an ``Idempotency-Key`` is
+                reused with another body.
+        """
         if decoded.unknown_fields or decoded.ignored_values:
             session.trace.count_ignored(decoded.unknown_fields, decoded.ignored_values)
         chat = decoded.request
@@ -396,7 +460,7 @@ class TITOProxy:
                 param="model",
                 code="model_not_found",
             )
-        key, is_retry = _request_key(request, body)
+        key, is_retry = _request_key(idempotency_key, retry_count, body)
         if key is not None and key.startswith("key:"):
             # The key names one request: replaying its reply for another body would answer the wrong one.
             digest = hashlib.blake2b(body, digest_size=16).digest()
@@ -408,10 +472,59 @@ class TITOProxy:
                     param="Idempotency-Key",
                     code="idempotency_key_reused",
                 )
-        if chat.stream:
-            return await self._stream(request, session, chat, key, is_retry)
-        turns = await session.complete(chat, request_key=key, is_retry=is_retry)
-        return _json(self._completion(chat, turns))
+        return key, is_retry
+
+    # ------------------------------------------------------------------ HTTP: the front's hot path
+
+    def open_connections(self) -> int:
+        """Connections open to the proxy: those of its hot-path front and those handed to aiohttp."""
+        server = self._runner.server if self._runner is not None else None
+        return len(self.fronts) + (len(server.connections) if server is not None else 0)
+
+    def accepts(self, path: str) -> bool:
+        return path.startswith(_SESSION_PREFIX) and path.endswith(_COMPLETIONS_SUFFIX)
+
+    def fast_request(
+        self, front: HttpFront, path: str, headers: list[Header], body: bytes
+    ) -> Coroutine[Any, Any, None] | None:
+        """A non-streamed chat completion of an open session that decodes is answered from the front; anything
+        else (unknown or closed sessions, streams, undecodable bodies) aiohttp serves, answering as always."""
+        session = self._sessions.get(path[len(_SESSION_PREFIX) : -len(_COMPLETIONS_SUFFIX)])
+        if session is None:
+            return None
+        try:
+            decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
+        except Exception:  # aiohttp decodes it again and answers the error
+            return None
+        if decoded.request.stream:
+            return None
+        idempotency_key = retry_count = None
+        for lower, _, value in headers:
+            # The first of a repeated header, as aiohttp's ``headers.get`` reads it.
+            if lower == b"idempotency-key" and idempotency_key is None:
+                idempotency_key = value.decode("latin-1")
+            elif lower == b"x-stainless-retry-count" and retry_count is None:
+                retry_count = value.decode("latin-1")
+        return self._complete_fast(front, session, decoded, body, idempotency_key, retry_count)
+
+    async def _complete_fast(
+        self,
+        front: HttpFront,
+        session: Session,
+        decoded: DecodedRequest,
+        body: bytes,
+        idempotency_key: str | None,
+        retry_count: str | None,
+    ) -> None:
+        """``_chat_completions`` for a request the front read, the answer written straight to its connection."""
+        try:
+            key, is_retry = self._admit(session, decoded, body, idempotency_key, retry_count)
+            chat = decoded.request
+            turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+            status, data = 200, self._completion(chat, turns)
+        except Exception as error:
+            status, data = _error_answer(error)
+        front.write(_raw_json_response(status, data, front.close_after))
 
     def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
         if not chat.logprobs:
@@ -596,14 +709,14 @@ def _prompt_ids(turn: Turn) -> list[int]:
     return turn.node.prefix_ids()[: turn.prompt_len].tolist()
 
 
-def _request_key(request: web.Request, body: bytes) -> tuple[str | None, bool]:
+def _request_key(
+    idempotency_key: str | None, retry_count: str | None, body: bytes
+) -> tuple[str | None, bool]:
     """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
     ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
     are new requests (an agent may legitimately repeat one)."""
-    idempotency_key = request.headers.get("Idempotency-Key")
     if idempotency_key:
         return "key:" + idempotency_key, True
-    retry_count = request.headers.get("x-stainless-retry-count")
     if retry_count is None:
         return None, False
     digest = hashlib.blake2b(body, digest_size=16).hexdigest()

@@ -178,10 +178,19 @@ class Trace:
     # ------------------------------------------------------------------ actor plumbing
 
     def _call(self, fn: Callable[..., Any], *args: Any, offload: bool = False) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if self._worker is None and not offload:
+            # Nothing queued nor running: the operation runs now, in order, without a worker task's round
+            # trips through the loop (the common case: one turn of a session at a time).
+            try:
+                future.set_result(fn(*args))
+            except Exception as error:
+                future.set_exception(error)
+            return future
         self._mailbox.append((fn, args, future, offload))
         if self._worker is None:
-            self._worker = asyncio.get_running_loop().create_task(self._drain())
+            self._worker = loop.create_task(self._drain())
         return future
 
     async def _drain(self) -> None:

@@ -1,35 +1,33 @@
-"""The router's listener: a small HTTP/1.1 server for the hot data-plane requests, aiohttp for the rest.
+"""``HttpFront``: a small HTTP/1.1 server for a listener's hot requests, aiohttp's server for the rest.
 
 aiohttp's server builds a request object, header multidicts, a payload stream, middlewares' coroutines, a
-response object and its writer for every request: profiled under ``benchmarks/router_compare.py`` load that is
-more than half of the router's CPU per proxied request. ``RouterFront`` is the protocol of every accepted
-connection. It reads each request's head itself; a request that the hot path serves exactly as aiohttp would
-(``POST`` of a proxied path over HTTP/1.1, naming its session in ``X-Session-ID``, with a ``Content-Length``
-body within ``max_body_bytes``, no ``Expect``, and the bearer token when an API key is set) is proxied straight
-from and to the socket (``InferenceRouter.proxy_fast``). The first request that is anything else hands the whole
-connection, with the bytes read so far, to aiohttp's handler, which then serves it as before (admin and control
-endpoints, 401, 404, 413, sessions named in the body, chunked uploads …).
+response object and its writer for every request: profiled under load that is more than half of the CPU per
+request of the router (``benchmarks/router_compare.py``) and a third of the TITO proxy's HTTP handling
+(``benchmarks/tito_load.py``). ``HttpFront`` is the protocol of every accepted connection of such a listener.
+It reads each request's head itself; a plain request (``POST`` over HTTP/1.1 with a ``Host``, a
+``Content-Length`` body within ``max_body_bytes``, no ``Expect`` nor ``Transfer-Encoding``, nothing malformed)
+to a path its ``FrontHost`` ``accepts`` is read whole, and the host's ``fast_request`` then either returns the
+coroutine that answers it (written straight to the connection) or declines. The first request that is anything
+else hands the whole connection, with the bytes read so far, to aiohttp's handler, which then serves it as
+before (admin and control endpoints, 401, 404, 413, chunked uploads, streamed answers …).
 
 The front keeps the listener's limits (``HttpLimits``): a request line and headers not complete within
 ``header_timeout_s`` of the connection opening get 408 (an idle kept-alive connection is closed silently after
 as long), a body not complete within ``body_timeout_s`` gets 408, and a connection over ``max_connections`` gets
-503. A caller that disconnects cancels its request, so the server sees the disconnect too. Requests are
-answered in order, one at a time per connection (pipelined ones wait in the buffer).
+503. A caller that disconnects cancels its request's coroutine (so the work behind it is cancelled too).
+Requests are answered in order, one at a time per connection (pipelined ones wait in the buffer).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import structlog
 
 from rollflow.inference.http import raw_error_response
-
-if TYPE_CHECKING:
-    from rollflow.inference.router import InferenceRouter
+from rollflow.inference.http_limits import HttpLimits
 
 log = structlog.get_logger(__name__)
 
@@ -37,9 +35,36 @@ _MAX_HEAD_BYTES = 64 * 1024
 # Buffered bytes beyond this (a pipelining caller while a request is in flight) pause reading.
 _HIGH_WATER = 1 << 20
 
+# One header line as the front read it: (lower-case name, name as sent, value stripped of surrounding space).
+Header = tuple[bytes, bytes, bytes]
 
-class RouterFront(asyncio.Protocol):
-    """One accepted connection of ``router`` (see the module docstring); ``handoff`` makes aiohttp's handler."""
+
+class FrontHost(Protocol):
+    """The listener behind ``HttpFront``: its limits, its connection count, and its hot requests."""
+
+    http_limits: HttpLimits
+    max_body_bytes: int
+    fronts: set[HttpFront]  # connections the front serves now; the host closes them when it stops
+
+    def open_connections(self) -> int:
+        """Connections open to the listener: the fronts' and those handed to aiohttp."""
+        ...
+
+    def accepts(self, path: str) -> bool:
+        """Whether a ``POST`` to ``path`` (with its query) may be a hot request: its body is then read by the
+        front. Decided on the path alone, so that other bodies (uploads) stream into aiohttp unbuffered."""
+        ...
+
+    def fast_request(
+        self, front: HttpFront, path: str, headers: list[Header], body: bytes
+    ) -> Coroutine[Any, Any, None] | None:
+        """The coroutine that answers this request on ``front`` (``front.write``), or None: aiohttp serves it
+        (and every later request on the connection). Called on the event loop; keep it cheap."""
+        ...
+
+
+class HttpFront(asyncio.Protocol):
+    """One accepted connection of ``host`` (see the module docstring); ``handoff`` makes aiohttp's handler."""
 
     __slots__ = (
         "_buffer",
@@ -48,17 +73,18 @@ class RouterFront(asyncio.Protocol):
         "_deadline_phase",
         "_drain",
         "_handoff",
+        "_host",
         "_paused_reading",
         "_paused_writing",
-        "_router",
         "_served",
         "_task",
+        "close_after",
         "closed",
         "transport",
     )
 
-    def __init__(self, router: InferenceRouter, handoff: Callable[[], asyncio.Protocol]):
-        self._router = router
+    def __init__(self, host: FrontHost, handoff: Callable[[], asyncio.Protocol]):
+        self._host = host
         self._handoff = handoff
         self._buffer = bytearray()
         self._busy = False
@@ -69,6 +95,7 @@ class RouterFront(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._paused_reading = False
         self._paused_writing = False
+        self.close_after = False  # the request being served asked for ``Connection: close``
         self.closed = False
         self.transport: asyncio.Transport | None = None
 
@@ -76,10 +103,10 @@ class RouterFront(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        router = self._router
-        router._fronts.add(self)
-        limits = router.http_limits
-        if router.open_connections() > limits.max_connections:
+        host = self._host
+        host.fronts.add(self)
+        limits = host.http_limits
+        if host.open_connections() > limits.max_connections:
             self._fail(
                 503,
                 f"the server has {limits.max_connections} connections open (its limit, max_connections); "
@@ -103,9 +130,9 @@ class RouterFront(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closed = True
         self._disarm()
-        self._router._fronts.discard(self)
+        self._host.fronts.discard(self)
         if self._task is not None and not self._task.done():
-            self._task.cancel()  # the caller left: so does its upstream request
+            self._task.cancel()  # the caller left: so does the work for its request
         self._wake_writer()
 
     def pause_writing(self) -> None:
@@ -142,44 +169,44 @@ class RouterFront(asyncio.Protocol):
             if len(buffer) > _MAX_HEAD_BYTES:
                 self._hand_off()  # aiohttp answers the oversized head as it always did
             elif buffer and self._deadline is None:
-                self._arm(self._router.http_limits.header_timeout_s, "header")
+                self._arm(self._host.http_limits.header_timeout_s, "header")
             return
         request = self._parse_head(bytes(buffer[:end]))
         if request is None:
             self._hand_off()
             return
-        method, path, headers, session_id, length, close = request
+        path, headers, length, close = request
         if len(buffer) < end + 4 + length:
             if self._deadline_phase != "body":
-                self._arm(self._router.http_limits.body_timeout_s, "body")
+                self._arm(self._host.http_limits.body_timeout_s, "body")
             return
         self._disarm()
         body = bytes(buffer[end + 4 : end + 4 + length])
+        answer = self._host.fast_request(self, path, headers, body)
+        if answer is None:
+            self._hand_off()  # the request is still in the buffer: aiohttp reads it from the start
+            return
         del buffer[: end + 4 + length]
         self._busy = True
-        self._task = asyncio.get_running_loop().create_task(
-            self._serve(method, path, headers, session_id, body, close)
-        )
+        self.close_after = close
+        self._task = asyncio.get_running_loop().create_task(self._serve(answer, path))
 
-    def _parse_head(self, head: bytes) -> tuple[str, str, list[tuple[bytes, bytes]], str, int, bool] | None:
-        """The request if the hot path serves it, else None (aiohttp will)."""
+    def _parse_head(self, head: bytes) -> tuple[str, list[Header], int, bool] | None:
+        """(path, headers, body length, close) if the request may be hot, else None (aiohttp serves it)."""
         if b"\n" in head.replace(b"\r\n", b"") or b"\r" in head.replace(b"\r\n", b""):
-            return None  # bare CR or LF: aiohttp's parser decides (never forward what it would split)
+            return None  # bare CR or LF: aiohttp's parser decides (never serve what it would split)
         lines = head.split(b"\r\n")
         parts = lines[0].split(b" ")
         if len(parts) != 3 or parts[0] != b"POST" or parts[2] != b"HTTP/1.1":
             return None
-        router = self._router
+        host = self._host
         path = parts[1].decode("latin-1")
-        if path.partition("?")[0] not in router.fast_paths:
+        if not host.accepts(path):
             return None
-        hop = router.hop_header_bytes
-        headers: list[tuple[bytes, bytes]] = []
-        session_id: str | None = None
+        headers: list[Header] = []
         length: int | None = None
-        authorization: bytes | None = None
         close = False
-        host = False
+        has_host = False
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name != name.strip():
@@ -190,47 +217,28 @@ class RouterFront(asyncio.Protocol):
                 if length is not None or not value.isdigit():
                     return None
                 length = int(value)
-            elif lower == b"x-session-id":
-                if session_id is not None:
-                    return None  # named twice: aiohttp's path reads the first, as it always did
-                session_id = value.decode("latin-1")
-            elif lower == b"authorization":
-                authorization = value
             elif lower == b"connection":
                 close = b"close" in value.lower()
             elif lower == b"host":
-                host = True
+                has_host = True
             elif lower in (b"transfer-encoding", b"expect"):
                 return None
-            if lower not in hop:
-                headers.append((name, value))
-        if not host or not session_id or length is None or length > router.max_body_bytes:
+            headers.append((lower, name, value))
+        if not has_host or length is None or length > host.max_body_bytes:
             return None
-        if router.api_key:
-            scheme, _, token = authorization.partition(b" ") if authorization else (b"", b"", b"")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token, router.api_key.encode()):
-                return None  # aiohttp's middleware answers 401
-        return "POST", path, headers, session_id, length, close
+        return path, headers, length, close
 
-    async def _serve(
-        self,
-        method: str,
-        path: str,
-        headers: list[tuple[bytes, bytes]],
-        session_id: str,
-        body: bytes,
-        close: bool,
-    ) -> None:
+    async def _serve(self, answer: Coroutine[Any, Any, None], path: str) -> None:
         try:
-            await self._router.proxy_fast(self, method, path, session_id, headers, body)
+            await answer
         except Exception as error:  # a broken answer mid-stream: the connection cannot carry another
-            log.debug("proxied answer broken", path=path, error=repr(error))
+            log.debug("answer broken", path=path, error=repr(error))
             self._close()
             return
         finally:
             self._task = None
             self._busy = False
-        if close:
+        if self.close_after:
             self._close()
             return
         self._served += 1
@@ -241,14 +249,14 @@ class RouterFront(asyncio.Protocol):
             self._next()
         elif not self.closed:
             # An idle kept-alive connection is held no longer than a request head may take, then closed.
-            self._arm(self._router.http_limits.header_timeout_s, "idle")
+            self._arm(self._host.http_limits.header_timeout_s, "idle")
 
     # ------------------------------------------------------------------ hand-off, limits
 
     def _hand_off(self) -> None:
         """From now on aiohttp's handler serves this connection, starting with the bytes buffered here."""
         self._disarm()
-        self._router._fronts.discard(self)
+        self._host.fronts.discard(self)
         transport = self.transport
         if transport is None or self.closed:
             return
@@ -298,6 +306,11 @@ class RouterFront(asyncio.Protocol):
             self.transport.close()
 
 
-def make_front_factory(router: InferenceRouter, handoff: Callable[[], Any]) -> Callable[[], RouterFront]:
-    """The protocol factory for ``loop.create_server``."""
-    return lambda: RouterFront(router, handoff)
+async def serve_with_front(
+    host: FrontHost, handoff: Callable[[], Any], address: str, port: int
+) -> asyncio.Server:
+    """Listen on ``address``:``port``: every connection starts with an ``HttpFront`` of ``host``, which hands
+    it to ``handoff()`` (aiohttp's ``web.Server``) at its first request the front does not serve."""
+    return await asyncio.get_running_loop().create_server(
+        lambda: HttpFront(host, handoff), address, port, backlog=128
+    )

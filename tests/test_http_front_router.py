@@ -1,5 +1,5 @@
-"""The router's hot path (``rollflow.inference.router_front``) over real loopback sockets: requests that name
-their session in ``X-Session-ID`` are served by ``RouterFront``; everything else on the same connection is
+"""The router's hot path (``rollflow.inference.http_front``) over real loopback sockets: requests that name
+their session in ``X-Session-ID`` are served by ``HttpFront``; everything else on the same connection is
 handed to aiohttp; limits, failover, streaming and disconnects behave as on aiohttp's path."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from aiohttp import web
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
+
+from .raw_http import exchange
 
 pytestmark = pytest.mark.asyncio
 
@@ -64,30 +66,6 @@ class Backend:
         await self._runner.cleanup()
 
 
-async def exchange(reader, writer, raw: bytes) -> tuple[int, dict[str, str], bytes]:
-    """Send ``raw`` and read one response (Content-Length or chunked) from the kept-alive connection."""
-    writer.write(raw)
-    await writer.drain()
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    if headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            body += chunk[:-2]
-        return status, headers, body
-    return status, headers, await reader.readexactly(int(headers["content-length"]))
-
-
 def generate_request(
     body: bytes = b'{"token_ids": [1]}', session: str | None = "s1", extra: bytes = b""
 ) -> bytes:
@@ -115,7 +93,7 @@ async def test_hot_path_then_handoff_on_one_kept_alive_connection():
             )
             assert status == 200 and headers[WORKER_HEADER.lower()] == backend.url
             assert json.loads(body)["echo"] == {"turn": turn}
-        assert len(router._fronts) == 1  # served by the front so far
+        assert len(router.fronts) == 1  # served by the front so far
         assert backend.received[-1]["headers"]["X-Custom"] == "kept"
         assert backend.received[-1]["headers"]["X-Session-ID"] == "s1"
         # A request without the session header: handed to aiohttp (which decodes the body), same connection.
@@ -123,7 +101,7 @@ async def test_hot_path_then_handoff_on_one_kept_alive_connection():
             reader, writer, generate_request(b'{"session_id": "s2"}', None)
         )
         assert status == 200 and json.loads(body)["echo"] == {"session_id": "s2"}
-        assert not router._fronts
+        assert not router.fronts
         status, _, body = await exchange(reader, writer, b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
         assert status == 200 and b"rollflow_router_requests_total 4" in body
         writer.close()
@@ -192,7 +170,7 @@ async def test_hot_path_keeps_the_limits():
         # Connections over max_connections (those handed to aiohttp count too): 503.
         held = [await open_router(router) for _ in range(2)]
         status, _, _ = await exchange(*held[0], b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
-        assert status == 200 and len(router._fronts) == 1
+        assert status == 200 and len(router.fronts) == 1
         reader, writer = await open_router(router)
         raw = await asyncio.wait_for(reader.read(), 5)
         assert raw.split(b" ")[1] == b"503" and b"max_connections" in raw
@@ -239,7 +217,7 @@ async def test_odd_heads_are_left_to_aiohttp():
         # The session named twice: aiohttp's path serves it, with the first.
         reader, writer = await open_router(router)
         status, _, _ = await exchange(reader, writer, generate_request(extra=b"X-Session-ID: other\r\n"))
-        assert status == 200 and not router._fronts and router._sessions.get("s1") == backend.url
+        assert status == 200 and not router.fronts and router._sessions.get("s1") == backend.url
         writer.close()
         # A bare line feed inside the head: never forwarded as it is.
         forwarded = len(backend.received)
@@ -247,5 +225,5 @@ async def test_odd_heads_are_left_to_aiohttp():
         writer.write(generate_request(extra=b"X-A: b\nContent-Length: 1000\r\n"))
         await writer.drain()
         await asyncio.wait_for(reader.read(1), 10)  # whatever aiohttp answers, the front did not forward it
-        assert not router._fronts and len(backend.received) == forwarded
+        assert not router.fronts and len(backend.received) == forwarded
         writer.close()
