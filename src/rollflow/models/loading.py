@@ -69,11 +69,15 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer, with short texts' ids remembered (``ShortTextEncodeCache``, ``OffsetsProbeCache``)."""
+    """The model's tokenizer, answering the renderers' per-turn calls straight from its backend
+    (``rollflow.models.fast_tokenizer``) and remembering short texts' ids (``ShortTextEncodeCache``,
+    ``OffsetsProbeCache``)."""
     from transformers import AutoTokenizer
 
+    from rollflow.models.fast_tokenizer import with_fast_paths
+
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = with_fast_paths(AutoTokenizer.from_pretrained(model_dir))
     _cache_short_encodes(tokenizer)
     return tokenizer
 
