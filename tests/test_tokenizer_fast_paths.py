@@ -208,3 +208,35 @@ def test_decode_with_clean_up_goes_to_transformers(tiny_model_dir):
     assert tokenizer.decode(ids, clean_up_tokenization_spaces=True) == cleaned
     tokenizer.clean_up_tokenization_spaces = True  # the tokenizer's own default applies when none is given
     assert tokenizer.decode(ids) == cleaned == tokenizer.decode(ids, clean_up_tokenization_spaces=None)
+
+
+def test_unk_token_id_matches_transformers(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    slow = tokenizer._fast_base.__getattr__
+    assert tokenizer.unk_token_id is None is slow(tokenizer, "unk_token_id")  # the tiny model has none
+    tokenizer.unk_token = "<|endoftext|>"
+    assert (
+        tokenizer.unk_token_id
+        == slow(tokenizer, "unk_token_id")
+        == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    )
+    tokenizer.unk_token_id = tokenizer.convert_tokens_to_ids(
+        "<|im_end|>"
+    )  # set through the id, as transformers allows
+    assert tokenizer.unk_token == "<|im_end|>"
+    assert tokenizer.unk_token_id == slow(tokenizer, "unk_token_id")
+    assert tokenizer.convert_tokens_to_ids("no such token anywhere") == tokenizer.unk_token_id
+
+
+def test_copied_batch_encoding_is_what_copy_makes(tokenizers):
+    from rollflow.models.fast_tokenizer import copy_batch_encoding
+
+    tokenizer, _ = tokenizers
+    original = tokenizer("go on", add_special_tokens=False, return_offsets_mapping=True)
+    copied = copy_batch_encoding(original)
+    assert type(copied) is type(original) and copied is not original
+    assert copied.data == original.data and copied.data is not original.data
+    assert copied.encodings is original.encodings and copied.n_sequences == original.n_sequences == 1
+    copied["input_ids"] = []  # a caller's change of a key stays its own, as with .copy()
+    assert original["input_ids"]
+    assert copy_batch_encoding({"a": 1}) == {"a": 1}

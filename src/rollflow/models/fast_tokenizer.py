@@ -49,6 +49,54 @@ def fast_class(base: type) -> type | None:
         return _FAST_CLASSES[base]
 
 
+# Whether ``BatchEncoding(data, [encoding])`` sets exactly these attributes and nothing else (checked once on
+# a real encoding; None until then): then ``_encode_with_offsets`` sets them itself.
+_BATCH_ENCODING_FIELDS: bool | None = None
+
+
+def copy_batch_encoding(batch: Any) -> Any:
+    """A shallow copy of a ``BatchEncoding`` (its own dict of the same values, the same encodings) as
+    ``batch.copy()`` makes, but without ``UserDict.copy``'s round trip through ``copy.copy`` (which also drops
+    ``n_sequences``); anything else is ``batch.copy()``."""
+    from transformers.tokenization_utils_base import BatchEncoding
+
+    if type(batch) is BatchEncoding and _batch_encoding_fields_known():
+        return _batch_encoding(BatchEncoding, dict(batch.data), batch._encodings, batch._n_sequences)
+    return batch.copy()
+
+
+def _batch_encoding(cls: type, data: dict, encodings: Any, n_sequences: Any) -> Any:
+    batch = cls.__new__(cls)
+    batch.data = data
+    batch._encodings = encodings
+    batch._n_sequences = n_sequences
+    return batch
+
+
+def _batch_encoding_fields_known() -> bool:
+    if _BATCH_ENCODING_FIELDS is None:
+        _check_batch_encoding()
+    return bool(_BATCH_ENCODING_FIELDS)
+
+
+def _check_batch_encoding() -> None:
+    global _BATCH_ENCODING_FIELDS
+    from collections import UserDict
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers.tokenization_utils_base import BatchEncoding
+
+    encoding = Tokenizer(WordLevel({"a": 0}, unk_token="a")).encode("a")
+    data = {"input_ids": encoding.ids, "offset_mapping": encoding.offsets}
+    made = BatchEncoding(dict(data), [encoding])
+    _BATCH_ENCODING_FIELDS = (
+        BatchEncoding.__setitem__ is UserDict.__setitem__
+        and BatchEncoding.__setattr__ is object.__setattr__
+        and vars(made) == {"data": data, "_encodings": [encoding], "_n_sequences": encoding.n_sequences}
+    )
+
+
 def _make_fast_class(base: type) -> type | None:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -70,6 +118,11 @@ def _make_fast_class(base: type) -> type | None:
         and not hasattr(base, "_switch_to_input_mode")
     )
     fast_decode = own("decode", PreTrainedTokenizerBase) and own("_decode", TokenizersBackend)
+    fast_unk_token_id = (
+        own("__getattr__", PreTrainedTokenizerBase)
+        and "unk_token" in base.SPECIAL_TOKENS_ATTRIBUTES
+        and not hasattr(base, "unk_token_id")
+    )
     namespace = {
         "__module__": base.__module__,
         "__qualname__": base.__qualname__,
@@ -77,6 +130,7 @@ def _make_fast_class(base: type) -> type | None:
         "_fast_base": base,
         "_fast_call": fast_call,
         "_fast_decode": fast_decode,
+        "_fast_unk_token_id": fast_unk_token_id,
     }
     # Same name as the class it extends: transformers writes ``type(tokenizer).__name__`` into saved configs.
     return type(base.__name__, (FastPaths, base), namespace)
@@ -89,11 +143,13 @@ class FastPaths:
     _fast_base: type
     _fast_call: bool
     _fast_decode: bool
+    _fast_unk_token_id: bool
     # Attributes of the instance, from transformers.
     _tokenizer: Any
     split_special_tokens: bool
     model_input_names: list[str]
     clean_up_tokenization_spaces: bool
+    verbose: bool
 
     def __call__(self, text: Any = None, *args: Any, **kwargs: Any) -> Any:
         if (
@@ -127,7 +183,22 @@ class FastPaths:
             data["attention_mask"] = encoding.attention_mask
         data["offset_mapping"] = encoding.offsets
         self._eventual_warn_about_too_long_sequence(input_ids, None, True)  # type: ignore[attr-defined]
+        if _batch_encoding_fields_known():
+            # What ``BatchEncoding(data, [encoding])`` makes, without its per-key ``UserDict`` copy.
+            return _batch_encoding(BatchEncoding, data, [encoding], encoding.n_sequences)
         return BatchEncoding(data, [encoding])
+
+    @property
+    def unk_token_id(self) -> Any:
+        # Renderers read it after every ``convert_tokens_to_ids`` of a marker; transformers answers it from
+        # ``__getattr__`` (reached only after a failed lookup). This is that branch of ``__getattr__``.
+        if self._fast_unk_token_id:
+            token = self.__dict__.get("_special_tokens_map", {}).get("unk_token")
+            if token is not None:
+                return self.convert_tokens_to_ids(str(token))  # type: ignore[attr-defined]
+            if not self.verbose:  # verbose: transformers logs that it is not set; let it
+                return None
+        return self._fast_base.__getattr__(self, "unk_token_id")  # type: ignore[attr-defined]
 
     def decode(self, token_ids: Any, skip_special_tokens: bool = False, **kwargs: Any) -> Any:
         if (

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from rollflow.errors import ConfigError, ModelNotFoundError
+from rollflow.models.fast_tokenizer import copy_batch_encoding, with_fast_paths
 from rollflow.models.tiny import (
     TINY_MODEL_NAME,
     TINY_MOE_MODEL_NAME,
@@ -73,8 +74,6 @@ def load_tokenizer(model_dir: Path) -> Any:
     (``rollflow.models.fast_tokenizer``) and remembering short texts' ids (``ShortTextEncodeCache``,
     ``OffsetsProbeCache``)."""
     from transformers import AutoTokenizer
-
-    from rollflow.models.fast_tokenizer import with_fast_paths
 
     _quiet_transformers()
     tokenizer = with_fast_paths(AutoTokenizer.from_pretrained(model_dir))
@@ -147,7 +146,7 @@ class OffsetsProbeCache:
             if len(self._encodings) >= self.max_entries:
                 self._encodings.clear()
             self._encodings[key] = encoding
-        return encoding.copy() if hasattr(encoding, "copy") else encoding
+        return copy_batch_encoding(encoding) if hasattr(encoding, "copy") else encoding
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (OffsetsProbeCache, (self._call.__self__, self.max_chars, self.max_entries))
