@@ -49,19 +49,19 @@ def fast_class(base: type) -> type | None:
         return _FAST_CLASSES[base]
 
 
-# Whether ``BatchEncoding(data, [encoding])`` sets exactly these attributes and nothing else (checked once on
-# a real encoding; None until then): then ``_encode_with_offsets`` sets them itself.
-_BATCH_ENCODING_FIELDS: bool | None = None
+# transformers' ``BatchEncoding`` once ``_settable_batch_encoding`` has checked that ``BatchEncoding(data,
+# [encoding])`` sets exactly ``data``, ``_encodings`` and ``_n_sequences`` (so those can be set directly);
+# False when it sets anything else; None until checked.
+_BATCH_ENCODING: Any = None
 
 
 def copy_batch_encoding(batch: Any) -> Any:
     """A shallow copy of a ``BatchEncoding`` (its own dict of the same values, the same encodings) as
     ``batch.copy()`` makes, but without ``UserDict.copy``'s round trip through ``copy.copy`` (which also drops
     ``n_sequences``); anything else is ``batch.copy()``."""
-    from transformers.tokenization_utils_base import BatchEncoding
-
-    if type(batch) is BatchEncoding and _batch_encoding_fields_known():
-        return _batch_encoding(BatchEncoding, dict(batch.data), batch._encodings, batch._n_sequences)
+    cls = _BATCH_ENCODING or _settable_batch_encoding()
+    if cls and type(batch) is cls:
+        return _batch_encoding(cls, dict(batch.data), batch._encodings, batch._n_sequences)
     return batch.copy()
 
 
@@ -73,28 +73,25 @@ def _batch_encoding(cls: type, data: dict, encodings: Any, n_sequences: Any) -> 
     return batch
 
 
-def _batch_encoding_fields_known() -> bool:
-    if _BATCH_ENCODING_FIELDS is None:
-        _check_batch_encoding()
-    return bool(_BATCH_ENCODING_FIELDS)
+def _settable_batch_encoding() -> Any:
+    global _BATCH_ENCODING
+    if _BATCH_ENCODING is None:
+        from collections import UserDict
 
+        from tokenizers import Tokenizer
+        from tokenizers.models import WordLevel
+        from transformers.tokenization_utils_base import BatchEncoding
 
-def _check_batch_encoding() -> None:
-    global _BATCH_ENCODING_FIELDS
-    from collections import UserDict
-
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers.tokenization_utils_base import BatchEncoding
-
-    encoding = Tokenizer(WordLevel({"a": 0}, unk_token="a")).encode("a")
-    data = {"input_ids": encoding.ids, "offset_mapping": encoding.offsets}
-    made = BatchEncoding(dict(data), [encoding])
-    _BATCH_ENCODING_FIELDS = (
-        BatchEncoding.__setitem__ is UserDict.__setitem__
-        and BatchEncoding.__setattr__ is object.__setattr__
-        and vars(made) == {"data": data, "_encodings": [encoding], "_n_sequences": encoding.n_sequences}
-    )
+        encoding = Tokenizer(WordLevel({"a": 0}, unk_token="a")).encode("a")
+        data = {"input_ids": encoding.ids, "offset_mapping": encoding.offsets}
+        made = BatchEncoding(dict(data), [encoding])
+        settable = (
+            BatchEncoding.__setitem__ is UserDict.__setitem__
+            and BatchEncoding.__setattr__ is object.__setattr__
+            and vars(made) == {"data": data, "_encodings": [encoding], "_n_sequences": encoding.n_sequences}
+        )
+        _BATCH_ENCODING = BatchEncoding if settable else False
+    return _BATCH_ENCODING
 
 
 def _make_fast_class(base: type) -> type | None:
@@ -171,8 +168,6 @@ class FastPaths:
 
     def _encode_with_offsets(self, text: str, add_special_tokens: bool) -> Any:
         # What transformers' __call__ -> _encode_plus -> _convert_encoding build for one text, unbatched.
-        from transformers.tokenization_utils_base import BatchEncoding
-
         encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         input_ids = encoding.ids
         data: dict[str, Any] = {"input_ids": input_ids}
@@ -183,9 +178,12 @@ class FastPaths:
             data["attention_mask"] = encoding.attention_mask
         data["offset_mapping"] = encoding.offsets
         self._eventual_warn_about_too_long_sequence(input_ids, None, True)  # type: ignore[attr-defined]
-        if _batch_encoding_fields_known():
+        cls = _BATCH_ENCODING or _settable_batch_encoding()
+        if cls:
             # What ``BatchEncoding(data, [encoding])`` makes, without its per-key ``UserDict`` copy.
-            return _batch_encoding(BatchEncoding, data, [encoding], encoding.n_sequences)
+            return _batch_encoding(cls, data, [encoding], encoding.n_sequences)
+        from transformers.tokenization_utils_base import BatchEncoding
+
         return BatchEncoding(data, [encoding])
 
     @property

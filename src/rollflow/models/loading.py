@@ -113,6 +113,9 @@ class ShortTextEncodeCache:
         return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
 
 
+_UNSET = object()  # an argument not given (OffsetsProbeCache's keys)
+
+
 class OffsetsProbeCache:
     """``tokenizer.__call__`` as read by ``getattr(tokenizer, "__call__")``, remembering short calls.
 
@@ -139,7 +142,7 @@ class OffsetsProbeCache:
             or not kwargs.keys() <= self._REMEMBERED
         ):
             return self._call(text, *args, **kwargs)
-        key = (text, *sorted(kwargs.items()))
+        key = (text, kwargs.get("add_special_tokens", _UNSET), kwargs.get("return_offsets_mapping", _UNSET))
         encoding = self._encodings.get(key)
         if encoding is None:
             encoding = self._call(text, **kwargs)
