@@ -109,6 +109,10 @@ class ShortTextEncodeCache:
             self._ids[key] = ids
         return list(ids)
 
+    def forget(self) -> None:
+        """Drop what was remembered (the tokenizer's vocabulary changed)."""
+        self._ids.clear()
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
 
@@ -150,6 +154,10 @@ class OffsetsProbeCache:
                 self._encodings.clear()
             self._encodings[key] = encoding
         return copy_batch_encoding(encoding) if hasattr(encoding, "copy") else encoding
+
+    def forget(self) -> None:
+        """Drop what was remembered (the tokenizer's vocabulary changed)."""
+        self._encodings.clear()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (OffsetsProbeCache, (self._call.__self__, self.max_chars, self.max_entries))
