@@ -53,9 +53,8 @@ def test_offsets_call_matches_transformers(tokenizers):
     for text in TEXTS:
         for special in (False, True):
             slow = base.__call__(tokenizer, text, add_special_tokens=special, return_offsets_mapping=True)
-            for _ in range(2):  # short texts: the second answer is remembered
-                fast = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-                _same_encoding(fast, slow)
+            fast = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+            _same_encoding(fast, slow)
             assert (fast["offset_mapping"] and fast["input_ids"]) or text == ""
 
 
@@ -243,33 +242,20 @@ def test_copied_batch_encoding_is_what_copy_makes(tokenizers):
     assert copy_batch_encoding({"a": 1}) == {"a": 1}
 
 
-def test_remembered_short_encodes_stay_exact(tiny_model_dir):
+def test_added_tokens_make_the_tokenizer_memories_forget(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     base = tokenizer._fast_base
     text = "user\ngo on"
-    first = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    first["input_ids"].append(-1)  # a caller changing its answer does not change the next one
-    first["offset_mapping"].clear()
-    again = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    _same_encoding(
-        again, base.__call__(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
-    )
-    # Added tokens change how a text encodes: what was remembered is forgotten (by every memory).
-    assert tokenizer.encode(text, add_special_tokens=False) == again["input_ids"]
-    tokenizer("a", add_special_tokens=False, return_offsets_mapping=True)
+    before = tokenizer.encode(text, add_special_tokens=False)
     probe = tokenizer.__dict__["__call__"]  # the renderers' offsets probe (OffsetsProbeCache)
-    probe("a", add_special_tokens=False, return_offsets_mapping=True)
-    assert probe._encodings
+    probe(text, add_special_tokens=False, return_offsets_mapping=True)
     tokenizer.add_tokens(["go on"])
-    assert not probe._encodings
     assert tokenizer.encode(text, add_special_tokens=False) == base.encode(
         tokenizer, text, add_special_tokens=False
     )
-    now = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    _same_encoding(now, base.__call__(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True))
-    assert now["input_ids"] != again["input_ids"] and now["input_ids"][-1] == tokenizer.convert_tokens_to_ids(
-        "go on"
+    assert tokenizer.encode(text, add_special_tokens=False) != before
+    after = probe(text, add_special_tokens=False, return_offsets_mapping=True)
+    _same_encoding(
+        after, base.__call__(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
     )
-    # The memory is not pickled.
-    assert any("remembered" in key for key in vars(tokenizer))
-    assert not any("remembered" in key for key in vars(pickle.loads(pickle.dumps(tokenizer))))
+    assert after["input_ids"][-1] == tokenizer.convert_tokens_to_ids("go on")

@@ -16,11 +16,9 @@ call to the class's own method. A shape is taken over only where the class uses 
 implementation of everything that call goes through (a model's tokenizer class that overrides a step keeps its
 own), and only while the backend is in the state transformers would put it in for that call (no truncation, no
 padding, ``split_special_tokens`` as configured); otherwise the call goes the long way, which also restores
-that state. The offsets encodes of short texts (role headers, short messages, the same few on every turn) are
-remembered; each caller gets its own dict and lists (the backend's ``Encoding`` object is shared), and the
-memory is dropped when tokens are added through transformers (not when the backend is changed behind its
-back). A pickled tokenizer unpickles with the same fast class, without the memory (tokenizers travel to worker
-processes).
+that state. Tokens added through transformers make the memories ``load_tokenizer`` puts on the tokenizer
+(``ShortTextEncodeCache``, ``OffsetsProbeCache``) forget what they remembered. A pickled tokenizer unpickles
+with the same fast class (tokenizers travel to worker processes).
 """
 
 from __future__ import annotations
@@ -53,12 +51,6 @@ def fast_class(base: type) -> type | None:
         return _FAST_CLASSES[base]
 
 
-# The offsets encodes of texts this short are remembered, per tokenizer (in its ``__dict__`` under this name, never
-# pickled; cleared when tokens are added), up to this many (then the memory starts over).
-_REMEMBERED = "_rollflow_remembered_offsets"
-_REMEMBERED_CHARS = 64
-_REMEMBERED_ENTRIES = 4096
-
 # transformers' ``BatchEncoding`` once ``_settable_batch_encoding`` has checked that ``BatchEncoding(data,
 # [encoding])`` sets exactly ``data``, ``_encodings`` and ``_n_sequences`` (so those can be set directly);
 # False when it sets anything else; None until checked.
@@ -73,15 +65,6 @@ def copy_batch_encoding(batch: Any) -> Any:
     if cls and type(batch) is cls:
         return _batch_encoding(cls, dict(batch.data), batch._encodings, batch._n_sequences)
     return batch.copy()
-
-
-def _copy_with_own_lists(batch: Any) -> Any:
-    # A remembered answer for one more caller: its own dict and lists (the offsets' tuples and the backend's
-    # ``Encoding`` are shared, as ``copy_batch_encoding`` shares them).
-    data = {key: list(value) for key, value in batch.data.items()}
-    if type(batch) is _BATCH_ENCODING:
-        return _batch_encoding(_BATCH_ENCODING, data, list(batch._encodings), batch._n_sequences)
-    return type(batch)(data, list(batch._encodings))
 
 
 def _batch_encoding(cls: type, data: dict, encodings: Any, n_sequences: Any) -> Any:
@@ -182,27 +165,13 @@ class FastPaths:
                 and backend.padding is None
                 and backend.encode_special_tokens == self.split_special_tokens
             ):
-                add_special_tokens = kwargs["add_special_tokens"]
-                if len(text) > _REMEMBERED_CHARS:
-                    return self._encode_with_offsets(text, add_special_tokens)
-                # A short text (role headers, short messages: the same few on every turn) is encoded once.
-                remembered = self.__dict__.get(_REMEMBERED)
-                if remembered is None:
-                    remembered = self.__dict__[_REMEMBERED] = {}
-                batch = remembered.get((text, add_special_tokens))
-                if batch is None:
-                    batch = self._encode_with_offsets(text, add_special_tokens)
-                    if len(remembered) >= _REMEMBERED_ENTRIES:
-                        remembered.clear()
-                    remembered[text, add_special_tokens] = batch
-                return _copy_with_own_lists(batch)
+                return self._encode_with_offsets(text, kwargs["add_special_tokens"])
         return super().__call__(text, *args, **kwargs)  # type: ignore[misc]
 
     def _add_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        # New tokens change how texts encode: forget the encodings remembered so far (every way transformers
-        # adds tokens comes through here).
-        self.__dict__.pop(_REMEMBERED, None)
-        for method in ("encode", "__call__"):  # and the memories load_tokenizer put on the instance
+        # New tokens change how texts encode: the memories load_tokenizer put on the instance forget what they
+        # remembered (every way transformers adds tokens comes through here).
+        for method in ("encode", "__call__"):
             forget = getattr(self.__dict__.get(method), "forget", None)
             if forget is not None:
                 forget()
@@ -258,8 +227,6 @@ class FastPaths:
         # class (whose reduction names its class among the constructor's arguments) and made fast on loading.
         constructor, arguments, *rest = super().__reduce_ex__(protocol)
         arguments = tuple(self._fast_base if argument is type(self) else argument for argument in arguments)
-        if rest and isinstance(rest[0], dict) and _REMEMBERED in rest[0]:  # the memory is not pickled
-            rest[0] = {key: value for key, value in rest[0].items() if key != _REMEMBERED}
         return (_unpickle_fast, (constructor, arguments), *rest)
 
 
