@@ -259,3 +259,27 @@ def test_added_tokens_make_the_tokenizer_memories_forget(tiny_model_dir):
         after, base.__call__(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
     )
     assert after["input_ids"][-1] == tokenizer.convert_tokens_to_ids("go on")
+
+
+def test_a_tokenizer_pickled_to_a_fresh_process_is_fast_there(tokenizers):
+    """As when tokenizers travel to worker processes: the receiving interpreter never made the fast class."""
+    import subprocess
+    import sys
+
+    tokenizer, base = tokenizers
+    text = "é 👋 <|im_end|> go on"
+    expected = base.__call__(tokenizer, text, add_special_tokens=False, return_offsets_mapping=True)
+    script = (
+        "import pickle, sys\n"
+        "tokenizer = pickle.load(sys.stdin.buffer)\n"
+        "from rollflow.models.fast_tokenizer import FastPaths\n"
+        "encoding = tokenizer(sys.argv[1], add_special_tokens=False, return_offsets_mapping=True)\n"
+        "print(isinstance(tokenizer, FastPaths), type(tokenizer).__name__, encoding['input_ids'],\n"
+        "      [list(span) for span in encoding['offset_mapping']], tokenizer.decode(encoding['input_ids']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, text], input=pickle.dumps(tokenizer), capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    offsets = [list(span) for span in expected["offset_mapping"]]
+    assert done.stdout.decode().strip() == (f"True {base.__name__} {expected['input_ids']} {offsets} {text}")
