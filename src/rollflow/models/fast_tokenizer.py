@@ -8,7 +8,9 @@ call a few shapes only:
 - ``tokenizer(text, add_special_tokens=<bool>, return_offsets_mapping=True)`` (``renderers``' one-pass encode
   with character offsets, and its probe of whether the tokenizer has offsets),
 - ``tokenizer.decode(ids)`` with ``skip_special_tokens`` and at most ``clean_up_tokenization_spaces`` (reasoning
-  boundaries, response parsing, stop strings, logprob token text).
+  boundaries, response parsing, stop strings, logprob token text),
+- ``tokenizer.unk_token_id`` (read after every lookup of a reasoning marker; transformers answers it from
+  ``__getattr__``, only after a failed attribute lookup).
 
 ``with_fast_paths`` gives a loaded tokenizer a subclass of its own class (made once per class, same name) whose
 methods answer exactly those shapes from the backend, building what transformers builds, and hand every other
@@ -119,7 +121,7 @@ def _make_fast_class(base: type) -> type | None:
     fast_decode = own("decode", PreTrainedTokenizerBase) and own("_decode", TokenizersBackend)
     fast_unk_token_id = (
         own("__getattr__", PreTrainedTokenizerBase)
-        and "unk_token" in base.SPECIAL_TOKENS_ATTRIBUTES
+        and "unk_token" in getattr(base, "SPECIAL_TOKENS_ATTRIBUTES", ())
         and not hasattr(base, "unk_token_id")
     )
     namespace = {
