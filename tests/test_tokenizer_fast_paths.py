@@ -144,6 +144,8 @@ def test_decode_matches_transformers(tokenizers):
     assert tokenizer.decode([np.int64(i) for i in ids]) == base.decode(tokenizer, ids)
     assert tokenizer.decode(ids[0]) == base.decode(tokenizer, ids[0])
     assert tokenizer.decode([ids, ids[:1]]) == base.decode(tokenizer, [ids, ids[:1]])
+    assert tokenizer.decode([True, *ids]) == base.decode(tokenizer, [True, *ids])
+    assert tokenizer.decode((*ids,)) == base.decode(tokenizer, (*ids,))
 
 
 def test_pickled_and_copied_tokenizers_keep_the_fast_paths(tokenizers):

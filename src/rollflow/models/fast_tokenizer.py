@@ -28,6 +28,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+_INT_ONLY = frozenset({int})
+
 # One fast class per tokenizer class (None: the class is not a transformers fast tokenizer).
 _FAST_CLASSES: dict[type, type | None] = {}
 _FAST_CLASSES_LOCK = threading.Lock()
@@ -220,7 +222,7 @@ class FastPaths:
             clean_up = kwargs.get("clean_up_tokenization_spaces")
             if clean_up is None:
                 clean_up = self.clean_up_tokenization_spaces
-            if not clean_up and all(type(token_id) is int for token_id in token_ids):
+            if not clean_up and {*map(type, token_ids)} <= _INT_ONLY:  # plain ints only (no bools, no numpy)
                 return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return super().decode(token_ids, skip_special_tokens, **kwargs)  # type: ignore[misc]
 
