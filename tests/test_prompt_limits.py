@@ -167,3 +167,33 @@ async def test_trace_survives_a_caller_leaving_during_an_offloaded_render(tiny_c
     leaving.cancel()
     prepared = await asyncio.wait_for(trace.prepare(messages, None, offload=True), 5)
     assert prepared.prompt_ids
+
+
+async def test_trace_operations_keep_their_order_whether_run_at_once_or_queued(tiny_chat):
+    """An operation on an idle trace runs at once in its caller (no task); one that arrives while another is
+    running (here an offloaded render) waits its turn, and all run in the order they were asked for."""
+    import asyncio
+    import time
+
+    from rollflow.tito.renderer import TITORenderer
+    from rollflow.tito.trace import Trace
+
+    class SlowRenderer(Recording):
+        def render(self, messages: Any, *args: Any, **kwargs: Any) -> Any:
+            self.threads.append((messages[0]["content"], threading.current_thread().name))
+            if messages[0]["content"] == "slow":
+                time.sleep(0.2)
+            return self._inner.render(messages, *args, **kwargs)
+
+    renderer = SlowRenderer(tiny_chat.renderer, ())
+    trace = Trace(TITORenderer(renderer, tiny_chat.tokenizer), "s")
+    await trace.prepare([{"role": "user", "content": "idle"}], None)
+    assert renderer.threads == [("idle", threading.current_thread().name)] and trace._worker is None
+    slow = asyncio.create_task(trace.prepare([{"role": "user", "content": "slow"}], None, offload=True))
+    await asyncio.sleep(0.05)  # the slow render is running in its thread
+    queued = [
+        asyncio.create_task(trace.prepare([{"role": "user", "content": f"q{i}"}], None)) for i in range(3)
+    ]
+    await asyncio.wait_for(asyncio.gather(slow, *queued), 5)
+    assert [text for text, _ in renderer.threads] == ["idle", "slow", "q0", "q1", "q2"]
+    assert trace._worker is None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from rollflow.errors import ConfigError, ModelNotFoundError
+from rollflow.models.fast_tokenizer import copy_batch_encoding, with_fast_paths
 from rollflow.models.tiny import (
     TINY_MODEL_NAME,
     TINY_MOE_MODEL_NAME,
@@ -69,11 +70,13 @@ def _quiet_transformers() -> None:
 
 
 def load_tokenizer(model_dir: Path) -> Any:
-    """The model's tokenizer, with short texts' ids remembered (``ShortTextEncodeCache``, ``OffsetsProbeCache``)."""
+    """The model's tokenizer, answering the renderers' per-turn calls straight from its backend
+    (``rollflow.models.fast_tokenizer``) and remembering short texts' ids (``ShortTextEncodeCache``,
+    ``OffsetsProbeCache``)."""
     from transformers import AutoTokenizer
 
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = with_fast_paths(AutoTokenizer.from_pretrained(model_dir))
     _cache_short_encodes(tokenizer)
     return tokenizer
 
@@ -106,8 +109,15 @@ class ShortTextEncodeCache:
             self._ids[key] = ids
         return list(ids)
 
+    def forget(self) -> None:
+        """Drop what was remembered (the tokenizer's vocabulary changed)."""
+        self._ids.clear()
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (ShortTextEncodeCache, (self._encode.__self__, self.max_chars, self.max_entries))
+
+
+_UNSET = object()  # an argument not given (OffsetsProbeCache's keys)
 
 
 class OffsetsProbeCache:
@@ -136,14 +146,18 @@ class OffsetsProbeCache:
             or not kwargs.keys() <= self._REMEMBERED
         ):
             return self._call(text, *args, **kwargs)
-        key = (text, *sorted(kwargs.items()))
+        key = (text, kwargs.get("add_special_tokens", _UNSET), kwargs.get("return_offsets_mapping", _UNSET))
         encoding = self._encodings.get(key)
         if encoding is None:
             encoding = self._call(text, **kwargs)
             if len(self._encodings) >= self.max_entries:
                 self._encodings.clear()
             self._encodings[key] = encoding
-        return encoding.copy() if hasattr(encoding, "copy") else encoding
+        return copy_batch_encoding(encoding) if hasattr(encoding, "copy") else encoding
+
+    def forget(self) -> None:
+        """Drop what was remembered (the tokenizer's vocabulary changed)."""
+        self._encodings.clear()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (OffsetsProbeCache, (self._call.__self__, self.max_chars, self.max_entries))

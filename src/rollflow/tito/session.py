@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from rollflow.errors import (
     RollflowError,
     TraceSealedError,
 )
+from rollflow.ids import unique_hex
 from rollflow.inference.client import InferenceClient, collect_stream, generate_past_aborts
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
 from rollflow.messages import (
@@ -84,7 +84,7 @@ class TurnProgress:
     """A turn being sampled, as ``complete``'s ``on_tokens`` watchers see it."""
 
     # The id the committed turn will have.
-    response_id: str = field(default_factory=lambda: f"chatcmpl-{secrets.token_hex(12)}")
+    response_id: str = field(default_factory=lambda: f"chatcmpl-{unique_hex()}")
     prompt_ids: list[int] = field(default_factory=list)
     # Completion tokens sampled so far and their logprobs.
     token_ids: list[int] = field(default_factory=list)
@@ -373,7 +373,7 @@ class Session:
             generate_request = GenerateRequest(
                 prompt_token_ids=prompt_ids + tokens,
                 sampling=sampling,
-                request_id=f"{self.session_id}-{secrets.token_hex(4)}",
+                request_id=f"{self.session_id}-{unique_hex()}",
                 session_id=self.session_id,
             )
             if streamed:
@@ -490,7 +490,7 @@ def _assistant_message(parsed: ParsedTurn, engine_finish: str) -> tuple[dict[str
     if parsed.tool_calls:
         message["tool_calls"] = [
             {
-                "id": f"call_{secrets.token_hex(12)}",
+                "id": f"call_{unique_hex()}",
                 "type": "function",
                 "function": {"name": name, "arguments": arguments},
             }

@@ -6,7 +6,9 @@ policy versions and (optionally) MoE routed-expert indices. A branch is a path f
 
 The trace is an actor: ``prepare`` (render a request against the tree) and ``commit`` (record a sampled turn)
 go through a mailbox processed in order by one task, so concurrent requests of a session never interleave
-inside an operation and callers share no lock with it. Nodes are never removed or changed once committed,
+inside an operation and callers share no lock with it. An operation that finds the mailbox empty and no task
+running it runs at once in its caller (the order is the same; the task and its passes through the loop are
+saved), unless it is offloaded to a thread. Nodes are never removed or changed once committed,
 so a request prepared before another one committed still commits correctly: ``commit`` reuses a child only
 when its message and tokens both match, and otherwise forks a new branch.
 
@@ -178,11 +180,10 @@ class Trace:
     # ------------------------------------------------------------------ actor plumbing
 
     def _call(self, fn: Callable[..., Any], *args: Any, offload: bool = False) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        if self._worker is None and not offload:
-            # Nothing queued nor running: the operation runs now, in order, without a worker task's round
-            # trips through the loop (the common case: one turn of a session at a time).
+        future = asyncio.get_running_loop().create_future()
+        if self._worker is None and not self._mailbox and not offload:
+            # Nothing queued or running: run it now, exactly as the worker would next, without starting a
+            # task and passing through the loop twice (two operations per turn, on every turn).
             try:
                 future.set_result(fn(*args))
             except Exception as error:
@@ -190,7 +191,7 @@ class Trace:
             return future
         self._mailbox.append((fn, args, future, offload))
         if self._worker is None:
-            self._worker = loop.create_task(self._drain())
+            self._worker = asyncio.get_running_loop().create_task(self._drain())
         return future
 
     async def _drain(self) -> None:
