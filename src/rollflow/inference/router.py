@@ -243,9 +243,9 @@ class InferenceRouter:
         max_sessions: sessions remembered at most (least recently used are forgotten first).
         balance_factor: a new session goes to the first server on its ring walk holding fewer than
             ``ceil(balance_factor * (pinned + 1) / healthy servers)`` sessions; a finite number >= 1.0. The
-            default 1.0 keeps servers within one session of each other, the best closed-loop throughput (the
-            session table, not the ring, keeps sessions sticky); a very large value is plain consistent
-            hashing.
+            default 1.0 keeps servers within one session of each other, so a closed loop of sessions loads
+            them evenly (the session table, not the ring, keeps sessions sticky); a very large value is plain
+            consistent hashing.
         api_key: when set, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``, and the
             router sends it to the servers too. Without one, ``/add_worker`` lets whoever reaches the router
             add a server that then receives prompts: bound to loopback (the default), that is any local user;
