@@ -13,8 +13,6 @@ import pytest
 from rollflow.cli import main
 from rollflow.inference.router import VIRTUAL_NODES, InferenceRouter, _hash
 
-pytestmark = pytest.mark.http_only(reason="the router's placement logic")
-
 URLS = [f"http://127.0.0.1:{port}" for port in (41017, 41018, 52311)]
 
 
