@@ -11,7 +11,8 @@ order rotates per repeat), so each sees the same noisy machine; the load generat
 Prints one JSON line per (path, concurrency): requests/s (median over ``--repeats`` runs, with min and max),
 the ratio to direct (median of the per-repeat ratios), p50 and p99 latency (over every request of every
 repeat), the router process's CPU per request (``router_cpu_us_per_request``, from ``/proc``: less noisy than
-rates on a shared machine) and the machine's load average before and after. rollflow's lines add
+rates on a shared machine), the two servers' CPU per request (``servers_cpu_us_per_request``: a path that
+fragments their batches costs them more per request) and the machine's load average before and after. rollflow's lines add
 ``sessions_per_server``: the sessions its router pinned to each server after the runs (``/list_workers``), how
 evenly its placement (consistent hashing with bounded loads) split them. ``--balance-factor F`` (repeatable)
 adds a path ``rollflow-balance-F``: rollflow's router started with ``--balance-factor F`` (1e9: plain
@@ -189,15 +190,18 @@ async def main(args: argparse.Namespace) -> None:
                     load_before = load_average()
                     runs: dict[str, list[tuple[float, list[float], int]]] = {name: [] for name in paths}
                     router_cpu_s = dict.fromkeys(paths, 0.0)
+                    servers_cpu_s = dict.fromkeys(paths, 0.0)
                     names = list(paths)
                     for repeat in range(args.repeats):
                         shift = repeat % len(names)
                         for name in names[shift:] + names[:shift]:
                             cpu_before = cpu_seconds(router_pids[name])
+                            servers_before = cpu_seconds(group.pids)
                             runs[name].append(
                                 await run_load(session, paths[name], body, concurrency, args.requests)
                             )
                             router_cpu_s[name] += cpu_seconds(router_pids[name]) - cpu_before
+                            servers_cpu_s[name] += cpu_seconds(group.pids) - servers_before
                     load_after = load_average()
                     direct_rates = [rate for rate, _, _ in runs["direct"]]
                     for name, results in runs.items():
@@ -218,6 +222,9 @@ async def main(args: argparse.Namespace) -> None:
                             # The router process's CPU per request (0 for direct): what it takes from engines.
                             "router_cpu_us_per_request": round(
                                 router_cpu_s[name] / (args.repeats * args.requests) * 1e6, 1
+                            ),
+                            "servers_cpu_us_per_request": round(
+                                servers_cpu_s[name] / (args.repeats * args.requests) * 1e6, 1
                             ),
                             "repeats": args.repeats,
                             "requests_per_run": args.requests,
