@@ -290,8 +290,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_balance_factor,
         default=1.0,
         help="a new session goes to the first server on its consistent-hash ring walk holding fewer than "
-        "balance_factor x the mean pinned sessions (rounded up); 1.0 (default) keeps servers within one "
-        "session of each other, larger values come closer to plain consistent hashing",
+        "ceil(balance_factor x (pinned sessions + 1) / healthy servers); 1.0 (default) keeps servers within "
+        "one session of each other, larger values come closer to plain consistent hashing",
     )
     router.add_argument(
         "--api-key",
