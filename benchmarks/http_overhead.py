@@ -5,10 +5,15 @@ Two measurements, each against a baseline taken in the same invocation (the mach
 1. ``generation_throughput``: tokens/s of ``--requests`` generate calls (``--new-tokens`` each, no stop tokens)
    through ``RemoteInferenceClient`` → ``InferenceRouter`` → 2 ``rollflow serve`` subprocesses, against
    ``LocalInferenceClient`` over 2 ``TorchEngine``s in this process. Both sides alternate ``--repeats`` times;
-   the figure is the median. Target: ratio ≥ 0.9.
+   the figure is the median. Target: ratio ≥ 0.9. Each engine computes on one torch thread on both sides
+   (``TorchEngine``'s default ``num_threads=1``, in the servers too), so neither side gets more cores.
 2. ``router_latency``: ``--sessions`` concurrent sessions, each sending one 1-token generate request at once,
    through the router and directly to the servers (sessions spread round-robin). Reports requests/s and
    p50/p99 latency of both, and what the router adds.
+
+Each side is warmed up with one run of the measured size before the repeats: after a smaller warm-up (8
+prompts of 4 tokens) the first HTTP run read 0.77-0.91x the later ones (4 trials of 6 runs), a low first ratio;
+after a full-size one it did not stand out.
 
 Prints one JSON line per measurement.
 """
@@ -105,9 +110,10 @@ async def main(args: argparse.Namespace) -> None:
         InferenceRouter(group.urls, health_check_interval_s=5.0) as router,
         RemoteInferenceClient(router.url, group.urls) as remote,
     ):
-        # Warm-up both paths (thread start, first forward, connections).
-        await run_generate(local, prompts[:8], 4, None)
-        await run_generate(remote, prompts[:8], 4, None)
+        # Warm-up both paths at the measured size (threads, batch shapes, every connection the load opens).
+        await run_generate(local, prompts, args.new_tokens, None)
+        await asyncio.sleep(0.2)
+        await run_generate(remote, prompts, args.new_tokens, None)
         local_rates, http_rates = [], []
         for _ in range(args.repeats):
             local_rates.append(await run_generate(local, prompts, args.new_tokens, None))
@@ -129,6 +135,8 @@ async def main(args: argparse.Namespace) -> None:
                     "ratios": [
                         round(http / local, 3) for http, local in zip(http_rates, local_rates, strict=True)
                     ],
+                    "http_tokens_per_s_runs": [round(rate, 1) for rate in http_rates],
+                    "in_process_tokens_per_s_runs": [round(rate, 1) for rate in local_rates],
                     "target_ratio": 0.9,
                     "load_avg": [round(x, 2) for x in os.getloadavg()],
                 }
@@ -151,8 +159,9 @@ async def main(args: argparse.Namespace) -> None:
             router_url = json.loads(line)["url"]
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as session:
-                await timed_posts(session, group.urls, body, 64)  # warm-up
-                await timed_posts(session, [router_url], body, 64)
+                # Warm-up at the measured size: every connection the load opens, on both paths.
+                await timed_posts(session, group.urls, body, args.sessions)
+                await timed_posts(session, [router_url], body, args.sessions)
                 direct_runs, routed_runs = [], []
                 for _ in range(args.repeats):
                     direct_runs.append(await timed_posts(session, group.urls, body, args.sessions))

@@ -11,7 +11,12 @@ order rotates per repeat), so each sees the same noisy machine; the load generat
 Prints one JSON line per (path, concurrency): requests/s (median over ``--repeats`` runs, with min and max),
 the ratio to direct (median of the per-repeat ratios), p50 and p99 latency (over every request of every
 repeat), the router process's CPU per request (``router_cpu_us_per_request``, from ``/proc``: less noisy than
-rates on a shared machine) and the machine's load average before and after.
+rates on a shared machine), the two servers' CPU per request (``servers_cpu_us_per_request``: a path that
+fragments their batches costs them more per request) and the machine's load average before and after. rollflow's lines add
+``sessions_per_server``: the sessions its router pinned to each server after the runs (``/list_workers``), how
+evenly its placement (consistent hashing with bounded loads) split them. ``--balance-factor F`` (repeatable)
+adds a path ``rollflow-balance-F``: rollflow's router started with ``--balance-factor F`` (1e9: plain
+consistent hashing), to compare placements in the same run.
 """
 
 from __future__ import annotations
@@ -99,9 +104,12 @@ async def wait_ready(session, url: str, process: asyncio.subprocess.Process, tim
     raise RuntimeError(f"{url}: the router was not healthy within {timeout_s} s")
 
 
-async def start_rollflow_router(urls: list[str]) -> tuple[str, asyncio.subprocess.Process]:
+async def start_rollflow_router(
+    urls: list[str], balance_factor: float | None = None
+) -> tuple[str, asyncio.subprocess.Process]:
+    extra = [] if balance_factor is None else ["--balance-factor", str(balance_factor)]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "rollflow", "router", "--port", "0", "--health-check-interval-s", "5",
+        sys.executable, "-m", "rollflow", "router", "--port", "0", "--health-check-interval-s", "5", *extra,
         *(arg for url in urls for arg in ("--server", url)),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
@@ -110,6 +118,12 @@ async def start_rollflow_router(urls: list[str]) -> tuple[str, asyncio.subproces
         if not line:
             raise RuntimeError("rollflow router exited before it was ready")
     return json.loads(line)["url"], process
+
+
+async def sessions_per_server(session, router_url: str) -> list[int]:
+    """How many sessions rollflow's router pinned to each server (``/list_workers``), in server order."""
+    async with session.get(f"{router_url}/list_workers") as response:
+        return [row["sessions"] for row in (await response.json())["workers"]]
 
 
 async def start_vllm_router(binary: str, urls: list[str]) -> tuple[str, asyncio.subprocess.Process]:
@@ -152,6 +166,11 @@ async def main(args: argparse.Namespace) -> None:
                 processes.append(process)
                 paths["rollflow"] = [url]
                 router_pids["rollflow"] = [process.pid]
+                for factor in args.balance_factor:
+                    url, process = await start_rollflow_router(group.urls, factor)
+                    processes.append(process)
+                    paths[f"rollflow-balance-{factor:g}"] = [url]
+                    router_pids[f"rollflow-balance-{factor:g}"] = [process.pid]
                 if vllm_router and not args.no_vllm_router:
                     url, process = await start_vllm_router(vllm_router, group.urls)
                     processes.append(process)
@@ -171,15 +190,18 @@ async def main(args: argparse.Namespace) -> None:
                     load_before = load_average()
                     runs: dict[str, list[tuple[float, list[float], int]]] = {name: [] for name in paths}
                     router_cpu_s = dict.fromkeys(paths, 0.0)
+                    servers_cpu_s = dict.fromkeys(paths, 0.0)
                     names = list(paths)
                     for repeat in range(args.repeats):
                         shift = repeat % len(names)
                         for name in names[shift:] + names[:shift]:
                             cpu_before = cpu_seconds(router_pids[name])
+                            servers_before = cpu_seconds(group.pids)
                             runs[name].append(
                                 await run_load(session, paths[name], body, concurrency, args.requests)
                             )
                             router_cpu_s[name] += cpu_seconds(router_pids[name]) - cpu_before
+                            servers_cpu_s[name] += cpu_seconds(group.pids) - servers_before
                     load_after = load_average()
                     direct_rates = [rate for rate, _, _ in runs["direct"]]
                     for name, results in runs.items():
@@ -201,12 +223,17 @@ async def main(args: argparse.Namespace) -> None:
                             "router_cpu_us_per_request": round(
                                 router_cpu_s[name] / (args.repeats * args.requests) * 1e6, 1
                             ),
+                            "servers_cpu_us_per_request": round(
+                                servers_cpu_s[name] / (args.repeats * args.requests) * 1e6, 1
+                            ),
                             "repeats": args.repeats,
                             "requests_per_run": args.requests,
                             "load_avg_before": load_before,
                             "load_avg_after": load_after,
                             "cpus": os.cpu_count(),
                         }
+                        if name.startswith("rollflow") and "vllm" not in name:
+                            line["sessions_per_server"] = await sessions_per_server(session, paths[name][0])
                         print(json.dumps(line), flush=True)
             finally:
                 for process in processes:
@@ -223,4 +250,11 @@ if __name__ == "__main__":
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--no-vllm-router", action="store_true", help="skip vllm-router even if installed")
+    parser.add_argument(
+        "--balance-factor",
+        type=float,
+        action="append",
+        default=[],
+        help="also run rollflow's router with this --balance-factor (repeatable; 1e9: plain consistent hashing)",
+    )
     asyncio.run(main(parser.parse_args()))

@@ -71,7 +71,15 @@ async def test_sessions_stick_and_spread(router, http):
             assert status == 200
             owners.setdefault(session_id, set()).add(worker)
     assert all(len(workers) == 1 for workers in owners.values()), owners
-    assert len(set().union(*owners.values())) == 2, "consistent hashing put every session on one server"
+    # Bounded loads: 12 new sessions over 2 servers, 6 each (the only sessions this router pins).
+    placed = [next(iter(workers)) for workers in owners.values()]
+    assert sorted(placed.count(url) for url in set(placed)) == [6, 6], owners
+    async with http.get(f"{router.url}/metrics") as response:
+        metrics = await response.text()
+    gauges = [line for line in metrics.splitlines() if line.startswith("rollflow_router_worker_sessions{")]
+    assert sorted(gauges) == sorted(
+        f'rollflow_router_worker_sessions{{worker="{url}"}} {placed.count(url)}' for url in set(placed)
+    )
     status, body, _ = await post(http, f"{router.url}/finish_session?session_id=session-0")
     assert (status, body["found"]) == (200, True)
     status, body, _ = await post(http, f"{router.url}/finish_session?session_id=session-0")

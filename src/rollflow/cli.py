@@ -115,6 +115,19 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _balance_factor(text: str) -> float:
+    """``rollflow router --balance-factor``: a finite number >= 1.0 (``validate_balance_factor``)."""
+    from rollflow.inference.router import validate_balance_factor
+
+    try:
+        return validate_balance_factor(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a valid balance factor; use a finite number >= 1.0 (1.0: servers differ by "
+            "at most one session; larger: closer to plain consistent hashing)"
+        ) from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -271,6 +284,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         help="longest one proxied request may take (default 600)",
+    )
+    router.add_argument(
+        "--balance-factor",
+        type=_balance_factor,
+        default=1.0,
+        help="a new session goes to the first server on its consistent-hash ring walk holding fewer than "
+        "ceil(balance_factor x (pinned sessions + 1) / healthy servers); 1.0 (default) keeps servers within "
+        "one session of each other, larger values come closer to plain consistent hashing",
     )
     router.add_argument(
         "--api-key",
@@ -483,6 +504,7 @@ def _router(args: argparse.Namespace) -> int:
             port=args.port,
             health_check_interval_s=args.health_check_interval_s,
             request_timeout_s=args.request_timeout_s,
+            balance_factor=args.balance_factor,
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
             http_limits=http_limits_from_args(args),
         )

@@ -3,8 +3,19 @@
 Routing:
 - A request with a session (header ``X-Session-ID``, else a ``session_id`` string in the JSON body) sticks to
   one server, so a multi-turn session keeps hitting the server that holds its prefix cache. A new session is
-  placed by consistent hashing over the healthy servers (64 virtual nodes each), then remembered until
-  ``POST /finish_session`` (or until the table's LRU bound), so adding a server does not move live sessions.
+  placed by consistent hashing with bounded loads over the healthy servers (64 virtual nodes each): it walks
+  the ring from its hash and takes the first server holding fewer than
+  ``ceil(balance_factor * (pinned + 1) / healthy servers)`` sessions. It is then remembered until
+  ``POST /finish_session`` (or until the table's LRU bound), so adding a server or a shift in balance never
+  moves a live session.
+- Why the bound defaults to ``balance_factor = 1.0`` (servers differ by at most one session): the session
+  table already gives stickiness, so the ring is only a preference order for sessions nobody holds yet. Plain
+  consistent hashing splits few sessions unevenly (64 sessions over 2 servers: 35/29 at the median of 200
+  random port pairs, 45/19 at the worst), and in a closed loop of agents on servers with devices of their own
+  the busier server sets the pace. (On one 2-core machine whose servers, router and load generator share the
+  cores, ``benchmarks/router_compare.py --balance-factor 1e9`` read no throughput difference against the plain
+  ring.) A larger factor lets more sessions follow their ring point (same server after the table forgot them,
+  e.g. a router restart) at the cost of balance; a very large one is plain consistent hashing.
 - A request without a session goes to the healthy server with the fewest outstanding requests.
 
 Failure handling:
@@ -47,6 +58,7 @@ import bisect
 import contextlib
 import hashlib
 import hmac
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from http import HTTPStatus
@@ -186,7 +198,7 @@ def _is_engine_dead(status: int, body: bytes) -> bool:
 
 
 class _Worker:
-    __slots__ = ("engine_dead", "failures", "healthy", "outstanding", "requests", "url")
+    __slots__ = ("engine_dead", "failures", "healthy", "outstanding", "requests", "sessions", "url")
 
     def __init__(self, url: str):
         self.url = url
@@ -195,6 +207,26 @@ class _Worker:
         self.outstanding = 0
         self.requests = 0
         self.failures = 0  # proxied requests that failed on the connection
+        self.sessions = 0  # sessions pinned to it in the router's table, kept exact by _pin/_unpin
+
+
+def validate_balance_factor(value: Any) -> float:
+    """``balance_factor`` as a float: a finite number >= 1.0.
+
+    Raises:
+        ValueError: anything else; the message names ``balance_factor``, the value and the fix.
+    """
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 1.0
+    ):
+        raise ValueError(
+            f"balance_factor must be a finite number >= 1.0 (1.0: servers differ by at most one session; "
+            f"larger: closer to plain consistent hashing), got {value!r}"
+        )
+    return float(value)
 
 
 class InferenceRouter:
@@ -210,11 +242,19 @@ class InferenceRouter:
         connect_timeout_s: longest connecting to a server may take before it counts as unreachable.
         max_body_bytes: larger request bodies get 413.
         max_sessions: sessions remembered at most (least recently used are forgotten first).
+        balance_factor: a new session goes to the first server on its ring walk holding fewer than
+            ``ceil(balance_factor * (pinned + 1) / healthy servers)`` sessions; a finite number >= 1.0. The
+            default 1.0 keeps servers within one session of each other, so a closed loop of sessions loads
+            them evenly (the session table, not the ring, keeps sessions sticky); a very large value is plain
+            consistent hashing.
         api_key: when set, every path but ``OPEN_PATHS`` needs ``Authorization: Bearer <api_key>``, and the
             router sends it to the servers too. Without one, ``/add_worker`` lets whoever reaches the router
             add a server that then receives prompts: bound to loopback (the default), that is any local user;
             bound elsewhere, ``start`` logs a warning.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+
+    Raises:
+        ValueError: a server URL or ``balance_factor`` is invalid.
 
     Use ``async with InferenceRouter(urls) as router:`` or ``await router.start()`` / ``await router.stop()``.
     """
@@ -231,6 +271,7 @@ class InferenceRouter:
         connect_timeout_s: float = 5.0,
         max_body_bytes: int = 64 * 1024 * 1024,
         max_sessions: int = 100_000,
+        balance_factor: float = 1.0,
         api_key: str | None = None,
         http_limits: HttpLimits | None = None,
     ):
@@ -243,6 +284,7 @@ class InferenceRouter:
         self.connect_timeout_s = connect_timeout_s
         self.max_body_bytes = max_body_bytes
         self.max_sessions = max_sessions
+        self.balance_factor = validate_balance_factor(balance_factor)
         self.api_key = api_key
         self.workers: dict[str, _Worker] = {}
         for url in server_urls:
@@ -251,6 +293,8 @@ class InferenceRouter:
         # Routing state.
         self._ring: list[tuple[int, str]] = []
         self._ring_keys: list[int] = []
+        self._healthy = 0  # servers on the ring
+        # session id -> URL of its server; every owner is a healthy server (dead or removed ones are forgotten).
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._tie_breaker = 0
         self._rebuild_ring()
@@ -423,6 +467,10 @@ class InferenceRouter:
         log.info("worker removed", worker=url)
         return True
 
+    def finish_session(self, session_id: str) -> bool:
+        """Forget ``session_id`` (its next request is placed as a new session); whether it was pinned."""
+        return self._unpin(session_id)
+
     def _rebuild_ring(self) -> None:
         ring = [
             (_hash(f"{url}#{index}"), url)
@@ -433,10 +481,37 @@ class InferenceRouter:
         ring.sort()
         self._ring = ring
         self._ring_keys = [key for key, _ in ring]
+        self._healthy = len(ring) // VIRTUAL_NODES
+
+    def _pin(self, session_id: str, worker: _Worker) -> None:
+        """Remember ``session_id`` on ``worker`` (as most recently used), forgetting the least recently used
+        sessions beyond ``max_sessions``."""
+        self._unpin(session_id)
+        self._sessions[session_id] = worker.url
+        worker.sessions += 1
+        while len(self._sessions) > self.max_sessions:
+            _, owner = self._sessions.popitem(last=False)
+            self._count_off(owner)
+
+    def _unpin(self, session_id: str) -> bool:
+        """Forget ``session_id``; whether it was pinned."""
+        owner = self._sessions.pop(session_id, None)
+        if owner is None:
+            return False
+        self._count_off(owner)
+        return True
+
+    def _count_off(self, owner: str) -> None:
+        worker = self.workers.get(owner)
+        if worker is not None:
+            worker.sessions -= 1
 
     def _forget_sessions_of(self, url: str) -> None:
         for session_id in [sid for sid, owner in self._sessions.items() if owner == url]:
             del self._sessions[session_id]
+        worker = self.workers.get(url)
+        if worker is not None:
+            worker.sessions = 0
 
     def _mark_dead(self, worker: _Worker, reason: str, *, engine_dead: bool = False) -> None:
         if engine_dead and not worker.engine_dead:
@@ -456,14 +531,31 @@ class InferenceRouter:
             log.info("worker back in", worker=worker.url)
 
     def _ring_lookup(self, session_id: str, exclude: set[str]) -> _Worker | None:
+        """A new session's server: the first on the ring walk from its hash, not excluded, below the load
+        bound (see the module docstring); the first not excluded when every one is at the bound (only possible
+        with some excluded)."""
         if not self._ring:
             return None
+        # Counts on healthy servers only: every pinned session is on one (dead ones' are forgotten).
+        bound = math.ceil(self.balance_factor * (len(self._sessions) + 1) / self._healthy)
+        ring, size = self._ring, len(self._ring)
         start = bisect.bisect(self._ring_keys, _hash(session_id))
-        for offset in range(len(self._ring)):
-            url = self._ring[(start + offset) % len(self._ring)][1]
+        fallback: _Worker | None = None
+        seen: set[str] = set()
+        for offset in range(size):
+            url = ring[(start + offset) % size][1]
+            if url in seen:
+                continue
+            seen.add(url)
             if url not in exclude:
-                return self.workers[url]
-        return None
+                worker = self.workers[url]
+                if worker.sessions < bound:
+                    return worker
+                if fallback is None:
+                    fallback = worker
+            if len(seen) == self._healthy:
+                break
+        return fallback
 
     def _least_loaded(self, exclude: set[str]) -> _Worker | None:
         candidates = [w for w in self.workers.values() if w.healthy and w.url not in exclude]
@@ -476,7 +568,8 @@ class InferenceRouter:
         return min(rotated, key=lambda worker: worker.outstanding)
 
     def pick(self, session_id: str | None, exclude: set[str] | None = None) -> _Worker | None:
-        """The server for a request: sticky per session, else least outstanding; None if none is healthy."""
+        """The server for a request: sticky per session (a new or re-placed session by consistent hashing
+        with bounded loads), else least outstanding; None if none is healthy."""
         exclude = exclude or set()
         if not session_id:
             return self._least_loaded(exclude)
@@ -486,12 +579,11 @@ class InferenceRouter:
             if worker is not None and worker.healthy and owner not in exclude:
                 self._sessions.move_to_end(session_id)
                 return worker
+            # Re-placed (its server is excluded for this retry): off the old count before the bound is taken.
+            self._unpin(session_id)
         worker = self._ring_lookup(session_id, exclude)
         if worker is not None:
-            self._sessions[session_id] = worker.url
-            self._sessions.move_to_end(session_id)
-            while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+            self._pin(session_id, worker)
         return worker
 
     # ------------------------------------------------------------------ proxy
@@ -812,7 +904,7 @@ class InferenceRouter:
             session_id = fields.session_id
         if not session_id:
             return json_error(400, "missing session_id: give ?session_id=…", param="session_id")
-        found = self._sessions.pop(session_id, None) is not None
+        found = self.finish_session(session_id)
         return web.json_response({"status": "finished", "session_id": session_id, "found": found})
 
     async def _handle_health(self, request: web.Request) -> web.Response:
@@ -823,9 +915,6 @@ class InferenceRouter:
 
     def worker_table(self) -> list[dict[str, Any]]:
         """One dict per server: url, healthy, engine_dead, outstanding, requests, failures, sessions."""
-        sessions: dict[str, int] = {}
-        for owner in self._sessions.values():
-            sessions[owner] = sessions.get(owner, 0) + 1
         return [
             {
                 "url": worker.url,
@@ -834,7 +923,7 @@ class InferenceRouter:
                 "outstanding": worker.outstanding,
                 "requests": worker.requests,
                 "failures": worker.failures,
-                "sessions": sessions.get(worker.url, 0),
+                "sessions": worker.sessions,
             }
             for worker in self.workers.values()
         ]
