@@ -6,8 +6,9 @@ own process by default, as agents do when deployed (``--agents in-process`` runs
 loop then also pays their client work, which the direct baseline has no counterpart of). The baseline sends
 the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
 this one process, interleaved (baseline, proxy, baseline, proxy), so they see the same noisy machine.
-Added latency is the proxy's percentile minus the baseline's. Once the engine is loaded the process freezes its
-heap out of the garbage collector's passes, as ``rollflow proxy`` does (``rollflow.eventloop.freeze_startup_heap``).
+Added latency is the proxy's percentile minus the baseline's. As in ``rollflow proxy``, the process runs on
+``rollflow.eventloop.run`` (uvloop when installed) and, once the engine is loaded, sets its garbage collector up
+for serving (``rollflow.eventloop.tune_gc_for_serving``); both paths share that process.
 
 Then per-stage costs: one more proxy run (``--stage-sessions``, agents in their own process) reads the event
 loop thread's CPU clock around each synchronous stage of a turn (request decode, message normalisation,
@@ -284,7 +285,7 @@ async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, floa
 
 
 async def run(args) -> None:
-    from rollflow.eventloop import freeze_startup_heap
+    from rollflow.eventloop import tune_gc_for_serving
     from rollflow.inference.engine.engine import TorchEngine
     from rollflow.models.loading import load_causal_lm
     from rollflow.tito.testing import load_tiny_chat
@@ -292,8 +293,8 @@ async def run(args) -> None:
     chat = load_tiny_chat()
     model_dir = chat.model_dir
     engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
-    # As rollflow's serving processes do once set up (rollflow.eventloop.freeze_startup_heap), for both paths.
-    freeze_startup_heap()
+    # As rollflow's serving processes do once set up (rollflow.eventloop.tune_gc_for_serving), for both paths.
+    tune_gc_for_serving()
     results: dict[str, list] = {"direct": [], "proxy": []}
     for _ in range(args.repeats):
         results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
@@ -395,7 +396,9 @@ def main() -> None:
         help="sessions of the profiled run for per-stage costs (0: none)",
     )
     parser.add_argument("--prefix-words", type=int, default=4000)
-    asyncio.run(run(parser.parse_args()))
+    from rollflow.eventloop import run as run_loop
+
+    run_loop(run(parser.parse_args()))
 
 
 if __name__ == "__main__":

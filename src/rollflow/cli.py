@@ -512,7 +512,7 @@ def _router(args: argparse.Namespace) -> int:
         raise ConfigError(f"rollflow router: {error}") from None
 
     def ready(url: str) -> None:
-        eventloop.freeze_startup_heap()  # set up: what is alive now stays; keep it out of GC passes
+        eventloop.tune_gc_for_serving()  # set up: what is alive now stays out of GC passes
         sys.stdout.write(json.dumps({"event": "ready", "url": url}) + "\n")
         sys.stdout.flush()
 
@@ -545,7 +545,7 @@ def _proxy(args: argparse.Namespace) -> int:
     token = token or secrets.token_urlsafe(24)
 
     def ready(proxy) -> None:
-        eventloop.freeze_startup_heap()  # model and tokenizer loaded: keep them out of GC passes
+        eventloop.tune_gc_for_serving()  # model and tokenizer loaded: keep them out of GC passes
         line = {"event": "ready", "url": proxy.base_url, "model": proxy.settings.model_name}
         if generated:
             line["admin_token"] = token

@@ -894,6 +894,7 @@ def main(args: Any) -> int:
     """``rollflow serve``: prints one JSON ready line on stdout once listening; returns the exit status."""
 
     def ready(event: dict[str, Any]) -> None:
+        eventloop.tune_gc_for_serving()  # model loaded: keep it out of GC passes
         sys.stdout.write(json.dumps(event) + "\n")
         sys.stdout.flush()
 
