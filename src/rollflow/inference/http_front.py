@@ -306,6 +306,23 @@ class HttpFront(asyncio.Protocol):
             self.transport.close()
 
 
+def count_connections(fronts: set[HttpFront], runner: Any) -> int:
+    """Connections open to a listener: those its fronts serve and those handed to ``runner``'s aiohttp server."""
+    server = runner.server if runner is not None else None
+    return len(fronts) + (len(server.connections) if server is not None else 0)
+
+
+def stop_listening(server: asyncio.Server | None, fronts: set[HttpFront]) -> None:
+    """Stop accepting and close the connections the fronts still serve (those handed to aiohttp close with its
+    runner's cleanup)."""
+    if server is not None:
+        server.close()
+    for front in list(fronts):
+        if front.transport is not None:
+            front.transport.close()
+    fronts.clear()
+
+
 async def serve_with_front(
     host: FrontHost, handoff: Callable[[], Any], address: str, port: int
 ) -> asyncio.Server:

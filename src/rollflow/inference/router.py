@@ -72,7 +72,13 @@ from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
-from rollflow.inference.http_front import Header, HttpFront, serve_with_front
+from rollflow.inference.http_front import (
+    Header,
+    HttpFront,
+    count_connections,
+    serve_with_front,
+    stop_listening,
+)
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
@@ -377,13 +383,8 @@ class InferenceRouter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for front in list(self.fronts):
-            if front.transport is not None:
-                front.transport.close()
-        self.fronts.clear()
+        stop_listening(self._server, self.fronts)
+        self._server = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -403,8 +404,7 @@ class InferenceRouter:
 
     def open_connections(self) -> int:
         """Connections open to the router: those of its hot-path front and those handed to aiohttp."""
-        server = self._runner.server if self._runner is not None else None
-        return len(self.fronts) + (len(server.connections) if server is not None else 0)
+        return count_connections(self.fronts, self._runner)
 
     # ------------------------------------------------------------------ the front's hot path (FrontHost)
 

@@ -48,7 +48,13 @@ from aiohttp import web
 from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner
-from rollflow.inference.http_front import Header, HttpFront, serve_with_front
+from rollflow.inference.http_front import (
+    Header,
+    HttpFront,
+    count_connections,
+    serve_with_front,
+    stop_listening,
+)
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
@@ -292,13 +298,8 @@ class TITOProxy:
             for session in list(self._by_id.values()):
                 await self.close_session(session)
         finally:
-            if self._server is not None:
-                self._server.close()
-                self._server = None
-            for front in list(self.fronts):
-                if front.transport is not None:
-                    front.transport.close()
-            self.fronts.clear()
+            stop_listening(self._server, self.fronts)
+            self._server = None
             if self._runner is not None:
                 runner, self._runner = self._runner, None
                 with anyio.CancelScope(shield=True):
@@ -478,8 +479,7 @@ class TITOProxy:
 
     def open_connections(self) -> int:
         """Connections open to the proxy: those of its hot-path front and those handed to aiohttp."""
-        server = self._runner.server if self._runner is not None else None
-        return len(self.fronts) + (len(server.connections) if server is not None else 0)
+        return count_connections(self.fronts, self._runner)
 
     def accepts(self, path: str) -> bool:
         return path.startswith(_SESSION_PREFIX) and path.endswith(_COMPLETIONS_SUFFIX)
