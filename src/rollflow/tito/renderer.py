@@ -182,13 +182,6 @@ def normalize_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     ]
 
 
-def message_key(message: dict[str, Any]) -> bytes:
-    """Digest identifying a message for the trace. Reasoning is left out: clients commonly drop it when
-    they send a response back, and the recorded tokens (not the text) are what gets extended."""
-    keyed = {k: v for k, v in message.items() if k != "reasoning_content"}
-    return hashlib.blake2b(json.dumps(keyed, sort_keys=True).encode(), digest_size=16).digest()
-
-
 # Tools as canonical JSON (keys sorted at every level) for their digest: several times faster than
 # ``json.dumps(sort_keys=True)`` on the kilobytes of tool definitions an agent sends with every request.
 _TOOLS_ENCODER = msgspec.json.Encoder(order="sorted")
