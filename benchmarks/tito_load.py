@@ -10,6 +10,11 @@ Added latency is the proxy's percentile minus the baseline's. As in ``rollflow p
 ``rollflow.eventloop.run`` (uvloop when installed) and, once the engine is loaded, sets its garbage collector up
 for serving (``rollflow.eventloop.tune_gc_for_serving``); both paths share that process.
 
+``--engine server`` runs the engine as a ``rollflow serve`` process instead, as deployed: the proxy then shares
+no process with it. Both paths reach it through one ``RemoteInferenceClient`` (token-in/token-out over HTTP);
+the baseline still renders and parses in this process, so the figure is what the proxy adds on top of an
+engine behind HTTP.
+
 Then per-stage costs: one more proxy run (``--stage-sessions``, agents in their own process) reads the event
 loop thread's CPU clock around each synchronous stage of a turn (request decode, message normalisation,
 bridge/render, response parse, trace commit, response build and encode), in the garbage collector (``gc.callbacks``)
@@ -35,13 +40,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import tracemalloc
+from collections.abc import AsyncIterator
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -110,16 +119,14 @@ asyncio.run(main())
 
 
 async def proxy_phase(
-    engine, chat, sessions: int, max_tokens: int, agents: str = "in-process"
+    client, chat, sessions: int, max_tokens: int, agents: str = "in-process"
 ) -> tuple[list[float], float, int]:
     import aiohttp
 
-    from rollflow.inference.client import LocalInferenceClient
     from rollflow.tito import TITOProxy
 
     latencies: list[float] = []
     errors = 0
-    client = LocalInferenceClient([engine])
     async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
         if agents == "process":
             opened = [await proxy.open_session() for _ in range(sessions)]
@@ -171,7 +178,7 @@ STAGES = (
 )
 
 
-async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str, float]:
+async def stage_costs(client, chat, sessions: int, max_tokens: int) -> dict[str, float]:
     """The event loop thread's CPU per request in each synchronous stage of a turn (each wrapped to read the
     thread's CPU clock before and after), in the garbage collector, its total, and what is left for the rest:
     the HTTP server, the event loop and the engine hand-off (a collection that starts inside a stage counts
@@ -208,7 +215,7 @@ async def stage_costs(engine, chat, sessions: int, max_tokens: int) -> dict[str,
     gc.callbacks.append(on_collection)
     try:
         start = time.thread_time_ns()
-        latencies, _, _ = await proxy_phase(engine, chat, sessions, max_tokens, agents="process")
+        latencies, _, _ = await proxy_phase(client, chat, sessions, max_tokens, agents="process")
         total = time.thread_time_ns() - start
     finally:
         gc.callbacks.remove(on_collection)
@@ -284,25 +291,57 @@ async def trace_memory(chat, branches: int, prefix_words: int) -> dict[str, floa
     }
 
 
-async def run(args) -> None:
+@contextlib.asynccontextmanager
+async def open_engine(kind: str, chat, batch_size: int) -> AsyncIterator[tuple[Any, Any]]:
+    """(what the direct baseline calls ``generate`` on, the proxy's inference client) for one engine of the
+    tiny model: in this process (``in-process``), or a ``rollflow serve`` process reached over HTTP
+    (``server``)."""
     from rollflow.eventloop import tune_gc_for_serving
-    from rollflow.inference.engine.engine import TorchEngine
-    from rollflow.models.loading import load_causal_lm
+
+    if kind == "in-process":
+        from rollflow.inference.client import LocalInferenceClient
+        from rollflow.inference.engine.engine import TorchEngine
+        from rollflow.models.loading import load_causal_lm
+
+        engine = TorchEngine(load_causal_lm(chat.model_dir), max_batch_size=batch_size, max_model_len=512)
+        # As rollflow's serving processes do once set up (rollflow.eventloop.tune_gc_for_serving).
+        tune_gc_for_serving()
+        try:
+            yield engine, LocalInferenceClient([engine])
+        finally:
+            await engine.shutdown()
+        return
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.inference.server_group import ServerGroup
+
+    options = {"max_batch_size": batch_size, "max_model_len": 512}
+    log_dir = tempfile.mkdtemp(prefix="rollflow-bench-")
+    async with (
+        ServerGroup(MODEL, 1, log_dir, startup_timeout_s=300, server_options=options) as group,
+        RemoteInferenceClient(group.urls[0]) as client,
+    ):
+        tune_gc_for_serving()  # this process serves the agents, as rollflow proxy does
+        yield client, client
+
+
+async def run(args) -> None:
     from rollflow.tito.testing import load_tiny_chat
 
     chat = load_tiny_chat()
-    model_dir = chat.model_dir
-    engine = TorchEngine(load_causal_lm(model_dir), max_batch_size=args.batch_size, max_model_len=512)
-    # As rollflow's serving processes do once set up (rollflow.eventloop.tune_gc_for_serving), for both paths.
-    tune_gc_for_serving()
     results: dict[str, list] = {"direct": [], "proxy": []}
-    for _ in range(args.repeats):
-        results["direct"].append(await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens))
-        results["proxy"].append(await proxy_phase(engine, chat, args.sessions, args.max_tokens, args.agents))
-    stages = (
-        await stage_costs(engine, chat, args.stage_sessions, args.max_tokens) if args.stage_sessions else None
-    )
-    await engine.shutdown()
+    async with open_engine(args.engine, chat, args.batch_size) as (engine, client):
+        for _ in range(args.repeats):
+            results["direct"].append(
+                await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens)
+            )
+            results["proxy"].append(
+                await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents)
+            )
+        stages = (
+            await stage_costs(client, chat, args.stage_sessions, args.max_tokens)
+            if args.stage_sessions
+            else None
+        )
 
     def summary(kind: str) -> tuple[float, float, float, int]:
         runs = results[kind]
@@ -316,6 +355,7 @@ async def run(args) -> None:
         "sessions": args.sessions,
         "turns_per_session": 2,
         "agents": args.agents,
+        "engine": args.engine,
         "repeats": args.repeats,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
@@ -387,6 +427,12 @@ def main() -> None:
         choices=("process", "in-process"),
         default="process",
         help="where the agents' HTTP clients run: their own process (as deployed), or this one",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("in-process", "server"),
+        default="in-process",
+        help="the engine in this process, or a `rollflow serve` process (proxy and engine apart, as deployed)",
     )
     parser.add_argument("--branches", type=int, default=64)
     parser.add_argument(
