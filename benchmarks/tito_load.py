@@ -174,7 +174,7 @@ STAGES = (
     ("response_parse", "rollflow.tito.renderer", "TITORenderer.parse"),
     ("trace_commit", "rollflow.tito.trace", "Trace._commit_choices"),
     ("response_build", "rollflow.tito.proxy", "TITOProxy._completion"),
-    ("response_encode", "rollflow.tito.proxy", "_raw_json_response"),
+    ("response_encode", "rollflow.tito.proxy", "_encode"),
 )
 
 

@@ -222,9 +222,9 @@ def test_bad_cluster_keys_name_the_key(overrides, message):
         load_config(overrides=overrides)
 
 
-def test_missing_ray_names_the_key_and_install(monkeypatch):
-    from rollflow.launch import ray_cluster
-
+@pytest.fixture
+def without_ray(monkeypatch):
+    """Imports of ``ray`` fail, as on a machine without the extra."""
     real_import = builtins.__import__
 
     def no_ray(name, *args, **kwargs):
@@ -234,23 +234,19 @@ def test_missing_ray_names_the_key_and_install(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_ray)
     monkeypatch.delitem(sys.modules, "ray", raising=False)
+
+
+def test_missing_ray_names_the_key_and_install(without_ray):
+    from rollflow.launch import ray_cluster
+
     config = load_config(overrides=["cluster.backend='ray'"])
     with pytest.raises(MissingExtraError, match=r"cluster.backend = 'ray'.*pip install 'rollflow\[ray\]'"):
         ray_cluster.dry_run_plan(config)
 
 
-async def test_missing_ray_fails_the_launcher_before_anything_starts(monkeypatch):
+async def test_missing_ray_fails_the_launcher_before_anything_starts(without_ray):
     from rollflow.launch.launcher import open_launcher
 
-    real_import = builtins.__import__
-
-    def no_ray(name, *args, **kwargs):
-        if name == "ray" or name.startswith("ray."):
-            raise ImportError("No module named 'ray'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_ray)
-    monkeypatch.delitem(sys.modules, "ray", raising=False)
     config = load_config(overrides=["cluster.backend='ray'", "cluster.address='auto'"])
     with pytest.raises(MissingExtraError, match=r"cluster.backend = 'ray'.*pip install 'rollflow\[ray\]'"):
         async with open_launcher(config):

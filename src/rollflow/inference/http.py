@@ -67,15 +67,32 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
         return json_error(500, f"internal error: {exc!r}")
 
 
-def raw_error_response(status: int, message: str) -> bytes:
-    """A complete HTTP/1.1 response carrying the JSON error, that closes the connection (written straight to
-    a transport, where no aiohttp response object can be used)."""
-    body = json.dumps(error_body(status, message)).encode()
-    head = (
-        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+def reason_phrase(status: int) -> bytes:
+    """The status line's reason phrase for ``status`` (``Status`` for a code without one)."""
+    try:
+        return HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Status"
+
+
+def raw_json_response(
+    status: int, body: bytes, *, close: bool = False, content_type: bytes = b"application/json"
+) -> bytes:
+    """A complete HTTP/1.1 response with the JSON ``body``, written straight to a transport where no aiohttp
+    response object can be used; ``close`` adds ``Connection: close``."""
+    return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        status,
+        reason_phrase(status),
+        content_type,
+        len(body),
+        b"Connection: close\r\n" if close else b"",
+        body,
     )
-    return head.encode() + body
+
+
+def raw_error_response(status: int, message: str) -> bytes:
+    """A complete HTTP/1.1 response carrying the JSON error, that closes the connection."""
+    return raw_json_response(status, json.dumps(error_body(status, message)).encode(), close=True)
 
 
 def is_loopback(host: str) -> bool:

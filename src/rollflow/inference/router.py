@@ -61,7 +61,6 @@ import hmac
 import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
-from http import HTTPStatus
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -71,7 +70,14 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
-from rollflow.inference.http import JSONErrorAppRunner, json_error, json_errors_middleware, warn_if_exposed
+from rollflow.inference.http import (
+    JSONErrorAppRunner,
+    json_error,
+    json_errors_middleware,
+    raw_json_response,
+    reason_phrase,
+    warn_if_exposed,
+)
 from rollflow.inference.http_front import (
     Header,
     HttpFront,
@@ -131,25 +137,10 @@ _HEALTH_PROBE = msgspec.json.encode(
 _WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
 
 
-def _reason(status: int) -> bytes:
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Status"
-
-
 def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
     """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
     body = msgspec.json.encode(error_body(status, message, type=type))
-    return (
-        b"HTTP/1.1 %d %s\r\nContent-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n\r\n%s"
-        % (
-            status,
-            _reason(status),
-            len(body),
-            body,
-        )
-    )
+    return raw_json_response(status, body, content_type=b"application/json; charset=utf-8")
 
 
 class _SessionField(msgspec.Struct):
@@ -757,7 +748,7 @@ class InferenceRouter:
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 upstream = await pool.request(method, path_qs, headers, body)
-                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, _reason(upstream.status)))
+                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, reason_phrase(upstream.status)))
                 for name, value in upstream.headers:
                     if name.lower() not in _STREAM_HOP_HEADERS:
                         head += f"{name}: {value}\r\n".encode("latin-1")

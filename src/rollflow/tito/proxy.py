@@ -37,7 +37,6 @@ import re
 import secrets
 import time
 from collections.abc import Coroutine
-from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -47,7 +46,7 @@ from aiohttp import web
 
 from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
-from rollflow.inference.http import JSONErrorAppRunner
+from rollflow.inference.http import JSONErrorAppRunner, raw_json_response
 from rollflow.inference.http_front import (
     Header,
     HttpFront,
@@ -115,8 +114,13 @@ class OpenRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     session_id: str | None = None
 
 
+def _encode(data: Any) -> bytes:
+    """A response body as JSON (both the aiohttp path and the front's)."""
+    return _ENCODER.encode(data)
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_ENCODER.encode(data), status=status, content_type="application/json")
+    return web.Response(body=_encode(data), status=status, content_type="application/json")
 
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
@@ -134,18 +138,6 @@ def _error_answer(error: Exception) -> tuple[int, Any]:
         return 500, error_body(500, f"{type(error).__name__}: {error}")
     log.exception("tito proxy: unexpected error")  # a bug: say so, keep serving
     return 500, error_body(500, f"internal error: {type(error).__name__}: {error}")
-
-
-def _raw_json_response(status: int, data: Any, close: bool) -> bytes:
-    """A whole HTTP/1.1 response with ``data`` as its JSON body (what ``_json`` answers through aiohttp)."""
-    body = _ENCODER.encode(data)
-    head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n" % (
-        status,
-        HTTPStatus(status).phrase.encode(),
-        len(body),
-        b"Connection: close\r\n" if close else b"",
-    )
-    return head + body
 
 
 def _enc_hook(value: Any) -> Any:
@@ -524,7 +516,7 @@ class TITOProxy:
             status, data = 200, self._completion(chat, turns)
         except Exception as error:
             status, data = _error_answer(error)
-        front.write(_raw_json_response(status, data, front.close_after))
+        front.write(raw_json_response(status, _encode(data), close=front.close_after))
 
     def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
         if not chat.logprobs:
