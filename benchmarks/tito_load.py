@@ -118,16 +118,24 @@ asyncio.run(main())
 """
 
 
+def open_proxy(client, chat, workers: int):
+    """The proxy under test: in this process (``workers = 0``), or in ``workers`` worker processes."""
+    from rollflow.tito import TITOProxy
+    from rollflow.tito.workers import ProxyWorkers
+
+    if workers:
+        return ProxyWorkers(client, chat.renderer, chat.tokenizer, workers=workers, model_name=MODEL)
+    return TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL)
+
+
 async def proxy_phase(
-    client, chat, sessions: int, max_tokens: int, agents: str = "in-process"
+    client, chat, sessions: int, max_tokens: int, agents: str = "in-process", workers: int = 0
 ) -> tuple[list[float], float, int]:
     import aiohttp
 
-    from rollflow.tito import TITOProxy
-
     latencies: list[float] = []
     errors = 0
-    async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
+    async with open_proxy(client, chat, workers) as proxy:
         if agents == "process":
             opened = [await proxy.open_session() for _ in range(sessions)]
             spec = {"urls": [s.base_url for s in opened], "model": MODEL, "max_tokens": max_tokens}
@@ -328,15 +336,17 @@ async def run(args) -> None:
     from rollflow.tito.testing import load_tiny_chat
 
     chat = load_tiny_chat()
-    results: dict[str, list] = {"direct": [], "proxy": []}
+    shapes = {"in-process": 0, **{f"workers={n}": n for n in args.proxy_workers if n > 0}}
+    results: dict[str, list] = {"direct": [], **{shape: [] for shape in shapes}}
     async with open_engine(args.engine, chat, args.batch_size) as (engine, client):
         for _ in range(args.repeats):
             results["direct"].append(
                 await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens)
             )
-            results["proxy"].append(
-                await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents)
-            )
+            for shape, workers in shapes.items():
+                results[shape].append(
+                    await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents, workers)
+                )
         stages = (
             await stage_costs(client, chat, args.stage_sessions, args.max_tokens)
             if args.stage_sessions
@@ -349,7 +359,7 @@ async def run(args) -> None:
         latencies = [x for lat, _, _ in runs for x in lat]
         return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(e for _, _, e in runs)
 
-    direct, proxy = summary("direct"), summary("proxy")
+    direct = summary("direct")
     common = {
         "benchmark": "tito_load",
         "sessions": args.sessions,
@@ -359,35 +369,47 @@ async def run(args) -> None:
         "repeats": args.repeats,
         "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
-    lines = [
-        {
-            "figure": "requests_per_s",
-            "proxy": round(proxy[0], 1),
-            "direct": round(direct[0], 1),
-            # Per repeat: proxy over the direct run just before it (the machine is shared and noisy).
-            "ratios": [
-                round((len(p[0]) / p[1]) / (len(d[0]) / d[1]), 3)
-                for p, d in zip(results["proxy"], results["direct"], strict=True)
-            ],
-            "target_ratio": 0.8,
-            "unit": "1/s",
-        },
-        {
-            "figure": "p50_latency_ms",
-            "proxy": round(proxy[1] * 1e3, 1),
-            "direct": round(direct[1] * 1e3, 1),
-            "added": round((proxy[1] - direct[1]) * 1e3, 1),
-            "unit": "ms",
-        },
-        {
-            "figure": "p99_latency_ms",
-            "proxy": round(proxy[2] * 1e3, 1),
-            "direct": round(direct[2] * 1e3, 1),
-            "added": round((proxy[2] - direct[2]) * 1e3, 1),
-            "unit": "ms",
-        },
-        {"figure": "errors", "proxy": proxy[3], "direct": direct[3], "unit": "requests"},
-    ]
+    lines = []
+    for shape in shapes:
+        proxy = summary(shape)
+        lines += [
+            {
+                "figure": "requests_per_s",
+                "proxy_in": shape,
+                "proxy": round(proxy[0], 1),
+                "direct": round(direct[0], 1),
+                # Per repeat: proxy over the direct run just before it (the machine is shared and noisy).
+                "ratios": [
+                    round((len(p[0]) / p[1]) / (len(d[0]) / d[1]), 3)
+                    for p, d in zip(results[shape], results["direct"], strict=True)
+                ],
+                "target_ratio": 0.8,
+                "unit": "1/s",
+            },
+            {
+                "figure": "p50_latency_ms",
+                "proxy_in": shape,
+                "proxy": round(proxy[1] * 1e3, 1),
+                "direct": round(direct[1] * 1e3, 1),
+                "added": round((proxy[1] - direct[1]) * 1e3, 1),
+                "unit": "ms",
+            },
+            {
+                "figure": "p99_latency_ms",
+                "proxy_in": shape,
+                "proxy": round(proxy[2] * 1e3, 1),
+                "direct": round(direct[2] * 1e3, 1),
+                "added": round((proxy[2] - direct[2]) * 1e3, 1),
+                "unit": "ms",
+            },
+            {
+                "figure": "errors",
+                "proxy_in": shape,
+                "proxy": proxy[3],
+                "direct": direct[3],
+                "unit": "requests",
+            },
+        ]
     if stages is not None:
         lines.append(
             {
@@ -433,6 +455,14 @@ def main() -> None:
         choices=("in-process", "server"),
         default="in-process",
         help="the engine in this process, or a `rollflow serve` process (proxy and engine apart, as deployed)",
+    )
+    parser.add_argument(
+        "--proxy-workers",
+        type=int,
+        nargs="*",
+        default=[1],
+        help="also run the proxy in this many worker processes (rollflow.tito.workers; one run per count, "
+        "after the in-process proxy's); none: the in-process proxy only",
     )
     parser.add_argument("--branches", type=int, default=64)
     parser.add_argument(

@@ -290,3 +290,98 @@ class PackedBatch(msgspec.Struct):
     def samples(self) -> list[Sample]:
         """The trained samples of every rank."""
         return [sample for rank in self.ranks for sample in rank.samples]
+
+
+# ---------------------------------------------------------------- TITO proxy workers (rollflow.tito.workers)
+# The link between the run's process and one proxy worker process: msgpack frames over a socket pair. The
+# worker serves its agents' sessions and asks the run's inference client for every generation; the run opens
+# and closes sessions on it and gets each closed session's trace back.
+
+
+class WorkerSetup(msgspec.Struct, tag="setup", array_like=True):
+    """Run -> worker, first: the pickled ``(renderer, tokenizer, TITOProxy keyword arguments)``."""
+
+    payload: bytes
+
+
+class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
+    """Worker -> run: its proxy listens at ``base_url``."""
+
+    base_url: str
+
+
+class WorkerGenerate(msgspec.Struct, tag="generate", array_like=True):
+    """Worker -> run: generate ``request``; answered by ``WorkerOutput`` or ``WorkerFailure`` with ``id``."""
+
+    id: int
+    request: GenerateRequest
+
+
+class WorkerCancel(msgspec.Struct, tag="cancel", array_like=True):
+    """Worker -> run: the caller of generate ``id`` left (its agent disconnected, its session closed)."""
+
+    id: int
+
+
+class WorkerOutput(msgspec.Struct, tag="output", array_like=True):
+    id: int
+    output: GenerateOutput
+
+
+class WorkerFailure(msgspec.Struct, tag="failure", array_like=True):
+    """Run -> worker: generate ``id`` raised; ``kind`` names the inference error family it belongs to
+    (``request``, ``dead``, ``unavailable`` or ``other``), rebuilt on the worker's side."""
+
+    id: int
+    kind: str
+    message: str
+    code: str
+    param: str | None
+    http_status: int
+
+
+class WorkerOpen(msgspec.Struct, tag="open", array_like=True):
+    """Run -> worker: open session ``session_id``; answered by ``WorkerOpened`` with ``call``."""
+
+    call: int
+    session_id: str
+
+
+class WorkerOpened(msgspec.Struct, tag="opened", array_like=True):
+    """The session's base URL, or why it could not be opened."""
+
+    call: int
+    base_url: str
+    error: str | None = None
+
+
+class WorkerClose(msgspec.Struct, tag="close", array_like=True):
+    """Run -> worker: close session ``session_id`` (``TITOProxy.close_session``); answered by ``WorkerClosed``."""
+
+    call: int
+    session_id: str
+    error: str | None
+    timed_out: bool
+    drain_timeout_s: float | None
+
+
+class WorkerClosed(msgspec.Struct, tag="closed", array_like=True):
+    """The closed session's pickled ``Trace``, or why it could not be closed."""
+
+    call: int
+    trace: bytes
+    error: str | None = None
+
+
+WorkerMessage = (
+    WorkerSetup
+    | WorkerReady
+    | WorkerGenerate
+    | WorkerCancel
+    | WorkerOutput
+    | WorkerFailure
+    | WorkerOpen
+    | WorkerOpened
+    | WorkerClose
+    | WorkerClosed
+)

@@ -177,6 +177,23 @@ class Trace:
         )
         self._worker: asyncio.Task | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A sealed trace crosses processes (``rollflow.tito.workers``) without its renderer and actor state:
+        the receiver sets ``renderer`` to its own."""
+        if self._mailbox or self._worker is not None:
+            raise RuntimeError(f"trace of session {self.session_id!r} has operations running; seal it first")
+        state = self.__dict__.copy()
+        for name in ("renderer", "_mailbox", "_worker", "_cursor"):
+            del state[name]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.renderer = None  # type: ignore[assignment]
+        self._cursor = None
+        self._mailbox = collections.deque()
+        self._worker = None
+
     # ------------------------------------------------------------------ actor plumbing
 
     def _call(self, fn: Callable[..., Any], *args: Any, offload: bool = False) -> asyncio.Future:
