@@ -6,4 +6,6 @@ from tests import test_imports
 
 
 def test_tito_proxy_imports_light():
-    test_imports.test_light_imports("rollflow.tito, rollflow.tito.proxy, rollflow.tito.composer")
+    test_imports.test_light_imports(
+        "rollflow.tito, rollflow.tito.proxy, rollflow.tito.composer, rollflow.tito.workers, rollflow.tito.worker"
+    )

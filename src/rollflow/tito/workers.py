@@ -374,7 +374,8 @@ class ProxyWorkers:
         )
         failures = [result for result in results if isinstance(result, BaseException)]
         if failures:
-            await asyncio.gather(*(worker.stop() for worker in self._workers))
+            workers, self._workers = self._workers, []
+            await asyncio.gather(*(worker.stop() for worker in workers))
             raise failures[0]
 
     async def close(self) -> None:
