@@ -10,6 +10,11 @@ Added latency is the proxy's percentile minus the baseline's. As in ``rollflow p
 ``rollflow.eventloop.run`` (uvloop when installed) and, once the engine is loaded, sets its garbage collector up
 for serving (``rollflow.eventloop.tune_gc_for_serving``); both paths share that process.
 
+Each repeat then runs the proxy in its worker processes too (``rollflow.tito.workers.ProxyWorkers``, as
+``agent.proxy_workers`` does; ``--proxy-workers``, default one worker): the agents' HTTP, rendering, parsing and
+traces move out of this process, which then only answers generate calls over a socket pair. Every figure names
+the proxy it was read from (``proxy_in``: ``in-process`` or ``workers=N``).
+
 ``--engine server`` runs the engine as a ``rollflow serve`` process instead, as deployed: the proxy then shares
 no process with it. Both paths reach it through one ``RemoteInferenceClient`` (token-in/token-out over HTTP);
 the baseline still renders and parses in this process, so the figure is what the proxy adds on top of an
