@@ -8,6 +8,7 @@ workers pays ~2 s for the worker's start-up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import signal
@@ -116,6 +117,90 @@ async def test_close_twice_returns_the_same_trace_and_ids_stay_taken(tiny_chat):
         assert status in (404, 409) and "error" in body
         # The run asked the engine exactly once.
         assert len(client.requests) == 1
+
+
+class StreamSpy:
+    """The real client, counting which of its calls the workers used."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls = {"generate": 0, "generate_stream": 0}
+
+    async def generate(self, request):
+        self.calls["generate"] += 1
+        return await self.inner.generate(request)
+
+    async def generate_stream(self, request):
+        self.calls["generate_stream"] += 1
+        async with contextlib.aclosing(self.inner.generate_stream(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+
+async def test_streamed_turns_stream_across_the_link(inference_client, tiny_chat):
+    """``stream: true`` through a worker: the run's client streams, the agent gets the reply in deltas, and
+    the deltas add up to what the trace recorded."""
+    import openai
+
+    spy = StreamSpy(inference_client)
+    async with workers_over(spy, tiny_chat) as proxy:
+        session = await proxy.open_session()
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=12, seed=5, stream=True
+        )
+        deltas = [chunk.choices[0].delta.content async for chunk in stream if chunk.choices]
+        await client.close()
+        trace = await proxy.close_session(session)
+    assert spy.calls == {"generate": 0, "generate_stream": 1}
+    assert len([d for d in deltas if d]) >= 2  # more than one piece reached the agent
+    assert "".join(d or "" for d in deltas) == trace.turns[0].message["content"]
+
+
+class SlowStream(ScriptedClient):
+    """Streams one token every 50 ms, up to 400; records whether its stream was closed before the end."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.closed_early = asyncio.Event()
+
+    async def generate_stream(self, request):
+        from rollflow.messages import GenerateChunk
+
+        self.requests.append(request)
+        finished = False
+        try:
+            for i in range(400):
+                await asyncio.sleep(0.05)
+                finished = i == 399
+                yield GenerateChunk(
+                    request.request_id, [11], [-0.5], [0], FinishReason.LENGTH if finished else None
+                )
+        finally:
+            if not finished:
+                self.closed_early.set()
+
+
+async def test_an_agent_that_leaves_a_stream_ends_the_runs_stream(tiny_chat):
+    client = SlowStream(tiny_chat.tokenizer)
+    async with workers_over(client, tiny_chat) as proxy:
+        session = await proxy.open_session()
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 400,
+            "stream": True,
+        }
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{session.base_url}/chat/completions", json=body) as response,
+        ):
+            assert response.status == 200
+            first = await response.content.readline()
+            assert first.startswith(b"data: ")
+        # Leaving the block closed the connection mid-stream.
+        await asyncio.wait_for(client.closed_early.wait(), 10)
+        await proxy.close_session(session, drain_timeout_s=0)
 
 
 # -------------------------------------------------------------------------- errors cross the link

@@ -299,9 +299,11 @@ class PackedBatch(msgspec.Struct):
 
 
 class WorkerSetup(msgspec.Struct, tag="setup", array_like=True):
-    """Run -> worker, first: the pickled ``(renderer, tokenizer, TITOProxy keyword arguments)``."""
+    """Run -> worker, first: the pickled ``(renderer, tokenizer, TITOProxy keyword arguments)``; ``streams``:
+    the run's client streams (``generate_stream``)."""
 
     payload: bytes
+    streams: bool
 
 
 class WorkerReady(msgspec.Struct, tag="ready", array_like=True):
@@ -317,8 +319,22 @@ class WorkerGenerate(msgspec.Struct, tag="generate", array_like=True):
     request: GenerateRequest
 
 
+class WorkerStream(msgspec.Struct, tag="stream", array_like=True):
+    """Worker -> run: stream ``request``; answered by ``WorkerChunk``s with ``id`` (the last one has its
+    ``finish_reason`` set) or a ``WorkerFailure``."""
+
+    id: int
+    request: GenerateRequest
+
+
+class WorkerChunk(msgspec.Struct, tag="chunk", array_like=True):
+    id: int
+    chunk: GenerateChunk
+
+
 class WorkerCancel(msgspec.Struct, tag="cancel", array_like=True):
-    """Worker -> run: the caller of generate ``id`` left (its agent disconnected, its session closed)."""
+    """Worker -> run: the caller of generate or stream ``id`` left (its agent disconnected, its session
+    closed, a stop string ended the stream)."""
 
     id: int
 
@@ -377,6 +393,8 @@ WorkerMessage = (
     WorkerSetup
     | WorkerReady
     | WorkerGenerate
+    | WorkerStream
+    | WorkerChunk
     | WorkerCancel
     | WorkerOutput
     | WorkerFailure

@@ -13,12 +13,15 @@ import itertools
 import pickle
 import socket
 import sys
+from collections.abc import AsyncIterator
 
 from rollflow.errors import InferenceUnavailableError
 from rollflow.messages import (
+    GenerateChunk,
     GenerateOutput,
     GenerateRequest,
     WorkerCancel,
+    WorkerChunk,
     WorkerClose,
     WorkerClosed,
     WorkerFailure,
@@ -28,6 +31,7 @@ from rollflow.messages import (
     WorkerOutput,
     WorkerReady,
     WorkerSetup,
+    WorkerStream,
 )
 from rollflow.tito.workers import Link, failure_error
 
@@ -39,6 +43,7 @@ class LinkClient:
     def __init__(self, link: Link):
         self._link = link
         self._pending: dict[int, asyncio.Future[GenerateOutput]] = {}
+        self._streams: dict[int, asyncio.Queue[GenerateChunk | BaseException]] = {}
         self._ids = itertools.count()
         self._lost: str | None = None
 
@@ -56,9 +61,13 @@ class LinkClient:
                 self._link.send(WorkerCancel(request_id))
             raise
 
-    def answer(self, message: WorkerOutput | WorkerFailure) -> None:
+    def answer(self, message: WorkerOutput | WorkerChunk | WorkerFailure) -> None:
+        stream = self._streams.get(message.id)
+        if stream is not None:
+            stream.put_nowait(message.chunk if isinstance(message, WorkerChunk) else failure_error(message))
+            return
         future = self._pending.pop(message.id, None)
-        if future is None or future.done():
+        if future is None or future.done() or isinstance(message, WorkerChunk):
             return
         if isinstance(message, WorkerOutput):
             future.set_result(message.output)
@@ -66,12 +75,39 @@ class LinkClient:
             future.set_exception(failure_error(message))
 
     def lose(self, reason: str) -> None:
-        """The link is gone: every pending and later generate fails as unavailable."""
+        """The link is gone: every pending and later call fails as unavailable."""
         self._lost = reason
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(InferenceUnavailableError(reason))
         self._pending.clear()
+        for stream in self._streams.values():
+            stream.put_nowait(InferenceUnavailableError(reason))
+
+
+class StreamingLinkClient(LinkClient):
+    """A ``LinkClient`` for a run whose client streams: ``generate_stream`` crosses the link chunk by chunk."""
+
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        if self._lost is not None:
+            raise InferenceUnavailableError(self._lost)
+        request_id = next(self._ids)
+        chunks: asyncio.Queue[GenerateChunk | BaseException] = asyncio.Queue()
+        self._streams[request_id] = chunks
+        self._link.send(WorkerStream(request_id, request))
+        finished = False
+        try:
+            while not finished:
+                chunk = await chunks.get()
+                if isinstance(chunk, BaseException):
+                    finished = True  # the run's side is done with it
+                    raise chunk
+                finished = chunk.finish_reason is not None
+                yield chunk
+        finally:
+            del self._streams[request_id]
+            if not finished:  # left early: the run ends its generation
+                self._link.send(WorkerCancel(request_id))
 
 
 async def serve(fd: int) -> None:
@@ -83,7 +119,7 @@ async def serve(fd: int) -> None:
     if not isinstance(setup, WorkerSetup):
         return  # the run went away before it sent the setup
     renderer, tokenizer, options = pickle.loads(setup.payload)
-    client = LinkClient(link)
+    client = StreamingLinkClient(link) if setup.streams else LinkClient(link)
     closing: set[asyncio.Task[None]] = set()
     async with TITOProxy(client, renderer, tokenizer, **options) as proxy:
         tune_gc_for_serving()
@@ -105,7 +141,7 @@ async def serve(fd: int) -> None:
 
         link.send(WorkerReady(proxy.public_url))
         while (message := await link.receive()) is not None:
-            if isinstance(message, WorkerOutput | WorkerFailure):
+            if isinstance(message, WorkerOutput | WorkerChunk | WorkerFailure):
                 client.answer(message)
             elif isinstance(message, WorkerOpen):
                 try:

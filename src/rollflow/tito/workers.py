@@ -12,8 +12,8 @@ The link carries ``rollflow.messages.Worker*`` Structs as length-prefixed msgpac
 process dies takes its open sessions with it (their traces come back empty with the error, which masks the
 trajectories); the next session goes to a live worker, or to a fresh one started in its place.
 
-Streamed requests (``stream: true``) are answered from one whole generation per turn: the worker's client
-does not stream tokens across the link.
+Streamed requests stream across the link too (``WorkerStream``, ``WorkerChunk``) when the run's client
+streams; a caller that leaves (an agent that disconnects, a stop string that completes) cancels the run's call.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from rollflow.messages import (
     GenerateOutput,
     GenerateRequest,
     WorkerCancel,
+    WorkerChunk,
     WorkerClose,
     WorkerClosed,
     WorkerFailure,
@@ -56,6 +57,7 @@ from rollflow.messages import (
     WorkerOutput,
     WorkerReady,
     WorkerSetup,
+    WorkerStream,
 )
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.trace import Trace
@@ -184,7 +186,7 @@ class _Worker:
         self._generating: dict[int, asyncio.Task[None]] = {}
         self._reader: asyncio.Task[None] | None = None
 
-    async def start(self, setup: bytes, timeout_s: float) -> None:
+    async def start(self, setup: WorkerSetup, timeout_s: float) -> None:
         ours, theirs = socket.socketpair()
         try:
             self.process = await asyncio.create_subprocess_exec(
@@ -199,7 +201,7 @@ class _Worker:
             theirs.close()
         try:
             self.link = await Link.open(ours)
-            self.link.send(WorkerSetup(setup))
+            self.link.send(setup)
             ready = await asyncio.wait_for(self.link.receive(), timeout_s)
         except TimeoutError:
             await self.stop()
@@ -236,8 +238,9 @@ class _Worker:
     async def _read(self) -> None:
         assert self.link is not None
         while (message := await self.link.receive()) is not None:
-            if isinstance(message, WorkerGenerate):
-                task = asyncio.get_running_loop().create_task(self._generate(message.id, message.request))
+            if isinstance(message, WorkerGenerate | WorkerStream):
+                serve = self._generate if isinstance(message, WorkerGenerate) else self._stream
+                task = asyncio.get_running_loop().create_task(serve(message.id, message.request))
                 self._generating[message.id] = task
             elif isinstance(message, WorkerCancel):
                 task = self._generating.pop(message.id, None)
@@ -268,6 +271,21 @@ class _Worker:
             self._generating.pop(request_id, None)
         if self.link is not None:
             self.link.send(reply)
+
+    async def _stream(self, request_id: int, request: GenerateRequest) -> None:
+        assert self.link is not None
+        try:
+            async with contextlib.aclosing(self.client.generate_stream(request)) as chunks:
+                async for chunk in chunks:
+                    self.link.send(WorkerChunk(request_id, chunk))
+        except asyncio.CancelledError:  # the worker's caller left; closing the stream ended the request
+            return
+        except Exception as error:
+            if not isinstance(error, InferenceError):
+                log.exception("streaming for a proxy worker failed", worker=self.index)
+            self.link.send(failure_message(request_id, error))
+        finally:
+            self._generating.pop(request_id, None)
 
     def _lose(self, reason: str) -> None:
         """The worker is gone: its pending calls fail and its generations stop."""
@@ -342,8 +360,11 @@ class ProxyWorkers:
         self.model_name: str = options["model_name"]
         self.num_workers = workers
         self.start_timeout_s = start_timeout_s
-        self._setup = pickle.dumps(
-            (self.renderer.renderer, self.renderer.tokenizer, options), protocol=pickle.HIGHEST_PROTOCOL
+        self._setup = WorkerSetup(
+            pickle.dumps(
+                (self.renderer.renderer, self.renderer.tokenizer, options), protocol=pickle.HIGHEST_PROTOCOL
+            ),
+            streams=hasattr(client, "generate_stream"),
         )
         # Runtime state.
         self._workers: list[_Worker] = []
