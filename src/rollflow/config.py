@@ -558,12 +558,13 @@ class AgentConfig(Section):
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """Port the TITO proxy listens on; 0 picks a free one (set it when ``advertise_url`` names a port)."""
     proxy_workers: NonNegative = 0
-    """Run the TITO proxy in N worker processes (0: in the run's process). Each worker listens on its own free
-    port and serves the sessions opened on it (a new session goes to the one with the fewest open); the run's
-    process only answers their generate calls. Raise it when agents' turns outrun one event loop, above all
-    with the engines in the run's process (``inference.mode = "local"``), where the proxy's HTTP, rendering
-    and parsing share one interpreter with them. Workers answer a streamed request (``stream: true``) with
-    one whole generation per turn. Above 1, ``port`` must be 0 and ``advertise_url`` unset."""
+    """Run the TITO proxy in N worker processes (0: in the run's process). Each worker listens on a port of its
+    own (a free one; with one worker, ``port``) and serves the sessions opened on it, a new session going to
+    the one with the fewest open; the run's process only answers their generate calls. Raise it when agents'
+    turns outrun one event loop, above all with the engines in the run's process (``inference.mode =
+    "local"``), where the proxy's HTTP, rendering and parsing share one interpreter with them. Workers answer
+    a streamed request (``stream: true``) with one whole generation per turn. Above 1, ``port`` must be 0 and
+    ``advertise_url`` unset."""
     save_traces: Literal["none", "sampled", "all"] = "none"
     """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
     trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,
