@@ -12,12 +12,13 @@ import json
 import math
 import sys
 import time
+from typing import Any
 
 import anyio
 import openai
 import pytest
 
-from rollflow.messages import RolloutRequest
+from rollflow.messages import RolloutRequest, ScoredGroup
 from rollflow.rollout.agent import AgentGenerator, CommandAgent
 from rollflow.tito import TITOProxy, compose
 from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
@@ -25,6 +26,7 @@ from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
 from .conftest import REPO_ROOT
 
 EXAMPLE_AGENT = REPO_ROOT / "examples" / "agent_tito" / "agent.py"
+EXAMPLE_CONFIG = REPO_ROOT / "examples" / "agent_tito" / "config.toml"
 
 
 @pytest.fixture
@@ -144,6 +146,77 @@ async def test_summarizing_example_agent_branches(proxy, tiny_model):
     assert sum(sum(s.loss_mask) for s in group.samples) == sampled  # each sampled token trained once
     assert assert_exact_logprobs(tiny_model, group.samples) == sampled
     assert all(0.0 <= s.reward <= 1.0 and not s.masked for s in group.samples)
+
+
+RECORDING_COMPOSER = """
+from rollflow.tito import compose
+
+TRACES = []
+
+
+def recorded():
+    return TRACES
+
+
+def composer(trace, **options):
+    TRACES.append(trace)
+    return compose(trace, **options)
+"""
+
+
+async def test_the_proxy_in_a_worker_process_gives_the_same_samples(
+    inference_client, tiny_chat, tiny_model, tmp_path
+):
+    """``build_agent_generator`` as ``rollflow run`` builds it from the example config, with the proxy in
+    this process and with ``agent.proxy_workers = 1`` (in a worker process): the agent's seeded calls give
+    the same composed samples (tokens, loss masks, logprobs, rewards) and trace metrics either way."""
+    from rollflow.config import load_config
+    from rollflow.imports import import_object
+    from rollflow.orchestrator.builders import build_agent_generator
+    from rollflow.tito.workers import ProxyWorkers
+
+    task = import_object(f"{EXAMPLE_AGENT}:ArithmeticTask", key="data.task")(0)
+    item = task.item(5)
+    rollout = RolloutRequest(prompt_index=5, messages=item.messages, answer=item.answer, num_samples=2)
+
+    async def run(proxy_workers: int) -> tuple[ScoredGroup, list[Any]]:
+        composer = tmp_path / f"composer_{proxy_workers}.py"  # its own module, so its own list of traces
+        composer.write_text(RECORDING_COMPOSER)
+        overrides = [f"agent.proxy_workers={proxy_workers}", f"agent.composer='{composer}:composer'"]
+        config = load_config([EXAMPLE_CONFIG], [*overrides, f"output_dir={tmp_path}"])
+        chat = (inference_client, tiny_chat.renderer, tiny_chat.tokenizer)
+        async with build_agent_generator(config, *chat) as generator:
+            assert isinstance(generator.proxy, ProxyWorkers) is (proxy_workers > 0)
+            assert generator.proxy.model_name == MODEL
+            group = await generator.generate_group(rollout)
+            assert not generator.proxy.sessions
+        return group, import_object(f"{composer}:recorded", key="agent.composer")()
+
+    here, _ = await run(0)
+    group, traces = await run(1)
+
+    assert len(traces) == 2 and len(group.samples) == 4  # two branches per trajectory
+    assert [s.trajectory for s in group.samples] == [0, 0, 1, 1]
+    metrics = group.metrics
+    assert (metrics["agent_trajectories"], metrics["agent_turns"], metrics["agent_branches"]) == (2, 6, 4)
+    assert (metrics["agent_bridged_turns"], metrics["agent_forked_turns"]) == (2, 2)
+    assert metrics["agent_errors"] == metrics["agent_timeouts"] == 0
+    assert {k: v for k, v in metrics.items() if k.startswith("agent_")} == {
+        k: v for k, v in here.metrics.items() if k.startswith("agent_")
+    }
+    sampled = sum(len(turn.completion_ids) for trace in traces for turn in trace.turns)
+    assert sum(sum(s.loss_mask) for s in group.samples) == sampled  # each sampled token trained once
+    assert assert_exact_logprobs(tiny_model, group.samples) == sampled
+    assert all(not s.masked and 0.0 <= s.reward <= 1.0 for s in group.samples)
+    for sample, reference in zip(group.samples, here.samples, strict=True):
+        assert sample.prompt_token_ids == reference.prompt_token_ids
+        assert sample.completion_token_ids == reference.completion_token_ids
+        assert (sample.loss_mask, sample.reward, sample.trajectory) == (
+            reference.loss_mask,
+            reference.reward,
+            reference.trajectory,
+        )
+        assert sample.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
 
 
 async def test_timeout_masks_and_counts_a_timeout(proxy, inference_backend):

@@ -60,6 +60,16 @@ def test_example_config_parses_and_its_task_and_agent_resolve(monkeypatch):
         ([*AGENT, "agent.advertise_url='http://proxy:8100/v1'"], ["agent.advertise_url"]),
         ([*AGENT, "agent.port=70000"], ["agent.port"]),
         ([*AGENT, "agent.save_traces='some'"], ["agent.save_traces"]),
+        ([*AGENT, "agent.proxy_workers=-1"], ["agent.proxy_workers", ">= 0"]),
+        ([*AGENT, "agent.proxy_workers='two'"], ["agent.proxy_workers", "int"]),
+        (
+            [*AGENT, "agent.proxy_workers=2", "agent.port=8123"],
+            ["agent.proxy_workers = 2", "agent.port = 8123"],
+        ),
+        (
+            [*AGENT, "agent.proxy_workers=2", "agent.advertise_url='http://proxy:8100'"],
+            ["agent.proxy_workers = 2", "agent.advertise_url = 'http://proxy:8100'"],
+        ),
     ],
 )
 def test_agent_rules_name_the_fields(overrides, fields):
@@ -80,6 +90,19 @@ def test_valid_agent_configs_and_json_round_trip(tmp_path):
     saved.write_text(json.dumps(to_dict(command)))
     assert load_config([saved]) == command
     assert load_config([]).agent is None
+
+
+def test_proxy_workers_default_to_the_run_process_and_one_worker_may_keep_its_listener(tmp_path):
+    assert load_config([], AGENT).agent.proxy_workers == 0
+    assert load_config([], [*AGENT, "agent.proxy_workers=4"]).agent.proxy_workers == 4
+    one = load_config(
+        [], [*AGENT, "agent.proxy_workers=1", "agent.port=8123", "agent.advertise_url='http://h:1'"]
+    )
+    assert (one.agent.proxy_workers, one.agent.port, one.agent.advertise_url) == (1, 8123, "http://h:1")
+    config = tmp_path / "config.toml"
+    config.write_text('[agent]\ncallable = "pkg.mod:agent"\nmax_seq_len = 512\nproxy_workers = "two"\n')
+    with pytest.raises(ConfigError, match=r"config\.toml.*agent\.proxy_workers.*Expected `int`, got `str`"):
+        load_config([config])
 
 
 def test_config_modes_are_the_composer_modes():

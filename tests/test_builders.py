@@ -64,3 +64,35 @@ async def test_the_agent_generator_needs_an_agent_section_and_a_sequence_length(
     with pytest.raises(ConfigError, match=r"\[agent\] section"):
         async with build_agent_generator(load_config(), None, renderer, tokenizer):
             pass
+
+
+def test_the_agents_proxy_runs_in_workers_with_the_in_process_proxys_options(chat):
+    import pickle
+
+    from rollflow.orchestrator.builders import build_agent_proxy, proxy_options
+    from rollflow.tito.proxy import TITOProxy
+    from rollflow.tito.workers import ProxyWorkers
+
+    tokenizer, renderer = chat
+    sets = [
+        "agent.callable='x.py:f'",
+        "agent.max_seq_len=64",
+        "agent.strict_requests=true",
+        "sampling.top_k=4",
+    ]
+    in_process = build_agent_proxy(load_config([], sets), None, renderer, tokenizer)
+    assert isinstance(in_process, TITOProxy) and in_process.strict_requests
+    config = load_config([], [*sets, "agent.proxy_workers=2"])
+    workers = build_agent_proxy(config, None, renderer, tokenizer)
+    assert isinstance(workers, ProxyWorkers) and workers.num_workers == 2
+    assert workers.model_name == in_process.model_name == config.model.path
+    # What each worker is sent: the same keyword arguments, which cross the process boundary intact.
+    options = proxy_options(config)
+    assert pickle.loads(pickle.dumps(options)) == options
+    assert (options["strict_requests"], options["default_top_k"], options["port"]) == (True, 4, 0)
+    assert proxy_options(config, host="::1", port=9, admin_token="t") == {
+        **options,
+        "host": "::1",
+        "port": 9,
+        "admin_token": "t",
+    }

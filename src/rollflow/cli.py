@@ -546,7 +546,7 @@ def _proxy(args: argparse.Namespace) -> int:
 
     def ready(proxy) -> None:
         eventloop.tune_gc_for_serving()  # model and tokenizer loaded: keep them out of GC passes
-        line = {"event": "ready", "url": proxy.base_url, "model": proxy.settings.model_name}
+        line = {"event": "ready", "url": proxy.base_url, "model": proxy.model_name}
         if generated:
             line["admin_token"] = token
         sys.stdout.write(json.dumps(line) + "\n")

@@ -557,6 +557,14 @@ class AgentConfig(Section):
     address than ``host`` (a container network, a port mapping). Unset: ``http://{host}:{port}``."""
     port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
     """Port the TITO proxy listens on; 0 picks a free one (set it when ``advertise_url`` names a port)."""
+    proxy_workers: NonNegative = 0
+    """Run the TITO proxy in N worker processes (0: in the run's process). Each worker listens on a port of its
+    own (a free one; with one worker, ``port``) and serves the sessions opened on it, a new session going to
+    the one with the fewest open; the run's process only answers their generate calls. Raise it when agents'
+    turns outrun one event loop, above all with the engines in the run's process (``inference.mode =
+    "local"``), where the proxy's HTTP, rendering and parsing share one interpreter with them. Workers answer
+    a streamed request (``stream: true``) with one whole generation per turn. Above 1, ``port`` must be 0 and
+    ``advertise_url`` unset."""
     save_traces: Literal["none", "sampled", "all"] = "none"
     """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
     trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,
@@ -859,6 +867,17 @@ def _agent_errors(config: RunConfig) -> list[str]:
             f"agent.advertise_url = {agent.advertise_url!r} must be a base URL like 'http://proxy-host:8100' "
             "(http or https, no path)"
         )
+    if agent.proxy_workers > 1:
+        # Each worker listens on a free port of its own: one port or one advertised URL cannot name them all.
+        listener = [f"agent.port = {agent.port}"] if agent.port else []
+        if agent.advertise_url is not None:
+            listener.append(f"agent.advertise_url = {agent.advertise_url!r}")
+        if listener:
+            errors.append(
+                f"agent.proxy_workers = {agent.proxy_workers} runs that many proxies, each on a free port of "
+                f"its own, which {' and '.join(listener)} cannot name; set agent.port = 0 and unset "
+                "agent.advertise_url, or set agent.proxy_workers = 1"
+            )
     return errors
 
 

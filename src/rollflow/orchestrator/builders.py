@@ -5,7 +5,8 @@
 - ``rollflow.inference.setup.get_inference_client``: the engines, servers and router ``[inference]`` asks for;
 - ``build_barrier``: the weight barrier of ``[weight_sync]``;
 - ``build_proxy``: a TITO proxy over a client, with ``[agent]``'s listener and request policy and the
-  ``[sampling]`` defaults;
+  ``[sampling]`` defaults (``proxy_options``); ``build_agent_proxy``: the same in ``agent.proxy_workers``
+  worker processes when that is set;
 - ``open_generator``: the generator of the run (``[agent]`` sessions through the proxy, else single-turn);
 - ``push_policy``: checkpoint weights into the engines.
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from rollflow.orchestrator.barrier import WeightBarrier
     from rollflow.rollout.agent import AgentGenerator
     from rollflow.tito.proxy import TITOProxy
+    from rollflow.tito.workers import ProxyWorkers
 
 
 def load_chat(config: RunConfig, model_dir: str | Path | None = None) -> tuple[Any, Any]:
@@ -56,6 +58,35 @@ def build_barrier(config: RunConfig, client: Any, rank0_address: str = "127.0.0.
     return WeightBarrier.from_config(config, client, rank0_address)
 
 
+def proxy_options(
+    config: RunConfig, *, host: str | None = None, port: int | None = None, admin_token: str | None = None
+) -> dict[str, Any]:
+    """The ``TITOProxy`` keyword arguments ``config`` describes (``build_proxy``, and each of the
+    ``agent.proxy_workers``): it listens on ``agent.host``:``agent.port`` (``host`` and ``port`` override
+    them; 127.0.0.1 and a free port without ``[agent]``), advertises ``agent.advertise_url``, defaults
+    requests to ``[sampling]`` and knows the engines' limits (``inference.max_batch_size``,
+    ``max_model_len``, ``return_routed_experts``). Without ``[agent]`` it enforces the run's sampling (its
+    samples train a policy at those settings) and tolerates unknown fields."""
+    agent = config.agent
+    return {
+        "model_name": config.model.path,
+        "host": host or (agent.host if agent is not None else "127.0.0.1"),
+        "port": port if port is not None else (agent.port if agent is not None else 0),
+        "advertise_url": agent.advertise_url if agent is not None else None,
+        "admin_token": admin_token,
+        "default_max_tokens": config.sampling.max_tokens,
+        "default_temperature": config.sampling.temperature,
+        "default_top_p": config.sampling.top_p,
+        "default_top_k": config.sampling.top_k,
+        "enforce_sampling": agent.enforce_sampling if agent is not None else True,
+        "strict_requests": agent.strict_requests if agent is not None else False,
+        "max_n": config.inference.max_batch_size,
+        "return_routed_experts": config.inference.return_routed_experts,
+        "max_model_len": config.inference.max_model_len,
+        "http_limits": config.inference.http_limits(),
+    }
+
+
 def build_proxy(
     config: RunConfig,
     client: Any,
@@ -66,43 +97,34 @@ def build_proxy(
     port: int | None = None,
     admin_token: str | None = None,
 ) -> TITOProxy:
-    """A TITO proxy over ``client`` as ``config`` describes it: it listens on ``agent.host``:``agent.port``
-    (``host`` and ``port`` override them; 127.0.0.1 and a free port without ``[agent]``), advertises
-    ``agent.advertise_url``, defaults requests to ``[sampling]`` and knows the engines' limits
-    (``inference.max_batch_size``, ``max_model_len``, ``return_routed_experts``). Without ``[agent]`` it
-    enforces the run's sampling (its samples train a policy at those settings) and tolerates unknown fields.
-    Not started: enter it (``async with``)."""
+    """A TITO proxy over ``client`` in this process, with ``proxy_options(config, ...)``. Not started: enter
+    it (``async with``)."""
     from rollflow.tito.proxy import TITOProxy
 
-    agent = config.agent
-    return TITOProxy(
-        client,
-        renderer,
-        tokenizer,
-        model_name=config.model.path,
-        host=host or (agent.host if agent is not None else "127.0.0.1"),
-        port=port if port is not None else (agent.port if agent is not None else 0),
-        advertise_url=agent.advertise_url if agent is not None else None,
-        admin_token=admin_token,
-        default_max_tokens=config.sampling.max_tokens,
-        default_temperature=config.sampling.temperature,
-        default_top_p=config.sampling.top_p,
-        default_top_k=config.sampling.top_k,
-        enforce_sampling=agent.enforce_sampling if agent is not None else True,
-        strict_requests=agent.strict_requests if agent is not None else False,
-        max_n=config.inference.max_batch_size,
-        return_routed_experts=config.inference.return_routed_experts,
-        max_model_len=config.inference.max_model_len,
-        http_limits=config.inference.http_limits(),
-    )
+    options = proxy_options(config, host=host, port=port, admin_token=admin_token)
+    return TITOProxy(client, renderer, tokenizer, **options)
+
+
+def build_agent_proxy(
+    config: RunConfig, client: Any, renderer: Any, tokenizer: Any
+) -> TITOProxy | ProxyWorkers:
+    """The proxy of a run's agents: in ``agent.proxy_workers`` worker processes (``ProxyWorkers``), or in
+    this process (``build_proxy``) when it is 0. Not started: enter it (``async with``)."""
+    workers = config.agent.proxy_workers if config.agent is not None else 0
+    if workers == 0:
+        return build_proxy(config, client, renderer, tokenizer)
+    from rollflow.tito.workers import ProxyWorkers
+
+    return ProxyWorkers(client, renderer, tokenizer, workers=workers, **proxy_options(config))
 
 
 @contextlib.asynccontextmanager
 async def build_agent_generator(
     config: RunConfig, client: Any, renderer: Any, tokenizer: Any
 ) -> AsyncIterator[AgentGenerator]:
-    """An ``AgentGenerator`` for ``config.agent`` over ``client``, with the ``TITOProxy`` it owns
-    (``build_proxy``), listening for as long as the context is open.
+    """An ``AgentGenerator`` for ``config.agent`` over ``client``, with the proxy it owns
+    (``build_agent_proxy``: in this process, or in ``agent.proxy_workers`` worker processes), listening for
+    as long as the context is open.
 
     Raises:
         ConfigError: ``config.agent`` is unset, its callable or composer does not resolve, or the traces
@@ -119,7 +141,7 @@ async def build_agent_generator(
         raise ConfigError("agent.max_seq_len must be set")
     agent = resolve_agent(settings.callable, settings.command, env=settings.env)
     composer = resolve_composer(settings.composer)
-    proxy = build_proxy(config, client, renderer, tokenizer)
+    proxy = build_agent_proxy(config, client, renderer, tokenizer)
     writer = None
     if settings.save_traces != "none":
         writer = await anyio.to_thread.run_sync(

@@ -51,6 +51,7 @@ from rollflow.tito.saved import TraceWriter, trace_record
 
 if TYPE_CHECKING:
     from rollflow.tito.proxy import TITOProxy
+    from rollflow.tito.workers import ProxyWorkers
 
 log = structlog.get_logger(__name__)
 
@@ -183,7 +184,8 @@ class AgentGenerator:
     """Generates a prompt's group by running the agent ``num_samples`` times, each in its own TITO session.
 
     Args:
-        proxy: the running proxy the agent talks to (owned by the caller; see ``rollflow.orchestrator.builders.build_agent_generator``).
+        proxy: the running proxy the agent talks to, in this process or in workers (owned by the caller; see
+            ``rollflow.orchestrator.builders.build_agent_generator``).
         agent: an async callable ``agent(base_url, task) -> reward``, e.g. from ``resolve_agent``.
         mode: the composer mode (``per_branch``, ``single_branch``, ``step_wise``).
         composer: a composer called like ``rollflow.tito.compose`` (default), or its import path.
@@ -198,7 +200,7 @@ class AgentGenerator:
 
     def __init__(
         self,
-        proxy: TITOProxy,
+        proxy: TITOProxy | ProxyWorkers,
         agent: AgentFn,
         *,
         mode: str = "per_branch",
@@ -282,7 +284,7 @@ class AgentGenerator:
                 prompt_index=request.prompt_index,
                 sample_index=sample_index,
                 seed=sample_seed(self.seed, request.prompt_index, sample_index),
-                model=self.proxy.settings.model_name,
+                model=self.proxy.model_name,
             )
             try:
                 reward, error, timed_out = await self._run_agent(session.base_url, task)
@@ -321,7 +323,7 @@ class AgentGenerator:
                     prompt_index=request.prompt_index,
                     sample_index=sample_index,
                     mask_reason=next((s.mask_reason for s in samples if s.masked), None),
-                    model=self.proxy.settings.model_name,
+                    model=self.proxy.model_name,
                 )
             )
         return samples, trace_metrics(trace, samples)

@@ -247,6 +247,11 @@ class TITOProxy:
         return self.advertise_url or self.base_url
 
     @property
+    def model_name(self) -> str:
+        """The model name agents pass (``model``), as ``ProxyWorkers.model_name``."""
+        return self.settings.model_name
+
+    @property
     def sessions(self) -> list[Session]:
         """Open sessions."""
         return list(self._by_id.values())
