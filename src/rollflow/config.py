@@ -562,9 +562,8 @@ class AgentConfig(Section):
     own (a free one; with one worker, ``port``) and serves the sessions opened on it, a new session going to
     the one with the fewest open; the run's process only answers their generate calls. Raise it when agents'
     turns outrun one event loop, above all with the engines in the run's process (``inference.mode =
-    "local"``), where the proxy's HTTP, rendering and parsing share one interpreter with them. Workers answer
-    a streamed request (``stream: true``) with one whole generation per turn. Above 1, ``port`` must be 0 and
-    ``advertise_url`` unset."""
+    "local"``), where the proxy's HTTP, rendering and parsing share one interpreter with them. Streamed
+    requests stream through the workers too. Above 1, ``port`` must be 0 and ``advertise_url`` unset."""
     save_traces: Literal["none", "sampled", "all"] = "none"
     """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
     trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,
