@@ -391,30 +391,27 @@ async def run(args) -> None:
                 "target_ratio": 0.8,
                 "unit": "1/s",
             },
+        ]
+        lines += [
             {
-                "figure": "p50_latency_ms",
+                "figure": figure,
                 "proxy_in": shape,
-                "proxy": round(proxy[1] * 1e3, 1),
-                "direct": round(direct[1] * 1e3, 1),
-                "added": round((proxy[1] - direct[1]) * 1e3, 1),
+                "proxy": round(proxy[i] * 1e3, 1),
+                "direct": round(direct[i] * 1e3, 1),
+                "added": round((proxy[i] - direct[i]) * 1e3, 1),
                 "unit": "ms",
-            },
-            {
-                "figure": "p99_latency_ms",
-                "proxy_in": shape,
-                "proxy": round(proxy[2] * 1e3, 1),
-                "direct": round(direct[2] * 1e3, 1),
-                "added": round((proxy[2] - direct[2]) * 1e3, 1),
-                "unit": "ms",
-            },
+            }
+            for figure, i in (("p50_latency_ms", 1), ("p99_latency_ms", 2))
+        ]
+        lines.append(
             {
                 "figure": "errors",
                 "proxy_in": shape,
                 "proxy": proxy[3],
                 "direct": direct[3],
                 "unit": "requests",
-            },
-        ]
+            }
+        )
     if stages is not None:
         lines.append(
             {

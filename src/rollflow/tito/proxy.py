@@ -36,7 +36,7 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Container, Coroutine
 from typing import Any
 
 import anyio
@@ -90,6 +90,32 @@ _ENCODER = msgspec.json.Encoder()
 # Closed sessions' tokens are remembered (to answer 409 rather than 404) up to this many.
 _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def claim_session_id(session_id: str | None, taken: Container[str]) -> str:
+    """``session_id`` for a new session (a random one when None), once checked against ``taken``: the ids of
+    open sessions and of remembered closed ones.
+
+    Raises:
+        ValueError: ``session_id`` is taken, or not 1-128 letters, digits, '.', '_', '-'.
+    """
+    if session_id is None:
+        return f"s-{secrets.token_hex(8)}"
+    if not _SESSION_ID.fullmatch(session_id):
+        raise ValueError(f"session_id {session_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
+    if session_id in taken:
+        raise ValueError(f"session_id {session_id!r} is already in use")
+    return session_id
+
+
+def remember_closed(closed: collections.OrderedDict[str, None], *keys: str) -> None:
+    """Add ``keys`` to the closed sessions' ids and tokens ``closed``, forgetting the oldest past a bound."""
+    for key in keys:
+        closed[key] = None
+    while len(closed) > _MAX_CLOSED_REMEMBERED:
+        closed.popitem(last=False)
+
+
 _SESSION_PREFIX = "/sessions/"
 _COMPLETIONS_SUFFIX = "/v1/chat/completions"
 # A streamed reply is parsed again at most after this many times the last parse's duration.
@@ -317,12 +343,7 @@ class TITOProxy:
         Raises:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
         """
-        if session_id is None:
-            session_id = f"s-{secrets.token_hex(8)}"
-        elif not _SESSION_ID.fullmatch(session_id):
-            raise ValueError(f"session_id {session_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
-        if session_id in self._by_id or session_id in self._closed:
-            raise ValueError(f"session_id {session_id!r} is already in use")
+        session_id = claim_session_id(session_id, self._by_id.keys() | self._closed.keys())
         token = secrets.token_urlsafe(24)
         base_url = f"{self.public_url}/sessions/{token}/v1"
         session = Session(session_id, token, base_url, self.client, self.renderer, self.settings)
@@ -361,10 +382,7 @@ class TITOProxy:
             trace.sealed = True  # also when the drain was cancelled; later operations then fail with 409
             self._sessions.pop(session.token, None)
             self._by_id.pop(session.session_id, None)
-            for key in (session.token, session.session_id):
-                self._closed[key] = None
-            while len(self._closed) > _MAX_CLOSED_REMEMBERED:
-                self._closed.popitem(last=False)
+            remember_closed(self._closed, session.token, session.session_id)
             session.close_done.set_result(None)
         finish_session = getattr(self.client, "finish_session", None)
         if finish_session is not None:  # a router forgets which server the session was pinned to

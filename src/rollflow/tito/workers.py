@@ -23,8 +23,6 @@ import collections
 import contextlib
 import itertools
 import pickle
-import re
-import secrets
 import socket
 import struct
 import sys
@@ -59,6 +57,7 @@ from rollflow.messages import (
     WorkerSetup,
     WorkerStream,
 )
+from rollflow.tito.proxy import claim_session_id, remember_closed
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.trace import Trace
 
@@ -66,8 +65,6 @@ log = structlog.get_logger(__name__)
 
 _HEADER = struct.Struct(">I")
 _NUMPY_EXT = 1  # msgpack extension code of a pickled numpy array (routed experts)
-_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-_MAX_CLOSED_REMEMBERED = 100_000
 
 
 class ProxyWorkerError(RollflowError):
@@ -425,12 +422,7 @@ class ProxyWorkers:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
             ProxyWorkerError: no worker could take it.
         """
-        if session_id is None:
-            session_id = f"s-{secrets.token_hex(8)}"
-        elif not _SESSION_ID.fullmatch(session_id):
-            raise ValueError(f"session_id {session_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
-        if session_id in self._sessions or session_id in self._closed:
-            raise ValueError(f"session_id {session_id!r} is already in use")
+        session_id = claim_session_id(session_id, self._sessions.keys() | self._closed.keys())
         worker = await self._live_worker()
         worker.sessions += 1
         try:
@@ -481,9 +473,7 @@ class ProxyWorkers:
         finally:
             session.worker.sessions -= 1
             self._sessions.pop(session.session_id, None)
-            self._closed[session.session_id] = None
-            while len(self._closed) > _MAX_CLOSED_REMEMBERED:
-                self._closed.popitem(last=False)
+            remember_closed(self._closed, session.session_id)
         trace.renderer = self.renderer
         finish_session = getattr(self.client, "finish_session", None)
         if finish_session is not None:  # a router forgets which server the session was pinned to
