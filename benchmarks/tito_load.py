@@ -13,7 +13,9 @@ for serving (``rollflow.eventloop.tune_gc_for_serving``); both paths share that 
 Each repeat then runs the proxy in its worker processes too (``rollflow.tito.workers.ProxyWorkers``, as
 ``agent.proxy_workers`` does; ``--proxy-workers``, default one worker): the agents' HTTP, rendering, parsing and
 traces move out of this process, which then only answers generate calls over a socket pair. Every figure names
-the proxy it was read from (``proxy_in``: ``in-process`` or ``workers=N``).
+the proxy it was read from (``proxy_in``: ``in-process`` or ``workers=N``). ``process_cpu_us_per_request``
+is this process's CPU per request while the agents ran, the engine's included: what each path leaves to the
+engine's interpreter (the direct baseline renders and parses here too).
 
 ``--engine server`` runs the engine as a ``rollflow serve`` process instead, as deployed: the proxy then shares
 no process with it. Both paths reach it through one ``RemoteInferenceClient`` (token-in/token-out over HTTP);
@@ -67,7 +69,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def direct_phase(engine, renderer, sessions: int, max_tokens: int) -> tuple[list[float], float, int]:
+async def direct_phase(
+    engine, renderer, sessions: int, max_tokens: int
+) -> tuple[list[float], float, int, float]:
+    """(latencies, elapsed s, errors, this process's CPU s) of the direct baseline."""
     from rollflow.messages import GenerateRequest, SamplingParams
 
     stop = tuple(renderer.get_stop_token_ids())
@@ -84,9 +89,9 @@ async def direct_phase(engine, renderer, sessions: int, max_tokens: int) -> tupl
             text = renderer.parse_response(output.token_ids).content
             history += [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(one(i) for i in range(sessions)))
-    return latencies, time.perf_counter() - start, 0
+    return latencies, time.perf_counter() - start, 0, time.process_time() - cpu
 
 
 # The agents of the "process" mode: every session's two turns over HTTP, from their own process.
@@ -135,7 +140,9 @@ def open_proxy(client, chat, workers: int):
 
 async def proxy_phase(
     client, chat, sessions: int, max_tokens: int, agents: str = "in-process", workers: int = 0
-) -> tuple[list[float], float, int]:
+) -> tuple[list[float], float, int, float]:
+    """(latencies, elapsed s, errors, this process's CPU s while the agents ran: with ``agents =
+    "in-process"`` that includes the agents' own)."""
     import aiohttp
 
     latencies: list[float] = []
@@ -147,12 +154,14 @@ async def proxy_phase(
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", AGENTS, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
             )
+            cpu = time.process_time()
             out, _ = await process.communicate(json.dumps(spec).encode() + b"\n")
+            cpu = time.process_time() - cpu
             result = json.loads(out.splitlines()[-1])
             for session in opened:
                 trace = await proxy.close_session(session)
                 result["errors"] += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
-            return result["latencies"], result["elapsed"], result["errors"]
+            return result["latencies"], result["elapsed"], result["errors"], cpu
         connector = aiohttp.TCPConnector(limit=sessions)
         async with aiohttp.ClientSession(connector=connector) as http:
 
@@ -173,10 +182,10 @@ async def proxy_phase(
                 trace = await proxy.close_session(session)
                 errors += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
 
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             await asyncio.gather(*(one(i) for i in range(sessions)))
-            elapsed = time.perf_counter() - start
-    return latencies, elapsed, errors
+            elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return latencies, elapsed, errors, cpu
 
 
 # Per-turn stages of the proxy path that run synchronously on the event loop: (stage, module, attribute path).
@@ -228,7 +237,7 @@ async def stage_costs(client, chat, sessions: int, max_tokens: int) -> dict[str,
     gc.callbacks.append(on_collection)
     try:
         start = time.thread_time_ns()
-        latencies, _, _ = await proxy_phase(client, chat, sessions, max_tokens, agents="process")
+        latencies, *_ = await proxy_phase(client, chat, sessions, max_tokens, agents="process")
         total = time.thread_time_ns() - start
     finally:
         gc.callbacks.remove(on_collection)
@@ -358,11 +367,13 @@ async def run(args) -> None:
             else None
         )
 
-    def summary(kind: str) -> tuple[float, float, float, int]:
+    def summary(kind: str) -> tuple[float, float, float, int, float]:
+        """(median requests/s, p50 s, p99 s, errors, median CPU us of this process per request)."""
         runs = results[kind]
-        rate = statistics.median(len(lat) / elapsed for lat, elapsed, _ in runs)
-        latencies = [x for lat, _, _ in runs for x in lat]
-        return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(e for _, _, e in runs)
+        rate = statistics.median(len(lat) / elapsed for lat, elapsed, _, _ in runs)
+        latencies = [x for lat, _, _, _ in runs for x in lat]
+        cpu = statistics.median(cpu / len(lat) * 1e6 for lat, _, _, cpu in runs)
+        return rate, percentile(latencies, 0.5), percentile(latencies, 0.99), sum(r[2] for r in runs), cpu
 
     direct = summary("direct")
     common = {
@@ -403,6 +414,17 @@ async def run(args) -> None:
             }
             for figure, i in (("p50_latency_ms", 1), ("p99_latency_ms", 2))
         ]
+        lines.append(
+            {
+                # This process's CPU per request while the agents ran (the engine's included): what the
+                # proxy leaves to the engine's interpreter.
+                "figure": "process_cpu_us_per_request",
+                "proxy_in": shape,
+                "proxy": round(proxy[4], 1),
+                "direct": round(direct[4], 1),
+                "unit": "us",
+            }
+        )
         lines.append(
             {
                 "figure": "errors",
