@@ -464,3 +464,24 @@ async def test_workers_exit_when_the_run_is_killed():
         await asyncio.sleep(0.05)
     os.kill(worker_pid, signal.SIGKILL)
     pytest.fail("the proxy worker outlived its run by 10 s")
+
+
+async def test_a_frame_that_is_not_a_link_message_loses_the_worker(tiny_chat):
+    """A peer that writes garbage is not a worker: its pending calls fail and it is marked lost, instead of
+    the run waiting forever on a reader that died."""
+    from rollflow.messages import WorkerOpen
+    from rollflow.tito.workers import _Worker
+
+    ours, theirs = socket.socketpair()
+    worker = _Worker(0, ScriptedClient(tiny_chat.tokenizer))
+    worker.link = await Link.open(ours)
+    worker._reader = asyncio.get_running_loop().create_task(worker._read())
+    peer = await Link.open(theirs)
+    call = asyncio.ensure_future(worker.call(WorkerOpen(0, "s")))
+    await asyncio.sleep(0.05)
+    peer.writer.write(b"\x00\x00\x00\x03abc")
+    with pytest.raises(ProxyWorkerError, match="not a link message"):
+        await asyncio.wait_for(call, 5)
+    assert worker.gone is not None and "not a link message" in worker.gone
+    await worker.stop()
+    peer.close()

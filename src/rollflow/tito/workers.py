@@ -108,11 +108,22 @@ class Link:
         self.writer.write(_HEADER.pack(len(body)) + body)
 
     async def receive(self) -> Any | None:
+        """The next message; None once the other end closed.
+
+        Raises:
+            ProxyWorkerError: a frame that is not a message of the link (the other end is not a peer).
+        """
         try:
             size = _HEADER.unpack(await self.reader.readexactly(_HEADER.size))[0]
-            return self._decoder.decode(await self.reader.readexactly(size))
+            frame = await self.reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionError):
             return None
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, ValueError) as error:
+            raise ProxyWorkerError(
+                f"a frame on the proxy worker link is not a link message: {error}"
+            ) from None
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -233,8 +244,25 @@ class _Worker:
         return await future
 
     async def _read(self) -> None:
+        """Serve the worker's messages until its link closes or breaks; then the worker is lost."""
         assert self.link is not None
-        while (message := await self.link.receive()) is not None:
+        reason = f"proxy worker {self.index} was stopped"
+        try:
+            await self._serve_link(self.link)
+            code = None if self.process is None else self.process.returncode
+            if code is None and self.process is not None:
+                with contextlib.suppress(TimeoutError):
+                    code = await asyncio.wait_for(self.process.wait(), 5.0)
+            reason = f"proxy worker {self.index} exited (code {code}); its log is above"
+        except ProxyWorkerError as error:
+            reason = f"proxy worker {self.index}: {error}"
+            log.error("proxy worker link broke", worker=self.index, error=str(error))
+            self.link.close()
+        finally:
+            self._lose(reason)
+
+    async def _serve_link(self, link: Link) -> None:
+        while (message := await link.receive()) is not None:
             if isinstance(message, WorkerGenerate | WorkerStream):
                 serve = self._generate if isinstance(message, WorkerGenerate) else self._stream
                 task = asyncio.get_running_loop().create_task(serve(message.id, message.request))
@@ -247,11 +275,6 @@ class _Worker:
                 future = self._calls.pop(message.call, None)
                 if future is not None and not future.done():
                     future.set_result(message)
-        code = None if self.process is None else self.process.returncode
-        if code is None and self.process is not None:
-            with contextlib.suppress(TimeoutError):
-                code = await asyncio.wait_for(self.process.wait(), 5.0)
-        self._lose(f"proxy worker {self.index} exited (code {code}); its log is above")
 
     async def _generate(self, request_id: int, request: GenerateRequest) -> None:
         try:
