@@ -15,6 +15,8 @@ import socket
 import sys
 from collections.abc import AsyncIterator
 
+import structlog
+
 from rollflow.errors import InferenceUnavailableError
 from rollflow.messages import (
     GenerateChunk,
@@ -34,6 +36,8 @@ from rollflow.messages import (
     WorkerStream,
 )
 from rollflow.tito.workers import Link, failure_error
+
+log = structlog.get_logger(__name__)
 
 
 class LinkClient:
@@ -131,13 +135,19 @@ async def serve(fd: int) -> None:
                     WorkerClosed(message.call, b"", f"no open session {message.session_id!r} on this worker")
                 )
                 return
-            trace = await proxy.close_session(
-                session,
-                error=message.error,
-                timed_out=message.timed_out,
-                drain_timeout_s=message.drain_timeout_s,
-            )
-            link.send(WorkerClosed(message.call, pickle.dumps(trace, protocol=pickle.HIGHEST_PROTOCOL)))
+            try:
+                trace = await proxy.close_session(
+                    session,
+                    error=message.error,
+                    timed_out=message.timed_out,
+                    drain_timeout_s=message.drain_timeout_s,
+                )
+                data = pickle.dumps(trace, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as error:  # the run must hear of it, or its close would wait forever
+                log.exception("closing a session failed", session=message.session_id)
+                link.send(WorkerClosed(message.call, b"", f"closing the session failed: {error!r}"))
+            else:
+                link.send(WorkerClosed(message.call, data))
 
         link.send(WorkerReady(proxy.public_url))
         while (message := await link.receive()) is not None:
