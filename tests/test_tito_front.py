@@ -13,7 +13,7 @@ from rollflow.inference.http_limits import HttpLimits
 from rollflow.tito import TITOProxy
 
 from .raw_http import exchange
-from .tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from .tito_fixtures import MODEL, ScriptedClient, tiny_chat, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.asyncio
 
@@ -191,16 +191,10 @@ async def test_a_caller_that_leaves_cancels_its_engine_request(tiny_chat):  # no
         _, writer = await connect(proxy)
         writer.write(chat_request(completions_path(session), ask()))
         await writer.drain()
-        for _ in range(500):
-            if client.requests:
-                break
-            await asyncio.sleep(0.01)
-        assert client.requests and len(proxy.fronts) == 1
+        await wait_until(lambda: client.requests)
+        assert len(proxy.fronts) == 1
         writer.close()
-        for _ in range(500):
-            if client.cancelled:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: client.cancelled)
         assert client.cancelled == 1
         trace = await proxy.close_session(session)
         assert trace.stats.turns == 0

@@ -29,7 +29,7 @@ from rollflow.errors import (
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, WorkerOutput
 from rollflow.tito.trace import Trace
 from rollflow.tito.workers import Link, ProxyWorkerError, ProxyWorkers, failure_error, failure_message
-from tests.tito_fixtures import MODEL, ScriptedClient, as_history_message, tiny_chat  # noqa: F401
+from tests.tito_fixtures import MODEL, ScriptedClient, as_history_message, tiny_chat, wait_until  # noqa: F401
 
 pytestmark = pytest.mark.asyncio
 
@@ -279,10 +279,7 @@ async def test_an_agent_that_disconnects_cancels_the_runs_generate(tiny_chat):
         session = await proxy.open_session()
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(post_chat(session.base_url, [{"role": "user", "content": "hi"}]), 1.0)
-        for _ in range(100):
-            if client.cancelled:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: client.cancelled)
         assert client.cancelled == 1
         trace = await proxy.close_session(session)
     assert trace.stats.turns == 0
@@ -293,18 +290,14 @@ async def test_close_without_drain_cancels_requests_in_flight(tiny_chat):
     async with workers_over(client, tiny_chat) as proxy:
         session = await proxy.open_session()
         request = asyncio.ensure_future(post_chat(session.base_url, [{"role": "user", "content": "hi"}]))
-        while not client.requests:
-            await asyncio.sleep(0.02)
+        await wait_until(lambda: client.requests)
         trace = await asyncio.wait_for(
             proxy.close_session(session, error="agent failed", drain_timeout_s=0), 10
         )
         status, body = await request
     assert status == 409 and body["error"]["code"] == "session_closed"
     assert trace.error == "agent failed" and trace.sealed
-    for _ in range(100):
-        if client.cancelled:
-            break
-        await asyncio.sleep(0.05)
+    await wait_until(lambda: client.cancelled)
     assert client.cancelled == 1
 
 

@@ -90,11 +90,15 @@ _ENCODER = msgspec.json.Encoder()
 # Closed sessions' tokens are remembered (to answer 409 rather than 404) up to this many.
 _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_SESSION_PREFIX = "/sessions/"
+_COMPLETIONS_SUFFIX = "/v1/chat/completions"
+# A streamed reply is parsed again at most after this many times the last parse's duration.
+PARSE_BACKOFF = 4.0
 
 
-def claim_session_id(session_id: str | None, taken: Container[str]) -> str:
-    """``session_id`` for a new session (a random one when None), once checked against ``taken``: the ids of
-    open sessions and of remembered closed ones.
+def claim_session_id(session_id: str | None, *taken: Container[str]) -> str:
+    """``session_id`` for a new session (a random one when None), once checked against each of ``taken``:
+    the ids of open sessions and of remembered closed ones.
 
     Raises:
         ValueError: ``session_id`` is taken, or not 1-128 letters, digits, '.', '_', '-'.
@@ -103,7 +107,7 @@ def claim_session_id(session_id: str | None, taken: Container[str]) -> str:
         return f"s-{secrets.token_hex(8)}"
     if not _SESSION_ID.fullmatch(session_id):
         raise ValueError(f"session_id {session_id!r} must be 1-128 letters, digits, '.', '_' or '-'")
-    if session_id in taken:
+    if any(session_id in ids for ids in taken):
         raise ValueError(f"session_id {session_id!r} is already in use")
     return session_id
 
@@ -114,12 +118,6 @@ def remember_closed(closed: collections.OrderedDict[str, None], *keys: str) -> N
         closed[key] = None
     while len(closed) > _MAX_CLOSED_REMEMBERED:
         closed.popitem(last=False)
-
-
-_SESSION_PREFIX = "/sessions/"
-_COMPLETIONS_SUFFIX = "/v1/chat/completions"
-# A streamed reply is parsed again at most after this many times the last parse's duration.
-PARSE_BACKOFF = 4.0
 
 
 class CloseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -343,7 +341,7 @@ class TITOProxy:
         Raises:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
         """
-        session_id = claim_session_id(session_id, self._by_id.keys() | self._closed.keys())
+        session_id = claim_session_id(session_id, self._by_id, self._closed)
         token = secrets.token_urlsafe(24)
         base_url = f"{self.public_url}/sessions/{token}/v1"
         session = Session(session_id, token, base_url, self.client, self.renderer, self.settings)

@@ -41,7 +41,6 @@ from rollflow.errors import (
     RollflowError,
 )
 from rollflow.messages import (
-    GenerateOutput,
     GenerateRequest,
     WorkerCancel,
     WorkerChunk,
@@ -264,8 +263,10 @@ class _Worker:
     async def _serve_link(self, link: Link) -> None:
         while (message := await link.receive()) is not None:
             if isinstance(message, WorkerGenerate | WorkerStream):
-                serve = self._generate if isinstance(message, WorkerGenerate) else self._stream
-                task = asyncio.get_running_loop().create_task(serve(message.id, message.request))
+                streamed = isinstance(message, WorkerStream)
+                task = asyncio.get_running_loop().create_task(
+                    self._answer(message.id, message.request, streamed)
+                )
                 self._generating[message.id] = task
             elif isinstance(message, WorkerCancel):
                 task = self._generating.pop(message.id, None)
@@ -276,36 +277,26 @@ class _Worker:
                 if future is not None and not future.done():
                     future.set_result(message)
 
-    async def _generate(self, request_id: int, request: GenerateRequest) -> None:
-        try:
-            output: GenerateOutput = await self.client.generate(request)
-        except asyncio.CancelledError:  # the worker's caller left; nobody waits for an answer
-            return
-        except Exception as error:
-            if not isinstance(error, InferenceError):
-                log.exception("generate for a proxy worker failed", worker=self.index)
-            reply: Any = failure_message(request_id, error)
-        else:
-            reply = WorkerOutput(request_id, output)
-        finally:
-            self._generating.pop(request_id, None)
-        if self.link is not None:
-            self.link.send(reply)
-
-    async def _stream(self, request_id: int, request: GenerateRequest) -> None:
+    async def _answer(self, request_id: int, request: GenerateRequest, streamed: bool) -> None:
+        """Generate ``request`` with the run's client and send the worker the output, each chunk of it
+        (``streamed``), or the failure."""
         assert self.link is not None
         try:
-            async with contextlib.aclosing(self.client.generate_stream(request)) as chunks:
-                async for chunk in chunks:
-                    self.link.send(WorkerChunk(request_id, chunk))
-        except asyncio.CancelledError:  # the worker's caller left; closing the stream ended the request
+            if streamed:
+                async with contextlib.aclosing(self.client.generate_stream(request)) as chunks:
+                    async for chunk in chunks:
+                        self.link.send(WorkerChunk(request_id, chunk))
+                return
+            reply: Any = WorkerOutput(request_id, await self.client.generate(request))
+        except asyncio.CancelledError:  # the worker's caller left: nobody waits (a closed stream ended)
             return
         except Exception as error:
             if not isinstance(error, InferenceError):
-                log.exception("streaming for a proxy worker failed", worker=self.index)
-            self.link.send(failure_message(request_id, error))
+                log.exception("generating for a proxy worker failed", worker=self.index)
+            reply = failure_message(request_id, error)
         finally:
             self._generating.pop(request_id, None)
+        self.link.send(reply)
 
     def _lose(self, reason: str) -> None:
         """The worker is gone: its pending calls fail and its generations stop."""
@@ -445,7 +436,7 @@ class ProxyWorkers:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
             ProxyWorkerError: no worker could take it.
         """
-        session_id = claim_session_id(session_id, self._sessions.keys() | self._closed.keys())
+        session_id = claim_session_id(session_id, self._sessions, self._closed)
         worker = await self._live_worker()
         worker.sessions += 1
         try:
