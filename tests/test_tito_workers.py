@@ -114,7 +114,7 @@ async def test_close_twice_returns_the_same_trace_and_ids_stay_taken(tiny_chat):
             await proxy.open_session("once")
         # The closed session's URL is refused by its worker.
         status, body = await post_chat(session.base_url, [{"role": "user", "content": "hi"}])
-        assert status in (404, 409) and "error" in body
+        assert status == 409 and body["error"]["code"] == "session_closed"
         # The run asked the engine exactly once.
         assert len(client.requests) == 1
 
@@ -295,10 +295,11 @@ async def test_close_without_drain_cancels_requests_in_flight(tiny_chat):
             proxy.close_session(session, error="agent failed", drain_timeout_s=0), 10
         )
         status, body = await request
+        # While the worker lives: its cancel, not its shutdown, ended the run's generate.
+        await wait_until(lambda: client.cancelled)
+        assert client.cancelled == 1
     assert status == 409 and body["error"]["code"] == "session_closed"
     assert trace.error == "agent failed" and trace.sealed
-    await wait_until(lambda: client.cancelled)
-    assert client.cancelled == 1
 
 
 # ------------------------------------------------------------------------------------- lost workers
