@@ -48,11 +48,11 @@ def tiny_moe_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def inference_servers(tmp_path_factory):
-    """Two real ``rollflow serve`` servers shared by the HTTP tests (see ``tests/inference_servers.py``).
+    """Two real ``rollflow serve`` servers shared by the HTTP tests (see ``tests/helpers/servers.py``).
 
     Tests must leave them running and unpaused; a test that kills a server starts its own.
     """
-    from .inference_servers import BackgroundServerGroup
+    from .helpers.servers import BackgroundServerGroup
 
     servers = BackgroundServerGroup(2, tmp_path_factory.mktemp("inference-servers"))
     yield servers
@@ -78,7 +78,8 @@ def uncached_engine(tiny_model_dir):
     asyncio.run(engine.shutdown())
 
 
-from .ray_cluster_fixture import ray_cluster  # noqa: E402, F401  (the session's one Ray cluster)
+from .helpers.ray_cluster import ray_cluster  # noqa: E402, F401  (the session's one Ray cluster)
+from .helpers.tito import tiny_chat  # noqa: E402, F401  (the tiny model's tokenizer and renderer)
 
 # ---------------------------------------------------------------- the inference client under test
 
@@ -88,16 +89,16 @@ _TEST_KINDS = pytest.StashKey[dict[str, str]]()
 
 
 def pytest_configure(config):
-    from .inference_clients import suite_inference_mode
+    from .helpers.clients import suite_inference_mode
 
     suite_inference_mode()  # a bad $ROLLFLOW_INFERENCE_MODE is a usage error before anything runs
 
 
 @pytest.fixture(scope="session")
 def inference_backend(request, tmp_path_factory):
-    """The engines behind ``inference_client``, shared by the session (see ``tests/inference_clients.py``):
+    """The engines behind ``inference_client``, shared by the session (see ``tests/helpers/clients.py``):
     read-only by contract, so a test that moves weights starts its own."""
-    from .inference_clients import HttpBackend, LocalBackend, suite_inference_mode
+    from .helpers.clients import HttpBackend, LocalBackend, suite_inference_mode
 
     if suite_inference_mode() == "local":
         backend = LocalBackend(request.getfixturevalue("tiny_model_dir"))
@@ -149,7 +150,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, config):
     """How many tests that drive inference ran, by kind, and the mode the mode-following ones ran in."""
-    from .inference_clients import suite_inference_mode
+    from .helpers.clients import suite_inference_mode
 
     kinds = config.stash.get(_TEST_KINDS, {})
     ran = {"follows_mode": 0, "local_only": 0, "http_only": 0}

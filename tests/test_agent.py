@@ -2,9 +2,6 @@
 ``inference_client`` fixture): callable agents written with the official ``openai`` SDK, the example's
 summarizing agent, timeouts, failures, command agents, and ``rollflow generate`` end to end."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +18,7 @@ import pytest
 from rollflow.messages import RolloutRequest, ScoredGroup
 from rollflow.rollout.agent import AgentGenerator, CommandAgent
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL
 
 from .conftest import REPO_ROOT
 
@@ -344,7 +341,7 @@ def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):
     agent's calls go proxy → router → 2 engine servers."""
     import subprocess
 
-    from .inference_clients import suite_inference_mode
+    from .helpers.clients import suite_inference_mode
 
     mode = suite_inference_mode()
 

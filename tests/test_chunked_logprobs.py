@@ -16,7 +16,7 @@ from rollflow.train.losses import (
     token_logprobs,
 )
 
-from .test_train import PackingTrainer, make_batch
+from .helpers.training import PackingTrainer, make_batch
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The real CLI in subprocesses, signalled inside a chosen phase (``tests/paused_run.py`` holds it): one
-live run per run directory, SIGTERM at setup, mid-step and mid-checkpoint (exit 143, no process left
+"""The real CLI in subprocesses, signalled inside a chosen phase (``tests/helpers/paused_run.py`` holds it):
+one live run per run directory, SIGTERM at setup, mid-step and mid-checkpoint (exit 143, no process left
 behind, and the resumed run trains every prompt exactly once)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from .conftest import REPO_ROOT
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
-PAUSED_RUN = Path(__file__).with_name("paused_run.py")
+PAUSED_RUN = Path(__file__).parent / "helpers" / "paused_run.py"
 STEPS, PROMPTS_PER_STEP = 6, 4
 SMALL_RUN = [
     "--no-progress",

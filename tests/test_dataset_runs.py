@@ -11,7 +11,7 @@ import pytest
 
 from rollflow import Orchestrator, load_config
 
-from .test_datasets import case_rows, write_jsonl, write_parquet
+from .helpers.data import case_rows, write_jsonl, write_parquet
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -3,9 +3,6 @@ an unavailable server is retryable), every listener answers it with the same JSO
 weight barrier retries only what is retryable, and an agent whose prompt outgrows the context yields the same
 samples and metrics in ``local`` and ``http`` mode."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -34,7 +31,7 @@ from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.rollout.agent import AgentGenerator
 from rollflow.tito import TITOProxy
 from rollflow.weights import StaticWeights
-from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

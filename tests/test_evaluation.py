@@ -11,7 +11,7 @@ import pytest
 from rollflow import Orchestrator, load_config
 from rollflow.errors import ConfigError
 
-from .test_datasets import case_rows, write_jsonl
+from .helpers.data import case_rows, write_jsonl
 
 EVAL = [
     "orchestrator.prompts_per_step=2",

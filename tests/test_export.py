@@ -13,7 +13,7 @@ from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.checkpoint import load_policy_weights
 from rollflow.train.export import HF_DIR, save_hf_model
 
-from .test_train import PackingTrainer, make_batch
+from .helpers.training import PackingTrainer, make_batch
 
 
 def test_checkpoint_hf_directory_loads_as_is_with_the_trained_logits(tiny_model_dir, tmp_path):

@@ -22,7 +22,7 @@ from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.checkpoint import STATE_FILE, OrchestratorState
 from rollflow.train.trainer import OPTIMIZER_FILE
 
-from .test_train import make_batch, make_trainer
+from .helpers.training import make_batch, make_trainer
 
 STEPS = (1, 2)
 

@@ -16,7 +16,7 @@ from rollflow.inference.engine.server import EngineServer
 from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from rollflow.orchestrator import Orchestrator
 
-from .test_colocation import (
+from .helpers.colocation import (
     QUICKSTART,
     StateDictReceiver,
     call,

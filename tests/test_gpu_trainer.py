@@ -15,7 +15,7 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
 
-from .test_train import PackingTrainer
+from .helpers.training import PackingTrainer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,8 +16,8 @@ from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.weights import WeightTransfer, create_strategy
 
-from .test_train import make_batch
-from .test_weight_push import GREEDY, PROMPTS, server_outputs
+from .helpers.training import make_batch
+from .helpers.weights import GREEDY, PROMPTS, server_outputs
 
 pytestmark = [
     pytest.mark.http_only(reason="a CUDA trainer pushing into a server"),
@@ -38,7 +38,7 @@ def second_gpu() -> str:
 def cuda_servers(tmp_path_factory):
     """``rollflow serve --device cuda`` engines, one per GPU placement, started on first use: ``same`` shares
     the trainer's GPU (colocated), ``other`` has the second GPU to itself."""
-    from .inference_servers import BackgroundServerGroup
+    from .helpers.servers import BackgroundServerGroup
 
     started: dict[str, BackgroundServerGroup] = {}
 

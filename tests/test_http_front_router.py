@@ -14,7 +14,7 @@ from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 
-from .raw_http import exchange
+from .helpers.raw_http import exchange
 
 pytestmark = pytest.mark.asyncio
 

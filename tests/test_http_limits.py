@@ -5,9 +5,6 @@ timeout passes; an idle kept-alive connection is closed too; beyond ``max_connec
 The last test holds 50 stalled connections against the engine server and checks that it keeps answering.
 """
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 TIMEOUT_S = 0.5
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-HEAVY = ("torch", "transformers", "vllm", "ray")
+from .helpers.imports import assert_light_imports
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 
 
@@ -24,10 +24,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
     ],
 )
 def test_light_imports(modules):
-    code = f"import sys\nimport {modules}\nprint(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "", f"`import {modules}` pulled in: {result.stdout.strip()}"
+    assert_light_imports(modules)
 
 
 def test_lazy_public_api_resolves():

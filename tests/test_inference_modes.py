@@ -6,7 +6,7 @@ from __future__ import annotations
 from rollflow.inference.client import InferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
 
-from .inference_clients import suite_inference_mode
+from .helpers.clients import suite_inference_mode
 
 
 async def test_the_client_is_of_the_suites_mode_and_samples(inference_client, inference_backend):

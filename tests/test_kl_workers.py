@@ -14,8 +14,8 @@ from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.train.trainer import Trainer
 from rollflow.train.workers import TrainerWorkers
 
-from .test_train import make_batch
-from .test_trainer_workers import PARITY, WEIGHT_PARITY, spec
+from .helpers.training import make_batch
+from .helpers.workers import PARITY, WEIGHT_PARITY, spec
 
 KL = {"kl_coef": 0.5, "lr": 1e-3}  # large enough that the second step's KL is well above PARITY
 

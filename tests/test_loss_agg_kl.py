@@ -13,8 +13,7 @@ from rollflow.train.advantages import compute_advantages, kl_penalised_advantage
 from rollflow.train.aggregation import UpdateCounts, kl_estimate, token_loss_scale, update_counts
 from rollflow.train.losses import ppo_clip_loss
 
-from .test_train import make_sample
-from .test_train_off_policy import logprobs_of, make_batch, make_trainer
+from .helpers.training import logprobs_of, make_behaviour_batch, make_off_policy_trainer, make_sample
 
 AGGREGATIONS = ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"]
 ESTIMATORS = ["k1", "k2", "k3", "low_var_k3"]
@@ -102,10 +101,10 @@ def hand_aggregate_tensor(terms: torch.Tensor, mask: torch.Tensor, agg: str) -> 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
 def test_the_trainer_minimises_the_chosen_aggregation(base_model, agg):
     """One on-policy update: loss and gradient are the aggregation of ``-A * pi / sg[pi]`` by hand."""
-    batch = make_batch(base_model, seed=11, groups=2, group_size=3)
+    batch = make_behaviour_batch(base_model, seed=11, groups=2, group_size=3)
     constant_norm = CONSTANT if agg == "constant" else None
     model = copy.deepcopy(base_model)
-    result = make_trainer(
+    result = make_off_policy_trainer(
         model, "none", loss_agg=agg, constant_norm=constant_norm, micro_batch_size=2
     ).train_step(batch)
 
@@ -222,7 +221,7 @@ def test_kl_penalised_advantages_by_hand():
 def test_kl_in_the_reward_moves_the_advantages_and_leaves_the_loss_without_kl(base_model):
     model = copy.deepcopy(base_model)
     kl_coef, estimator = 0.5, "k3"
-    trainer = make_trainer(
+    trainer = make_off_policy_trainer(
         model,
         "none",
         kl_coef=kl_coef,
@@ -232,12 +231,12 @@ def test_kl_in_the_reward_moves_the_advantages_and_leaves_the_loss_without_kl(ba
         clip_low=10,
         clip_high=10,
     )
-    first = trainer.train_step(make_batch(base_model, seed=1))
+    first = trainer.train_step(make_behaviour_batch(base_model, seed=1))
     assert first.metrics["kl"] == pytest.approx(
         0.0, abs=1e-7
     )  # the policy is the reference before any update
     start = copy.deepcopy(model)  # the weights the second step starts from
-    batch = make_batch(base_model, seed=2, groups=3, group_size=3)
+    batch = make_behaviour_batch(base_model, seed=2, groups=3, group_size=3)
     second = trainer.train_step(batch)
 
     kl_total, tokens, advantages, loss_terms = 0.0, 0, [], []

@@ -14,20 +14,7 @@ from rollflow import Orchestrator, load_config
 from rollflow.errors import CheckpointError, ConfigError
 from rollflow.rollout.tasks import TaskItem
 
-SMALL = [
-    "orchestrator.prompts_per_step=4",
-    "sampling.samples_per_prompt=4",
-    "sampling.max_tokens=4",
-    "data.task='digit'",
-]
-
-
-def small_config(tmp_path: Path, *overrides: str):
-    return load_config([], [f"output_dir='{tmp_path / 'runs'}'", "name=t", *SMALL, *overrides])
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+from .helpers.runs import read_jsonl, small_config
 
 
 @pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE

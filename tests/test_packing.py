@@ -19,7 +19,7 @@ from rollflow.orchestrator.packing import loss_token_count, pack_batch, sample_l
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.trainer import Trainer, build_micro_batch
 
-from .test_train import make_batch
+from .helpers.training import make_batch
 
 
 def random_batch(seed: int, groups: int = 8, group_size: int = 4, masked_every: int = 5) -> TrainBatch:

@@ -16,8 +16,8 @@ from rollflow.messages import TrainBatch
 from rollflow.orchestrator.packing import pack_batch, pack_for_trainer
 from rollflow.train.advantages import compute_advantages
 
-from .test_train import make_batch as make_varied_batch
-from .test_train_off_policy import logprobs_of, make_batch, make_trainer, perturbed
+from .helpers.training import logprobs_of, make_behaviour_batch, make_off_policy_trainer, perturbed
+from .helpers.training import make_batch as make_varied_batch
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def hand_ppo(table: dict, off_policy: str, cap: float = 10.0) -> dict[str, torch
 def trained(model, batch: TrainBatch, off_policy: str, **config):
     """A copy of ``model`` after one step on ``batch``, and the step's result."""
     copied = copy.deepcopy(model)
-    result = make_trainer(copied, off_policy, **config).train_step(batch)
+    result = make_off_policy_trainer(copied, off_policy, **config).train_step(batch)
     return copied, result
 
 
@@ -80,7 +80,7 @@ COMMON = dict(lr=1e-2, clip_low=CLIP, clip_high=CLIP, tis_cap=10.0)
 @pytest.mark.parametrize("off_policy", ["none", "tis"])
 def test_the_second_epochs_ratio_is_against_the_start_of_the_step_by_hand(base_model, off_policy):
     current = perturbed(base_model, seed=1)  # the sampler's version 0 is base_model: stale samples
-    batch = make_batch(base_model, seed=1, groups=2, group_size=4)
+    batch = make_behaviour_batch(base_model, seed=1, groups=2, group_size=4)
     # The first pass is exactly a one-update step: its weights are the second pass's policy.
     after_first, _ = trained(current, batch, off_policy, **COMMON)
     _, result = trained(current, batch, off_policy, ppo_epochs=2, **COMMON)
@@ -108,7 +108,7 @@ def test_the_second_epochs_ratio_is_against_the_start_of_the_step_by_hand(base_m
 
 def test_a_later_mini_batch_takes_its_ratio_against_the_start_of_the_step(base_model):
     current = perturbed(base_model, seed=2)
-    batch = make_batch(base_model, seed=2, groups=4, group_size=3)
+    batch = make_behaviour_batch(base_model, seed=2, groups=4, group_size=3)
     first_half = TrainBatch(step=0, groups=batch.groups[:2])
     after_first, _ = trained(current, first_half, "tis", **COMMON)
     _, result = trained(current, batch, "tis", mini_batches=2, **COMMON)
@@ -133,7 +133,7 @@ def test_micro_batching_does_not_change_several_updates(base_model):
     runs = []
     for micro_batch_size in (64, 3):
         model = copy.deepcopy(base_model)
-        result = make_trainer(
+        result = make_off_policy_trainer(
             model, "tis", micro_batch_size=micro_batch_size, ppo_epochs=2, mini_batches=2, lr=1e-2
         ).train_step(batch)
         runs.append((result.metrics, {name: t.clone() for name, t in model.state_dict().items()}))
@@ -146,11 +146,13 @@ def test_micro_batching_does_not_change_several_updates(base_model):
 
 
 def test_an_empty_mini_batch_is_no_update_and_a_non_finite_one_is_skipped_alone(base_model):
-    batch = make_batch(base_model, seed=4, groups=4, group_size=2)
+    batch = make_behaviour_batch(base_model, seed=4, groups=4, group_size=2)
     for sample in batch.groups[1].samples:
         sample.masked = True  # mini-batch 2 of 4 has nothing to train
     batch.groups[3].samples[0].logprobs[0] = float("nan")  # mini-batch 4's loss is not finite
-    result = make_trainer(copy.deepcopy(base_model), "tis", mini_batches=4, ppo_epochs=2).train_step(batch)
+    result = make_off_policy_trainer(
+        copy.deepcopy(base_model), "tis", mini_batches=4, ppo_epochs=2
+    ).train_step(batch)
     assert result.updated and result.metrics["skipped_update"] == 0.0
     assert result.metrics["num_updates"] == 4.0  # 2 passes x (4 mini-batches - 1 empty - 1 non-finite)
 
@@ -231,7 +233,7 @@ def test_fsdp2_workers_take_the_same_updates_as_one_trainer(tiny_model_dir, base
 async def test_a_run_in_a_trainer_process_logs_each_pass(tmp_path):
     from rollflow import Orchestrator
 
-    from .test_orchestrator import read_jsonl, small_config
+    from .helpers.runs import read_jsonl, small_config
 
     # In a child process (``placement = "process"``): the same updates travel through its pipe.
     config = small_config(

@@ -4,9 +4,6 @@ Engine server (``rollflow serve``'s) and TITO proxy on real loopback servers wit
 tokenizer and renderer are wrapped to record which thread did the work.
 """
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import threading
@@ -16,7 +13,7 @@ import aiohttp
 import pytest
 
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, max_prompt_chars, max_token_chars
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 
 class Recording:

@@ -214,7 +214,7 @@ async def test_setup_external_proxy_with_and_without_servers(tmp_path, servers):
 async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
     from rollflow.inference.setup import get_inference_client
 
-    from .test_server_group import wait_dead
+    from .helpers.processes import wait_dead
 
     before = server_children(), server_children("router")
     config = http_config(tmp_path, num_servers=1, max_batch_size=4, router="always", niceness=3)

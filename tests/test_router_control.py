@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two servers of this module's own: it pushes weights and sleeps them, which the shared ones must not."""
-    from .inference_servers import BackgroundServerGroup
+    from .helpers.servers import BackgroundServerGroup
 
     group = BackgroundServerGroup(2, tmp_path_factory.mktemp("router-control"))
     yield group

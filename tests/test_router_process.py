@@ -35,7 +35,7 @@ async def test_a_taken_port_fails_naming_the_router_and_quoting_its_log(tmp_path
 async def test_routes_to_its_servers_and_stops(tmp_path, inference_servers):
     import aiohttp
 
-    from .test_server_group import wait_dead
+    from .helpers.processes import wait_dead
 
     async with RouterProcess(inference_servers.urls, tmp_path, health_check_interval_s=0.5) as router:
         pids = router.pids

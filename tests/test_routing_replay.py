@@ -23,7 +23,7 @@ from rollflow.train import routing_replay
 from rollflow.train.losses import model_token_logprobs
 from rollflow.train.trainer import Trainer
 
-from .test_train import PackingTrainer
+from .helpers.training import PackingTrainer
 
 
 @pytest.fixture(scope="module")

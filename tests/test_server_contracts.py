@@ -3,9 +3,6 @@ deeply nested JSON, out-of-range ports, logprob bytes of partial-character token
 policy versions that go backwards, model paths blamed on the port, and the API key over the dangerous
 control endpoints."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +16,7 @@ import pytest
 
 from rollflow.inference.token_bytes import token_bytes
 from rollflow.tito import TITOProxy
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 KEY = "contract-key"
 DEEP = b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}]}"

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import aiohttp
 import pytest
@@ -22,25 +21,7 @@ from rollflow.inference.server_group import (
     build_vllm_server_command,
 )
 
-
-def process_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_dead(pids: list[int], timeout_s: float = 15.0) -> list[int]:
-    """Pids still alive after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = [pid for pid in pids if process_alive(pid)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [pid for pid in pids if process_alive(pid)]
+from .helpers.processes import process_alive, wait_dead
 
 
 def test_server_start_error_is_a_rollflow_error():

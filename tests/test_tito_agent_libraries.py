@@ -10,9 +10,6 @@ the composed samples train exactly the tokens each engine call returned, after e
 (``assert_parity``), a stop string's cut included.
 """
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +19,7 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy
-from tests.tito_fixtures import MODEL, ScriptedPolicy, assert_parity, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedPolicy, assert_parity
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,9 +1,6 @@
 """Composer modes and masking, a user composer by import path, and the proof that composed samples hold
 exactly the sampled tokens: the model's own logprobs recomputed on them equal the recorded ones."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import openai
@@ -11,13 +8,12 @@ import pytest
 
 from rollflow.errors import ConfigError
 from rollflow.tito import TITOProxy, compose, resolve_composer, trace_metrics
-from tests.tito_fixtures import (  # noqa: F401
+from tests.helpers.tito import (
     MODEL,
     ScriptedClient,
     as_history_message,
     ask,
     make_session,
-    tiny_chat,
 )
 
 pytestmark = pytest.mark.asyncio

@@ -12,8 +12,8 @@ import pytest
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.tito import TITOProxy
 
-from .raw_http import exchange
-from .tito_fixtures import MODEL, ScriptedClient, tiny_chat, wait_until  # noqa: F401
+from .helpers.raw_http import exchange
+from .helpers.tito import MODEL, ScriptedClient, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -41,7 +41,7 @@ async def connect(proxy: TITOProxy):
 
 
 @pytest.fixture
-async def proxy(tiny_chat):  # noqa: F811
+async def proxy(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer)
     async with TITOProxy(
         client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, max_model_len=64
@@ -184,7 +184,7 @@ async def test_pipelined_requests_are_answered_in_order(proxy):
     assert "one" in prompts[0] and "two" in prompts[1]
 
 
-async def test_a_caller_that_leaves_cancels_its_engine_request(tiny_chat):  # noqa: F811
+async def test_a_caller_that_leaves_cancels_its_engine_request(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer, delay_s=30)
     async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
@@ -200,7 +200,7 @@ async def test_a_caller_that_leaves_cancels_its_engine_request(tiny_chat):  # no
         assert trace.stats.turns == 0
 
 
-async def test_a_body_that_stops_arriving_gets_408(tiny_chat):  # noqa: F811
+async def test_a_body_that_stops_arriving_gets_408(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer)
     limits = HttpLimits(body_timeout_s=0.3)
     async with TITOProxy(

@@ -1,8 +1,5 @@
 """The proxy's HTTP contract: every bad input is a JSON 4xx naming the problem; never a 5xx."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +9,7 @@ import aiohttp
 import pytest
 
 from rollflow.tito import TITOProxy
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 pytestmark = pytest.mark.asyncio
 

@@ -2,9 +2,6 @@
 while open and are released from the router when closed; agents reach sessions by an advertised URL; the
 proxy lets go of its socket even when its close is cancelled."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +15,7 @@ from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
 from rollflow.tito import TITOProxy
-from tests.tito_fixtures import MODEL, ScriptedClient, assert_parity, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient, assert_parity
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
@@ -71,7 +68,7 @@ async def test_100_sessions_through_the_router_leave_no_pins(router, inference_s
 async def test_multi_turn_tool_session_over_http_is_token_exact(router, inference_servers, tiny_chat):
     """The same parity as in process: what the servers sampled is what is trained, after the exact
     prompts they got (the policy wraps the HTTP client)."""
-    from tests.tito_fixtures import ScriptedPolicy
+    from tests.helpers.tito import ScriptedPolicy
 
     remote = RemoteInferenceClient(router.url, inference_servers.urls)
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'

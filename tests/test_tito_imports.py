@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tests import test_imports
+from tests.helpers.imports import assert_light_imports
 
 
 def test_tito_proxy_imports_light():
-    test_imports.test_light_imports(
+    assert_light_imports(
         "rollflow.tito, rollflow.tito.proxy, rollflow.tito.composer, rollflow.tito.workers, rollflow.tito.worker"
     )

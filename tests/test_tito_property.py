@@ -2,9 +2,6 @@
 repeat a request), composed samples never mark a token trainable that was not sampled exactly there, and
 every sampled token is trainable in exactly one sample."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollflow.tito import compose
-from tests.tito_fixtures import ScriptedClient, as_history_message, ask, make_session, tiny_chat  # noqa: F401
+from tests.helpers.tito import ScriptedClient, as_history_message, ask, make_session
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}

@@ -2,9 +2,6 @@
 over the tiny model in the suite's inference mode (``inference_client``); plus retries, concurrency,
 disconnects and clean shutdown."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +14,7 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 pytestmark = pytest.mark.asyncio
 

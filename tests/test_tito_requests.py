@@ -2,9 +2,6 @@
 completes one, and exactly the tokens up to it are recorded and trained), n > 1 (sibling branches), vLLM's
 sampling extras under enforced sampling, per-request ``chat_template_kwargs``, ``return_token_ids``."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +10,11 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import (  # noqa: F401
+from tests.helpers.tito import (
     MODEL,
     ScriptedClient,
     ScriptedPolicy,
     assert_parity,
-    tiny_chat,
 )
 
 pytestmark = pytest.mark.asyncio

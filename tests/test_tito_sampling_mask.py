@@ -1,16 +1,13 @@
 """Agent samples carry the sampler's kept sets: the TITO proxy records each turn's kept counts (streamed or
 not, over several turns) and the composer puts them on the sampled tokens of the training sample."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import openai
 import pytest
 
 from rollflow.tito import TITOProxy, compose
-from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL
 
 pytestmark = pytest.mark.asyncio
 

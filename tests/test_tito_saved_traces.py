@@ -1,9 +1,6 @@
 """Agent traces kept with a run (``agent.save_traces``) and ``rollflow trace RUN``'s HTML page, checked by
 parsing the page: every token coloured by whether it is trained, forks marked, nothing loaded from outside."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import json
@@ -18,7 +15,7 @@ from rollflow.rollout.agent import AgentGenerator
 from rollflow.tito import TITOProxy
 from rollflow.tito.saved import TraceWriter, read_traces
 from rollflow.tito.trace_page import render_trace_page
-from tests.tito_fixtures import MODEL, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL
 
 from .conftest import REPO_ROOT
 

@@ -4,9 +4,6 @@ Work is counted (message comparisons, tokens handed to the renderer), not timed,
 machine; ``benchmarks/tito_turns.py`` and ``benchmarks/tito_load.py`` measure the time and bytes.
 """
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import gc
@@ -16,7 +13,7 @@ import pytest
 
 from rollflow.tito.store import NodeStore
 from rollflow.tito.trace import Sampled, Trace
-from tests.tito_fixtures import ScriptedClient, as_history_message, ask, make_session, tiny_chat  # noqa: F401
+from tests.helpers.tito import ScriptedClient, as_history_message, ask, make_session
 
 pytestmark = pytest.mark.asyncio
 

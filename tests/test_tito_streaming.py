@@ -1,9 +1,6 @@
 """Streaming through the TITO proxy: deltas reach the agent while the engine samples, they add up to the
 recorded message, the trace holds exactly the sampled tokens, and a client that leaves mid-stream aborts."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +16,7 @@ from rollflow.inference.client import LocalInferenceClient
 from rollflow.inference.streaming import TextDeltas
 from rollflow.messages import GenerateChunk, GenerateRequest
 from rollflow.tito import TITOProxy
-from tests.tito_fixtures import MODEL, ScriptedClient, tiny_chat  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,8 +1,5 @@
 """Rendering against the trace: bridge when safe, full render otherwise, forks where tokens differ."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import numpy as np
@@ -10,7 +7,7 @@ import pytest
 
 from rollflow.tito import RoutedExpertsError, compose
 from rollflow.tito.trace import Sampled
-from tests.tito_fixtures import ScriptedClient, as_history_message, ask, make_session, tiny_chat  # noqa: F401
+from tests.helpers.tito import ScriptedClient, as_history_message, ask, make_session
 
 pytestmark = pytest.mark.asyncio
 

@@ -2,9 +2,6 @@
 (aiohttp and the official ``openai`` client), the run's client in this process. Each test that starts
 workers pays ~2 s for the worker's start-up."""
 
-# Fixtures are imported from tests.tito_fixtures, so test arguments shadow those names.
-# ruff: noqa: F811
-
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +26,7 @@ from rollflow.errors import (
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, WorkerOutput
 from rollflow.tito.trace import Trace
 from rollflow.tito.workers import Link, ProxyWorkerError, ProxyWorkers, failure_error, failure_message
-from tests.tito_fixtures import MODEL, ScriptedClient, as_history_message, tiny_chat, wait_until  # noqa: F401
+from tests.helpers.tito import MODEL, ScriptedClient, as_history_message, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -361,7 +358,7 @@ async def test_bad_arguments_and_session_ids_are_refused(tiny_chat):
 
 async def test_a_sealed_trace_pickles_without_its_renderer(tiny_chat):
     from rollflow.tito.testing import make_session
-    from tests.tito_fixtures import ask
+    from tests.helpers.tito import ask
 
     session = make_session(ScriptedClient(tiny_chat.tokenizer), tiny_chat)
     turn = await ask(session, [{"role": "user", "content": "hi"}])
@@ -418,7 +415,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from rollflow.tito.testing import load_tiny_chat
 from rollflow.tito.workers import ProxyWorkers
 sys.path.insert(0, os.getcwd())
-from tests.tito_fixtures import ScriptedClient
+from tests.helpers.tito import ScriptedClient
 
 async def main():
     chat = load_tiny_chat()

@@ -11,14 +11,14 @@ import torch
 from structlog.testing import capture_logs
 from transformers import AutoModelForCausalLM
 
-from rollflow.config import TrainerConfig
 from rollflow.errors import CheckpointError
-from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
+from rollflow.messages import ScoredGroup, TrainBatch
 from rollflow.models.tiny import ensure_tiny_model
-from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.losses import entropy_from_logits, ppo_clip_loss
-from rollflow.train.trainer import Trainer, build_micro_batch
+from rollflow.train.trainer import build_micro_batch
+
+from .helpers.training import behaviour_logprobs, make_batch, make_sample, make_trainer
 
 METHODS = ["grpo", "grpo_no_std", "rloo"]
 
@@ -34,67 +34,6 @@ def base_model():
 @pytest.fixture
 def model(base_model):
     return copy.deepcopy(base_model)
-
-
-class PackingTrainer(Trainer):
-    """The trainer fed as the orchestrator feeds it: a ``TrainBatch`` goes through the batch packer first."""
-
-    def train_step(self, batch, policy_version=None):
-        if isinstance(batch, TrainBatch):
-            batch = pack_for_trainer(batch, self.config, self.world_size)
-        return super().train_step(batch, policy_version)
-
-
-def make_trainer(model, temperature: float = 1.0, **config) -> Trainer:
-    return PackingTrainer(
-        model,
-        TrainerConfig(**config),
-        temperature=temperature,
-        pad_token_id=model.config.pad_token_id,
-        seed=0,
-    )
-
-
-@torch.no_grad()
-def behaviour_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
-    """What a sampler records: one unpadded HF forward, independent of the trainer's code."""
-    logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    return [logp[len(prompt) + j - 1, token].item() for j, token in enumerate(completion)]
-
-
-def make_sample(prompt, completion, logprobs, *, reward=0.0, masked=False, index=0, sample_index=0) -> Sample:
-    return Sample(
-        prompt_index=index,
-        sample_index=sample_index,
-        prompt_token_ids=list(prompt),
-        completion_token_ids=list(completion),
-        logprobs=list(logprobs),
-        policy_versions=[0] * len(completion),
-        finish_reason=FinishReason.STOP,
-        reward=reward,
-        masked=masked,
-    )
-
-
-def make_batch(model, seed: int = 0, groups: int = 3, group_size: int = 4, temperature: float = 1.0):
-    """Groups of random prompts and completions of varied lengths, with exact behaviour logprobs."""
-    rng = random.Random(seed)
-    vocab = model.config.vocab_size
-    scored = []
-    for index in range(groups):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 12))]
-        samples = []
-        for sample_index in range(group_size):
-            completion = [rng.randrange(vocab) for _ in range(rng.randint(1, 10))]
-            logprobs = behaviour_logprobs(model, prompt, completion, temperature)
-            samples.append(
-                make_sample(
-                    prompt, completion, logprobs, reward=rng.random(), index=index, sample_index=sample_index
-                )
-            )
-        scored.append(ScoredGroup(prompt_index=index, samples=samples))
-    return TrainBatch(step=0, groups=scored)
 
 
 def weights(model) -> dict[str, torch.Tensor]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 
 import pytest
 import torch
@@ -12,14 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from rollflow.config import TrainerConfig, build_config
 from rollflow.errors import ConfigError
-from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
+from rollflow.messages import TrainBatch
 from rollflow.models.tiny import ensure_tiny_model
 from rollflow.train.advantages import compute_advantages
 from rollflow.train.losses import ppo_clip_loss
 from rollflow.train.off_policy import importance_weights
 from rollflow.train.trainer import Trainer
 
-from .test_train import PackingTrainer
+from .helpers.training import logprobs_of, make_behaviour_batch, make_off_policy_trainer, perturbed
 
 # ---------------------------------------------------------------- helpers
 
@@ -27,56 +26,6 @@ from .test_train import PackingTrainer
 @pytest.fixture(scope="module")
 def base_model():
     return AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
-
-
-def perturbed(model, seed: int, scale: float = 0.02):
-    """A copy of ``model`` with deterministic noise on every weight: another policy version."""
-    other = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for parameter in other.parameters():
-            parameter.add_(scale * torch.randn(parameter.shape, generator=generator))
-    return other
-
-
-@torch.no_grad()
-def logprobs_of(model, prompt: list[int], completion: list[int]) -> list[float]:
-    """The sampled tokens' logprobs from one unpadded forward, independent of the trainer's code."""
-    logp = torch.log_softmax(model(input_ids=torch.tensor([prompt + completion])).logits[0].float(), dim=-1)
-    return [logp[len(prompt) + j - 1, token].item() for j, token in enumerate(completion)]
-
-
-def make_batch(behaviour_model, seed: int = 0, groups: int = 2, group_size: int = 3) -> TrainBatch:
-    """Random prompts and completions whose behaviour logprobs come from ``behaviour_model`` (version 0)."""
-    rng = random.Random(seed)
-    vocab = behaviour_model.config.vocab_size
-    scored = []
-    for index in range(groups):
-        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 8))]
-        samples = []
-        for sample_index in range(group_size):
-            completion = [rng.randrange(vocab) for _ in range(rng.randint(2, 8))]
-            samples.append(
-                Sample(
-                    prompt_index=index,
-                    sample_index=sample_index,
-                    prompt_token_ids=prompt,
-                    completion_token_ids=completion,
-                    logprobs=logprobs_of(behaviour_model, prompt, completion),
-                    policy_versions=[0] * len(completion),
-                    finish_reason=FinishReason.STOP,
-                    reward=rng.random(),
-                )
-            )
-        scored.append(ScoredGroup(prompt_index=index, samples=samples))
-    return TrainBatch(step=0, groups=scored)
-
-
-def make_trainer(model, off_policy: str, **config) -> Trainer:
-    config.setdefault("max_grad_norm", 1e6)  # keep param.grad the raw gradient
-    return PackingTrainer(
-        model, TrainerConfig(**config), pad_token_id=model.config.pad_token_id, off_policy=off_policy
-    )
 
 
 def expected_step(model, batch: TrainBatch, weight_of) -> tuple[float, dict[str, torch.Tensor]]:
@@ -174,11 +123,15 @@ def test_token_weights_scale_the_policy_term_only_on_the_mask():
 
 @pytest.mark.parametrize("off_policy", ["tis", "decoupled"])
 def test_on_policy_the_correction_gives_the_same_update_as_none(base_model, off_policy):
-    batch = make_batch(base_model)
+    batch = make_behaviour_batch(base_model)
     runs = {}
     for name in ("none", off_policy):
         model = copy.deepcopy(base_model)
-        metrics = make_trainer(model, name, decoupled_cap=1.5).train_step(batch, policy_version=0).metrics
+        metrics = (
+            make_off_policy_trainer(model, name, decoupled_cap=1.5)
+            .train_step(batch, policy_version=0)
+            .metrics
+        )
         runs[name] = metrics, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     (none, none_grads), (corrected, corrected_grads) = runs["none"], runs[off_policy]
@@ -194,7 +147,7 @@ def test_on_policy_the_correction_gives_the_same_update_as_none(base_model, off_
 @pytest.mark.parametrize("off_policy", ["tis", "decoupled"])
 def test_stale_behaviour_is_weighted_and_capped_as_by_hand(base_model, off_policy):
     current = perturbed(base_model, seed=1)  # trained on since the sampler's version 0
-    batch = make_batch(base_model, seed=1)
+    batch = make_behaviour_batch(base_model, seed=1)
     raw = raw_weights(current, batch)
     # A cap halfway between two middle weights: some tokens on each side, none near it.
     ordered = raw.sort().values
@@ -203,10 +156,10 @@ def test_stale_behaviour_is_weighted_and_capped_as_by_hand(base_model, off_polic
     capped = raw > cap
     assert 0 < capped.sum() < len(raw) and raw.max() > 1.2  # the data really is off-policy
     if off_policy == "tis":
-        trainer = make_trainer(copy.deepcopy(current), "tis", tis_cap=cap)
+        trainer = make_off_policy_trainer(copy.deepcopy(current), "tis", tis_cap=cap)
         expected_loss, expected_grads = expected_step(current, batch, lambda w: w.clamp(max=cap))
     else:
-        trainer = make_trainer(copy.deepcopy(current), "decoupled", decoupled_cap=cap)
+        trainer = make_off_policy_trainer(copy.deepcopy(current), "decoupled", decoupled_cap=cap)
         expected_loss, expected_grads = expected_step(current, batch, lambda w: torch.where(w > cap, 0.0, w))
 
     metrics = trainer.train_step(batch, policy_version=3).metrics
@@ -223,7 +176,7 @@ def test_stale_behaviour_is_weighted_and_capped_as_by_hand(base_model, off_polic
 def test_mixed_version_trajectories_use_each_tokens_own_behaviour_logprob(base_model):
     versions = [base_model, perturbed(base_model, seed=2)]  # versions 0 and 1 sampled; the trainer is at 2
     current = perturbed(base_model, seed=3)
-    batch = make_batch(base_model, seed=3, groups=1, group_size=2)
+    batch = make_behaviour_batch(base_model, seed=3, groups=1, group_size=2)
     for sample in batch.samples:
         # Weights were updated mid-request: the first half came from version 0, the rest from version 1.
         n = len(sample.completion_token_ids)
@@ -239,11 +192,13 @@ def test_mixed_version_trajectories_use_each_tokens_own_behaviour_logprob(base_m
     loss_raw = torch.cat([raw[: len(batch.samples[0].logprobs)], raw[len(batch.samples[0].logprobs) : -1]])
     # Weighting whole trajectories by version 0 alone would give other weights: the check discriminates.
     assert not torch.allclose(
-        raw, raw_weights(current, make_batch(base_model, seed=3, groups=1, group_size=2))
+        raw, raw_weights(current, make_behaviour_batch(base_model, seed=3, groups=1, group_size=2))
     )
 
     metrics = (
-        make_trainer(copy.deepcopy(current), "tis", tis_cap=1e6).train_step(batch, policy_version=2).metrics
+        make_off_policy_trainer(copy.deepcopy(current), "tis", tis_cap=1e6)
+        .train_step(batch, policy_version=2)
+        .metrics
     )
 
     assert metrics["is_weight_mean"] == pytest.approx(loss_raw.mean().item(), rel=1e-4)
@@ -257,8 +212,8 @@ def test_mixed_version_trajectories_use_each_tokens_own_behaviour_logprob(base_m
 @pytest.mark.parametrize(("off_policy", "corrupt"), [("tis", float("nan")), ("decoupled", float("-inf"))])
 def test_non_finite_behaviour_logprobs_still_skip_the_step(base_model, off_policy, corrupt):
     model = copy.deepcopy(base_model)
-    trainer = make_trainer(model, off_policy, decoupled_cap=2.0)
-    batch = make_batch(base_model, seed=4, groups=1)
+    trainer = make_off_policy_trainer(model, off_policy, decoupled_cap=2.0)
+    batch = make_behaviour_batch(base_model, seed=4, groups=1)
     batch.samples[1].logprobs[0] = corrupt
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
 

@@ -17,8 +17,8 @@ from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.train.process import TrainerProcess, TrainerProcessError, TrainerSpec
 from rollflow.train.trainer import Trainer
 
-from .test_orchestrator import read_jsonl, small_config
-from .test_train import make_batch
+from .helpers.runs import read_jsonl, small_config
+from .helpers.training import make_batch
 
 
 def spec(model_dir, **config) -> TrainerSpec:
@@ -96,7 +96,7 @@ def test_checkpoints_save_and_load_through_the_child(trainer_process, tiny_model
 def test_the_child_is_a_trainer_handle_and_runs_weight_pushes_next_to_its_weights(trainer_process):
     from rollflow.train.handle import TrainerHandle
 
-    from .test_trainer_workers import count_weights
+    from .helpers.workers import count_weights
 
     assert isinstance(trainer_process, TrainerHandle) and trainer_process.world_size == 1
     expected = sum(float(tensor.double().sum()) for _, tensor in trainer_process.named_weights())

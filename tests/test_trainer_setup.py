@@ -19,7 +19,7 @@ from rollflow.config import TrainerConfig, load_config
 from rollflow.errors import ConfigError
 from rollflow.models.loading import check_devices, resolve_device, resolve_dtype
 
-from .test_train import PackingTrainer, make_batch
+from .helpers.training import PackingTrainer, make_batch
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 

@@ -21,25 +21,11 @@ from rollflow.messages import TrainBatch
 from rollflow.models.loading import load_causal_lm
 from rollflow.orchestrator.packing import pack_for_trainer, sample_length
 from rollflow.train.handle import TrainerHandle
-from rollflow.train.process import TrainerSpec
 from rollflow.train.trainer import Trainer
 from rollflow.train.workers import TrainerWorkerError, TrainerWorkers, _check_devices
 
-from .test_train import make_batch
-
-PARITY = 1e-5  # loss and grad norm
-WEIGHT_PARITY = 1e-4  # weights after a step (AdamW's first steps amplify float noise of near-zero gradients)
-
-
-def spec(model_dir, **config) -> TrainerSpec:
-    return TrainerSpec(
-        model_dir=model_dir,
-        config=TrainerConfig(**{"micro_batch_size": 3, **config}),
-        temperature=1.0,
-        pad_token_id=0,
-        seed=0,
-        off_policy="none",
-    )
+from .helpers.training import make_batch
+from .helpers.workers import PARITY, WEIGHT_PARITY, count_weights, spec
 
 
 def alive(pid: int) -> bool:
@@ -116,22 +102,6 @@ def test_fsdp2_workers_train_as_one_trainer(fsdp2_workers, base_model):
     assert_parity(
         fsdp2_workers, single, [make_batch(base_model, seed=1), one_sample_batch(base_model)], fresh=True
     )
-
-
-def count_weights(rank, named_weights):
-    """A transport half's shape: every rank gathers every tensor; rank 0 would send them. Returns the rank,
-    the sum of the full weights and the ranks that took part (gathered from all of them)."""
-    import torch.distributed as dist
-
-    total = 0.0
-    for _, tensor in named_weights:
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        total += float(full.double().sum())
-    if not dist.is_initialized():  # a single trainer: rank 0 of one
-        return rank, total, [(rank, total)]
-    ranks: list = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, (rank, total))
-    return rank, total, ranks
 
 
 def test_push_weights_runs_on_every_rank_with_its_shards(fsdp2_workers):
@@ -247,7 +217,7 @@ def _children() -> list[int]:
 async def test_a_run_resumes_on_another_number_of_workers_exactly_once_per_prompt(tmp_path):
     from rollflow import Orchestrator
 
-    from .test_orchestrator import read_jsonl, small_config
+    from .helpers.runs import read_jsonl, small_config
 
     def config(steps: int, workers: int):
         return small_config(

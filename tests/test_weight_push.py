@@ -14,24 +14,22 @@ import torch
 
 from rollflow.config import TrainerConfig
 from rollflow.inference.remote import RemoteInferenceClient
-from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.weights import WeightTransfer, WeightTransferError, create_strategy
 
-from .test_train import make_batch
+from .helpers.training import make_batch
+from .helpers.weights import GREEDY, PROMPTS, server_outputs
 
 pytestmark = pytest.mark.http_only(reason="trainers pushing weights into private servers (broadcast)")
 
-PROMPTS = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12]]
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """Two ``rollflow serve`` servers of this module's own (pushes change their weights)."""
-    from .inference_servers import BackgroundServerGroup
+    from .helpers.servers import BackgroundServerGroup
 
     group = BackgroundServerGroup(2, tmp_path_factory.mktemp("push-servers"))
     yield group
@@ -96,15 +94,6 @@ def argmax_continuations(model_dir, named_weights) -> list[list[int]]:
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
         outputs.append(ids[len(prompt) :])
     return outputs
-
-
-async def server_outputs(url: str) -> tuple[list[list[int]], set[int]]:
-    client = RemoteInferenceClient(url, control_timeout_s=60)
-    try:
-        outputs = [await client.generate(GenerateRequest(list(p), GREEDY)) for p in PROMPTS]
-    finally:
-        await client.close()
-    return [o.token_ids for o in outputs], {v for o in outputs for v in o.policy_versions}
 
 
 @pytest.mark.parametrize("placement", ["thread", "process", "fsdp2", "ddp"])
@@ -499,7 +488,7 @@ async def test_a_run_with_a_trainer_process_pushes_from_the_child(tmp_path, monk
     orchestrator never maps its weights) and the servers hold the last version."""
     from rollflow import Orchestrator
 
-    from .test_orchestrator import small_config
+    from .helpers.runs import small_config
 
     monkeypatch.delenv("ROLLFLOW_INFERENCE_MODE", raising=False)
     config = small_config(

@@ -12,7 +12,7 @@ import torch
 
 from rollflow.weights import WeightTransfer, WeightTransferError, create_strategy
 
-from .test_weights import ThreadClient, assert_same_weights
+from .helpers.weights import ThreadClient, assert_same_weights
 
 
 def full_weights() -> list[tuple[str, torch.Tensor]]:

@@ -26,6 +26,8 @@ from rollflow.weights import (
 from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
 from rollflow.weights.receiver import create_receiver
 
+from .helpers.weights import ThreadClient, assert_same_weights
+
 
 def mixed_weights() -> list[tuple[str, torch.Tensor]]:
     """Mixed dtypes and shapes, including an odd-length bf16 tensor that misaligns what follows it."""
@@ -40,16 +42,6 @@ def mixed_weights() -> list[tuple[str, torch.Tensor]]:
         ("empty", torch.empty(0, 4)),
         ("transposed", torch.randn(4, 6, generator=generator).t()),  # not contiguous
     ]
-
-
-def assert_same_weights(
-    expected: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch.Tensor]]
-) -> None:
-    got_by_name = dict(got)
-    assert sorted(got_by_name) == sorted(name for name, _ in expected)
-    for name, tensor in expected:
-        assert got_by_name[name].dtype == tensor.dtype, name
-        assert torch.equal(got_by_name[name], tensor), name
 
 
 def test_strategy_interface_does_not_import_torch() -> None:
@@ -259,53 +251,6 @@ class ProcessClient:
             except TimeoutError:
                 process.kill()
                 await process.wait()
-
-
-class ThreadClient:
-    """In-process stand-in for the servers: receivers run in threads. ``hang_update`` makes the servers accept
-    ``/update_weights`` and then never receive (a hung peer)."""
-
-    def __init__(self, num_servers: int, *, join: bool = True, hang_update: bool = False):
-        self.num_servers = num_servers
-        self.join = join
-        self.hang_update = hang_update
-        self.receivers: list[Any] = []
-        self.received: list[list[tuple[str, torch.Tensor]]] = []
-
-    @property
-    def server_urls(self) -> list[str]:
-        return [f"fake://server{i}" for i in range(self.num_servers)]
-
-    async def get_world_size(self) -> int:
-        return self.num_servers
-
-    async def get_world_size_per_server(self) -> int:
-        return 1
-
-    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
-        if not self.join:
-            await asyncio.sleep(3600)
-        payloads = init_info if isinstance(init_info, list) else [init_info] * self.num_servers
-        self.receivers = list(
-            await asyncio.gather(*[asyncio.to_thread(create_receiver, p, 0) for p in payloads])
-        )
-
-    async def start_weight_update(self) -> None:
-        pass
-
-    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
-        if self.hang_update:
-            await asyncio.sleep(3600)
-        self.received = list(
-            await asyncio.gather(*[asyncio.to_thread(r.receive, update_info) for r in self.receivers])
-        )
-
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
-        pass
-
-    def close(self) -> None:
-        for receiver in self.receivers:
-            receiver.close()
 
 
 # ---------------------------------------------------------------- broadcast

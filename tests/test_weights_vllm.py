@@ -244,7 +244,7 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
 ) -> None:
     """``vllm serve`` (model: $ROLLFLOW_VLLM_TEST_MODEL, else the tiny model) takes two pushes from the vLLM
     sender; greedy generation with the unchanged weights pushed back is unchanged, and the version is set."""
-    from .vllm_support import require_vllm
+    from .helpers.vllm_support import require_vllm
 
     require_vllm()
     from rollflow.inference.remote import RemoteInferenceClient

@@ -1,6 +1,6 @@
-"""Shared fixtures of the TITO tests: the tiny model's tokenizer and renderer, and a scripted client for
-tests that need chosen completions (tool calls, delays, failures). The real model is behind
-``inference_client`` (tests/conftest.py), in the suite's inference mode."""
+"""Helpers of the TITO tests: the tiny model's tokenizer and renderer (the ``tiny_chat`` fixture, registered
+in tests/conftest.py), and a scripted client for tests that need chosen completions (tool calls, delays,
+failures). The real model is behind ``inference_client`` (tests/conftest.py), in the suite's inference mode."""
 
 from __future__ import annotations
 

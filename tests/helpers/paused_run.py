@@ -1,5 +1,5 @@
-"""``python tests/paused_run.py run ...``: the real ``rollflow`` command line with one phase of the run held
-for a few seconds, so that a test can signal the run inside that phase rather than hope to hit it.
+"""``python tests/helpers/paused_run.py run ...``: the real ``rollflow`` command line with one phase of the
+run held for a few seconds, so that a test can signal the run inside that phase rather than hope to hit it.
 
 ``ROLLFLOW_TEST_PAUSE`` names the phase: ``setup`` (the first weight update, once the engines, any servers,
 router and trainer process are up), ``step:N`` (inside training step N, in the process that trains) or
