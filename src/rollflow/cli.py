@@ -259,6 +259,19 @@ def _parser() -> argparse.ArgumentParser:
         "drawn from (after temperature and top-k/top-p), what the trainer recomputes; raw_logprobs reports "
         "log_softmax(logits) before both, like a vLLM started without the flag (for tests)",
     )
+    serve.add_argument(
+        "--max-request-sequences",
+        type=_positive_int,
+        default=256,
+        help="most sequences (prompts x n) one generation request may ask for; more is a 400 (default 256)",
+    )
+    serve.add_argument(
+        "--max-request-tokens",
+        type=_positive_int,
+        default=2**19,
+        help="most tokens (over its sequences, prompt tokens plus max_tokens) one generation request may ask "
+        f"for; more is a 400 (default {2**19})",
+    )
     _add_http_limits(serve)
 
     router = commands.add_parser(

@@ -4,12 +4,25 @@ One worker thread owns the model, the KV cache and all scheduling state while th
 idle and the next call starts another). Each loop iteration it:
 1. takes everything posted to its inbox (new requests, cancellations, pause/resume, weight loads, shutdown) and
    applies it, so control calls always land between steps, never inside one;
-2. admits waiting requests into free KV-cache slots (unless paused) and prefills them in one padded batch;
+2. admits waiting requests into free KV-cache slots (unless paused), fairly between requests (below), and
+   prefills them in one padded batch;
 3. runs one decode step over every running slot (unless frozen by ``pause("keep")``).
 Results go back to each caller's event loop with ``loop.call_soon_threadsafe``, so the engine serves callers
 from any running asyncio loop (several at once, or one per test) and never blocks one. A streamed request
 (``generate_stream``) also gets each sampled token that way, into a queue on its caller's loop; the caller
 merges whatever arrived since it last looked into one chunk, so a slow consumer never slows the worker.
+
+Fair scheduling: sequences that share a ``request_id`` (the ``n`` samples and prompts of one HTTP request) are
+one request; a sequence without an id is a request of its own. Admission serves the waiting request holding the
+fewest slots first (ties: the one served least recently), rather than sequences in arrival order, and when every
+slot is taken, a request holding fewer than its fair share of slots takes one from the request holding the most
+(preemption: that sequence keeps its tokens and goes back to the head of its request's queue; when it is
+admitted again its keys and values are recomputed from its prompt and those tokens, in one prefill). The bound:
+after each step's admission, each request with sequences waiting holds at least ``min(its sequences,
+max(1, max_batch_size // R))`` slots, ``R`` being the number of requests with sequences running or waiting. So,
+while fewer than ``max_batch_size`` requests are in the engine, a request that arrives starts its first sequence
+in the step after it arrives, however many sequences an earlier request queued (its wait is one step, not the
+earlier request's generation). Requests of one sequence each are admitted in arrival order and never preempted.
 
 Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
 belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
@@ -29,7 +42,8 @@ Failures: invalid requests are rejected in ``generate`` with ``EngineError`` bef
 the sampler's bounds (``rollflow.messages.sampling_error``). Inside the loop a failure fails only what it belongs
 to: a request whose logits are not finite fails with ``EngineError``; a batched forward or sampling call that
 raises is retried one request at a time, and the requests that fail alone get ``EngineGenerateError``; a control
-call (a weight load …) that raises answers its caller with the error. Weights holding inf or NaN are refused
+call (a weight load …) that raises answers its caller with the error. Weights holding inf or NaN, or values
+that overflow to inf when cast to the dtype the model serves (1e300 in float64 for a float32 model), are refused
 before anything is copied. Only a failure outside all of these (a bug in the loop's own bookkeeping) kills the
 engine: every pending and later call then raises ``EngineDeadError`` instead of hanging, and ``is_dead`` is True.
 """
@@ -38,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import math
 import threading
 import time
@@ -172,6 +187,16 @@ class _Sequence:
     # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
     # engine does not record them.
     routes: list[np.ndarray] | None = None
+    # The request it belongs to for fair scheduling: its request_id, or the sequence itself when it has none.
+    group: Any = None
+    # The tokens its admission runs: the prompt, or after a preemption the prompt and the tokens sampled so far.
+    run_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.group is None:
+            self.group = self.request.request_id or self
+        if not self.run_ids:
+            self.run_ids = self.request.prompt_token_ids
 
     def routed_experts(self) -> np.ndarray | None:
         """The routes joined into one array (kept joined); None if not recorded or never admitted."""
@@ -194,6 +219,80 @@ class _Sequence:
             routed_experts=self.routed_experts(),
             kept_counts=self.kept_counts if any(self.kept_counts) else None,
         )
+
+
+class _WaitQueue:
+    """Sequences waiting for a slot, by request (``_Sequence.group``), each request's in arrival order.
+
+    Worker-owned; ``len`` may be read from other threads (a plain int).
+    """
+
+    def __init__(self) -> None:
+        self._groups: dict[Any, deque[_Sequence]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def __iter__(self):
+        for queue in list(self._groups.values()):
+            yield from list(queue)
+
+    def groups(self) -> Iterable[Any]:
+        """The requests with sequences waiting."""
+        return self._groups.keys()
+
+    def append(self, sequence: _Sequence) -> None:
+        self._groups.setdefault(sequence.group, deque()).append(sequence)
+        self._count += 1
+
+    def appendleft(self, sequence: _Sequence) -> None:
+        """Put a preempted sequence back at the head of its request's queue."""
+        self._groups.setdefault(sequence.group, deque()).appendleft(sequence)
+        self._count += 1
+
+    def peek(self, group: Any) -> _Sequence:
+        return self._groups[group][0]
+
+    def pop(self, group: Any) -> _Sequence:
+        """The first waiting sequence of ``group``."""
+        queue = self._groups[group]
+        sequence = queue.popleft()
+        if not queue:
+            del self._groups[group]
+        self._count -= 1
+        return sequence
+
+    def popleft(self) -> _Sequence:
+        """The first waiting sequence of the request that has waited longest."""
+        return self.pop(next(iter(self._groups)))
+
+    def remove(self, sequence: _Sequence) -> None:
+        """Raises ValueError when ``sequence`` is not waiting."""
+        queue = self._groups.get(sequence.group)
+        if queue is None:
+            raise ValueError("not waiting")
+        queue.remove(sequence)
+        if not queue:
+            del self._groups[sequence.group]
+        self._count -= 1
+
+    def take_where(self, predicate: Callable[[_Sequence], bool]) -> list[_Sequence]:
+        """Remove and return every waiting sequence for which ``predicate`` holds, in queue order."""
+        taken: list[_Sequence] = []
+        for group in list(self._groups):
+            queue = self._groups[group]
+            kept = deque(s for s in queue if not predicate(s))
+            taken += [s for s in queue if predicate(s)]
+            if kept:
+                self._groups[group] = kept
+            else:
+                del self._groups[group]
+        self._count -= len(taken)
+        return taken
 
 
 # One forward of a group of sequences: their last-position logits [n, vocab], and per sequence the routes of
@@ -302,8 +401,12 @@ class TorchEngine:
 
         # Runtime state owned by the worker thread (callers only read it for metrics).
         self.policy_version = policy_version
-        self._waiting: deque[_Sequence] = deque()
+        self._waiting = _WaitQueue()
         self._slots: list[_Sequence | None] = [None] * max_batch_size
+        # Fair scheduling (see the module docstring): slots held per request, and when each was last served.
+        self._running_per_group: dict[Any, int] = {}
+        self._last_served: dict[Any, int] = {}
+        self._admissions = 0
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}
@@ -329,6 +432,8 @@ class TorchEngine:
         self.num_steps = 0
         self.num_finished_requests = 0
         self.num_cancelled_requests = 0
+        # Sequences that gave up their slot to a request below its fair share (fair scheduling).
+        self.num_preemptions = 0
         # Requests that failed inside the engine (non-finite logits, a failing forward); the engine kept serving.
         self.num_failed_requests = 0
         # Prefix cache, per admitted request: lookups, lookups that hit, and prompt tokens looked up / reused.
@@ -492,11 +597,13 @@ class TorchEngine:
         """Copy tensors (HF state-dict names) into the model in place, between decode steps; tokens sampled
         afterwards carry ``policy_version``. ``lm_head.weight`` may be absent when tied to the embeddings.
 
-        Loading is all-or-nothing: names, shapes and values (finite, real) are checked before anything is copied.
+        Loading is all-or-nothing: names, shapes and values (finite, real, and still finite once cast to the
+        dtype the model serves them in) are checked before anything is copied.
 
         Raises:
-            EngineError: an unknown name, a shape mismatch, or a tensor holding inf or NaN (the message names
-                them); the weights and policy version are unchanged.
+            EngineError: an unknown name, a shape mismatch, or a tensor holding inf or NaN, or values that
+                overflow to inf in the serving dtype (the message names them); the weights and policy version
+                are unchanged.
             EngineDeadError: the engine was shut down or its loop died.
             TypeError: a value is not convertible to a tensor.
         """
@@ -790,14 +897,11 @@ class TorchEngine:
             if sequence is not None and (request_ids is None or sequence.request.request_id in request_ids):
                 self._finish(slot, FinishReason.ABORT)
                 aborted += 1
-        kept: deque[_Sequence] = deque()
-        for sequence in self._waiting:
-            if request_ids is None or sequence.request.request_id in request_ids:
-                sequence.reply.send(sequence.output(FinishReason.ABORT))
-                aborted += 1
-            else:
-                kept.append(sequence)
-        self._waiting = kept
+        for sequence in self._waiting.take_where(
+            lambda s: request_ids is None or s.request.request_id in request_ids
+        ):
+            sequence.reply.send(sequence.output(FinishReason.ABORT))
+            aborted += 1
         self._reply_drained()
         return aborted
 
@@ -839,6 +943,7 @@ class TorchEngine:
                 f"{', '.join(non_finite[:10])}{' …' if len(non_finite) > 10 else ''}; the weights were not "
                 "changed (the trainer's weights have diverged: lower trainer.lr or check the loss)"
             )
+        named_tensors = self._cast_finite(named_tensors, state)
         with torch.inference_mode(False), torch.no_grad():
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
@@ -847,23 +952,49 @@ class TorchEngine:
         self._cached_prefixes.clear()  # computed under the old weights
         self._cached_routes.clear()
 
+    @staticmethod
+    def _cast_finite(
+        named_tensors: list[tuple[str, torch.Tensor]], state: dict[str, torch.Tensor]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The tensors cast to the dtypes they are served in, once each is checked to be finite there: a
+        finite float64 value beyond float32's range (1e300) becomes inf on the cast, and inf weights make every
+        later request fail with non-finite logits.
+
+        Raises:
+            EngineError: a tensor that is not finite in its serving dtype (the message names it, its dtypes and
+                its largest magnitude); nothing was copied.
+        """
+        cast: list[tuple[str, torch.Tensor]] = []
+        overflowing: list[str] = []
+        for name, tensor in named_tensors:
+            target = state[name]
+            if tensor.dtype != target.dtype:
+                served = tensor.to(dtype=target.dtype)
+                if served.is_floating_point() and not bool(torch.isfinite(served).all()):
+                    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
+                    overflowing.append(
+                        f"{name} ({str(tensor.dtype).removeprefix('torch.')} -> "
+                        f"{str(target.dtype).removeprefix('torch.')}, largest magnitude {largest:.3g} > "
+                        f"{torch.finfo(target.dtype).max:.3g})"
+                    )
+                tensor = served
+            cast.append((name, tensor))
+        if overflowing:
+            raise EngineError(
+                f"load_weights got {len(overflowing)} tensor(s) that overflow to inf when cast to the dtype the "
+                f"engine serves them in: {'; '.join(overflowing[:10])}{' …' if len(overflowing) > 10 else ''}; "
+                "the weights were not changed (the trainer's weights have diverged: lower trainer.lr or check "
+                "the loss)"
+            )
+        return cast
+
     # ------------------------------------------------------------------ scheduling
 
     def _step(self) -> None:
         fresh: list[_Sequence] = []
         resumed: list[_Sequence] = []
-        if not self._paused and not self._asleep:
-            while self._waiting and self._free_slots:
-                sequence = self._waiting[0]  # popped once it holds its slot: a failure here still reaches it
-                sequence.slot, cached_len, cached_routes = self._take_slot(sequence.request.prompt_token_ids)
-                self._waiting.popleft()
-                self._slots[sequence.slot] = sequence
-                if cached_len and sequence.routes is not None:
-                    sequence.routes.append(cached_routes[:cached_len])
-                sequence.cached_len = cached_len
-                sequence.weights_generation = self._weights_generation
-                (resumed if cached_len else fresh).append(sequence)
-            self._num_running += len(fresh) + len(resumed)
+        if not self._paused and not self._asleep and self._waiting:
+            self._admit(fresh, resumed)
         if fresh:
             self._advance(fresh, self._forward_prefill)
         if resumed:
@@ -872,19 +1003,117 @@ class TorchEngine:
             self._advance([s for s in self._slots if s is not None], self._forward_decode)
         self.num_steps += 1
 
-    def _forward_prefill(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
-        logits = self.runner.prefill(
-            [s.slot for s in sequences], [s.request.prompt_token_ids for s in sequences]
+    def _admit(self, fresh: list[_Sequence], resumed: list[_Sequence]) -> None:
+        """Admit waiting sequences fairly between requests (the module docstring's bound): the waiting request
+        holding the fewest slots first (ties: the one served least recently), into free slots, then, with
+        every slot taken, into slots preempted from requests above their fair share."""
+        running = self._running_per_group
+        if not self._free_slots:
+            # Nothing to preempt unless some request holds more than its share: skip the heap (the common case
+            # of a long queue of one-sequence requests behind a full batch).
+            share = self._fair_share()
+            if not running or max(running.values()) <= share:
+                return
+        else:
+            share = 0  # computed only if it comes to preempting
+        last_served = self._last_served
+        heap = [
+            (running.get(g, 0), last_served.get(g, 0), i, g) for i, g in enumerate(self._waiting.groups())
+        ]
+        heapq.heapify(heap)
+        admitted: set[int] = set()  # ids of the sequences admitted in this step (not run yet)
+        while heap:
+            held, _, order, group = heapq.heappop(heap)
+            if held != running.get(group, 0):  # a victim of a preemption since it was pushed
+                heapq.heappush(heap, (running.get(group, 0), self._last_served.get(group, 0), order, group))
+                continue
+            if not self._free_slots:
+                share = share or self._fair_share()
+                if held >= share or not self._preempt(share, admitted, fresh, resumed):
+                    break
+            # Popped once it holds its slot: a failure here still reaches it.
+            sequence = self._waiting.peek(group)
+            sequence.slot, cached_len, cached_routes = self._take_slot(sequence.run_ids)
+            self._waiting.pop(group)
+            self._slots[sequence.slot] = sequence
+            self._num_running += 1
+            running[group] = held + 1
+            self._admissions += 1
+            self._last_served[group] = self._admissions
+            admitted.add(id(sequence))
+            if cached_len and sequence.routes is not None and not sequence.token_ids:
+                sequence.routes.append(cached_routes[:cached_len])  # a resumed sequence has its routes
+            sequence.cached_len = cached_len
+            sequence.weights_generation = self._weights_generation
+            (resumed if cached_len else fresh).append(sequence)
+            if group in self._waiting.groups():
+                heapq.heappush(heap, (held + 1, self._admissions, order, group))
+        if len(self._last_served) > 2 * (len(self._waiting.groups()) + self.max_batch_size) + 64:
+            # Requests cancelled or aborted while waiting leave their entry behind: forget those.
+            waiting = self._waiting.groups()
+            self._last_served = {g: t for g, t in self._last_served.items() if g in waiting or g in running}
+
+    def _fair_share(self) -> int:
+        """Slots each request may hold while others wait: ``max_batch_size`` over the requests with sequences
+        running or waiting, at least 1."""
+        groups = len(self._running_per_group) + sum(
+            1 for g in self._waiting.groups() if g not in self._running_per_group
         )
-        return logits, self._routes(range(len(sequences)), [s.prompt_len for s in sequences])
+        return max(1, self.max_batch_size // max(1, groups))
+
+    def _preempt(
+        self, share: int, admitted: set[int], fresh: list[_Sequence], resumed: list[_Sequence]
+    ) -> bool:
+        """Free one slot of the request holding the most slots, if it holds more than ``share``: its cheapest
+        sequence to recompute (one admitted in this step and not run yet, else the fewest tokens) goes back to
+        the head of its request's queue with the tokens it has. Returns whether a slot was freed."""
+        running = self._running_per_group
+        group = max(running, key=running.__getitem__)
+        if running[group] <= share:
+            return False
+        candidates = [s for s in self._slots if s is not None and s.group == group]
+        victim = min(candidates, key=lambda s: (id(s) not in admitted, s.prompt_len + len(s.token_ids)))
+        if id(victim) in admitted:
+            admitted.discard(id(victim))
+            (resumed if victim in resumed else fresh).remove(victim)
+            if victim.routes is not None and victim.cached_len and not victim.token_ids:
+                victim.routes.clear()  # the cached prefix's routes come back with its next admission
+        self._release(victim.slot)
+        victim.slot = -1
+        victim.cached_len = 0
+        victim.run_ids = (
+            victim.request.prompt_token_ids + victim.token_ids
+            if victim.token_ids
+            else victim.request.prompt_token_ids
+        )
+        self._waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return True
+
+    def _forward_prefill(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        logits = self.runner.prefill([s.slot for s in sequences], [s.run_ids for s in sequences])
+        return logits, self._admission_routes(sequences)
 
     def _forward_extend(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
         logits = self.runner.extend(
             [s.slot for s in sequences],
-            [s.request.prompt_token_ids for s in sequences],
+            [s.run_ids for s in sequences],
             [s.cached_len for s in sequences],
         )
-        return logits, self._routes(range(len(sequences)), [s.prompt_len - s.cached_len for s in sequences])
+        return logits, self._admission_routes(sequences)
+
+    def _admission_routes(self, sequences: list[_Sequence]) -> list[np.ndarray] | None:
+        """The routes of the tokens an admission ran that the sequences do not have yet: all of them for a
+        new sequence; for one resumed after a preemption, only its last sampled token's (the tokens before it
+        kept their routes)."""
+        routes = self._routes(range(len(sequences)), [len(s.run_ids) - s.cached_len for s in sequences])
+        if routes is None:
+            return None
+        for i, sequence in enumerate(sequences):
+            if sequence.token_ids:
+                recorded = sequence.prompt_len + len(sequence.token_ids) - 1
+                routes[i] = routes[i][recorded - sequence.cached_len :]
+        return routes
 
     def _forward_decode(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
         # Sequences are in slot order; the runner decodes slots 0..num_rows-1, empty or other slots at -1.
@@ -1054,11 +1283,7 @@ class TorchEngine:
         and values may be partly written)."""
         slot = sequence.slot
         if slot >= 0 and self._slots[slot] is sequence:
-            self._slots[slot] = None
-            self._free_slots.add(slot)
-            self._num_running -= 1
-            self._cached_prefixes.pop(slot, None)
-            self._cached_routes.pop(slot, None)
+            self._release(slot)
         self.num_failed_requests += 1
         sequence.reply.send(error=error)
 
@@ -1086,11 +1311,27 @@ class TorchEngine:
         self.num_finished_requests += 1
         sequence.reply.send(sequence.output(reason))
 
-    def _free(self, slot: int) -> None:
+    def _release(self, slot: int) -> None:
+        """Free ``slot`` without a prefix-cache label (its keys and values may be partly written)."""
         sequence = self._slots[slot]
         self._slots[slot] = None
         self._free_slots.add(slot)
         self._num_running -= 1
+        self._cached_prefixes.pop(slot, None)
+        self._cached_routes.pop(slot, None)
+        if sequence is not None:
+            group = sequence.group
+            held = self._running_per_group.get(group, 0) - 1
+            if held > 0:
+                self._running_per_group[group] = held
+            else:
+                self._running_per_group.pop(group, None)
+                if group not in self._waiting.groups():
+                    self._last_served.pop(group, None)
+
+    def _free(self, slot: int) -> None:
+        sequence = self._slots[slot]
+        self._release(slot)
         if (
             self.enable_prefix_caching
             and sequence is not None

@@ -17,8 +17,9 @@ entry point. Where it departs from vLLM:
   field; so is ``stream`` on ``/inference/v1/generate`` (streaming is served on ``/v1/completions`` and
   ``/v1/chat/completions``).
 - A dead engine (its loop died) answers 503 with error ``type`` ``EngineDeadError``, ``/health`` included, where
-  a pause answers ``ServiceUnavailableError``; vLLM answers 500 and exits. Weights holding inf or NaN are a 400
-  naming the tensors, and the weights in use stay.
+  a pause answers ``ServiceUnavailableError``; vLLM answers 500 and exits. Weights holding inf or NaN, or values
+  that overflow to inf when cast to the engine's dtype (float64 1e300 for a float32 model), are a 400 naming
+  the tensors, and the weights in use stay.
 - Every choice also carries ``policy_versions``: the policy version that sampled each token, and, when top-k or
   top-p cut a token's vocabulary, ``kept_counts``: per token, how many of the most likely tokens the sampler
   kept (``GenerateOutput.kept_counts``, one int a token). Logprobs are vLLM's ``processed_logprobs`` (after
@@ -32,7 +33,10 @@ aiohttp rejects before routing (a bad ``Content-Length``): the server's request 
 Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
 cancels its handler, which aborts its engine request. Clients that stall in a request's line, headers or
 body get a 408 and are disconnected, and connections beyond a cap get a 503 (``HttpLimits``, enforced by
-``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413.
+``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413. A generation request asking for more sequences (prompts x ``n``) or
+tokens than ``request_limits`` allow is a 400 before any of it is done (``--max-request-sequences``,
+``--max-request-tokens``), and the engine shares its batch fairly between the requests it accepted (see
+``TorchEngine``), so one large request cannot hold the server.
 
 Without an ``api_key`` every endpoint is open to whoever reaches the port: ``/abort_requests`` aborts every
 request, ``/update_weights`` loads weights from wherever ``update_info`` points. The default bind address,
@@ -78,6 +82,7 @@ from rollflow.inference.engine.server_protocol import (
 )
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, raise_open_file_limit, warn_if_exposed
 from rollflow.inference.prompt_limits import max_prompt_chars
+from rollflow.inference.request_limits import RequestLimits
 
 log = structlog.get_logger(__name__)
 
@@ -133,6 +138,8 @@ class EngineServer:
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        request_limits: the most sequences and tokens one generation request may ask for
+            (``rollflow.inference.request_limits.RequestLimits``); more is a 400.
     """
 
     def __init__(
@@ -148,6 +155,7 @@ class EngineServer:
         eos_token_ids: tuple[int, ...] | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         http_limits: HttpLimits | None = None,
+        request_limits: RequestLimits | None = None,
     ):
         # Fixed components.
         self.engine = engine
@@ -158,6 +166,7 @@ class EngineServer:
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
         self.http_limits = http_limits or HttpLimits()
+        self.request_limits = request_limits or RequestLimits()
         self.receiver_factory = receiver_factory or _default_receiver_factory
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
@@ -453,6 +462,15 @@ class EngineServer:
         metric(
             "rollflow:policy_version", "gauge", "Policy version of the loaded weights.", engine.policy_version
         )
+        metric(
+            "rollflow:engine_steps", "counter", "Engine loop iterations (admission and one decode step each).",
+            engine.num_steps,
+        )  # fmt: skip
+        metric(
+            "vllm:num_preemptions", "counter",
+            "Sequences that gave up their KV-cache slot to a request below its fair share.",
+            engine.num_preemptions,
+        )  # fmt: skip
         metric(
             "rollflow:request_failures", "counter", "Requests failed inside the engine, which kept serving.",
             engine.num_failed_requests,
@@ -834,6 +852,7 @@ async def serve(
     device: str = "auto",
     logprobs_mode: str = "processed_logprobs",
     ready: Callable[[dict[str, Any]], None] | None = None,
+    request_limits: RequestLimits | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
 
@@ -858,6 +877,7 @@ async def serve(
             http_limits=http_limits,
             device=device,
             logprobs_mode=logprobs_mode,
+            request_limits=request_limits,
         )
     except RollflowError:
         raise
@@ -915,6 +935,9 @@ def main(args: Any) -> int:
             device=args.device,
             logprobs_mode=args.logprobs_mode,
             ready=ready,
+            request_limits=RequestLimits(
+                max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens
+            ),
         )
     )
     return 0

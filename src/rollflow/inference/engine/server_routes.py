@@ -5,6 +5,10 @@ input is a 400 naming the field, never an engine failure), runs one engine reque
 shapes the response as vLLM does (``stream: true`` on the OpenAI endpoints: SSE, see ``server_streaming``). A
 handler cancelled by a client disconnect cancels its engine requests, which frees their KV-cache slots.
 
+The work one request may ask for (its prompts x ``n`` sequences, and their prompt plus ``max_tokens`` tokens)
+is bounded by the server's ``RequestLimits`` (``rollflow.inference.request_limits``): the sequence count is
+checked before any prompt is tokenized or rendered, the token count before the engine sees the request.
+
 Long inputs never stall the event loop: a prompt whose length alone proves it cannot fit ``max_model_len``
 (token ids: their count; text: its characters, see ``rollflow.inference.prompt_limits``) is a 400 before it
 is tokenized, and text or chats above ``OFFLOAD_CHARS`` are tokenized and rendered in a worker thread, so
@@ -39,6 +43,7 @@ from rollflow.inference.engine.server_protocol import (
 )
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
+from rollflow.inference.request_limits import REQUEST_TOO_LARGE, request_work_error
 from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.inference.token_bytes import token_bytes
 from rollflow.messages import (
@@ -170,6 +175,26 @@ class DataPlane:
             for i in range(spec.n)
         ]
 
+    def _check_work(
+        self,
+        num_prompts: int,
+        n: int,
+        prompt_lens: list[int] | None = None,
+        params: list[list[SamplingParams]] | None = None,
+        *,
+        prefix: str = "",
+    ) -> None:
+        """400 ``request_too_large`` for a request asking more than the server's ``RequestLimits``: call it
+        with the prompt count and ``n`` before tokenizing or rendering, and with the prompts' lengths and
+        sampling once they are known, before the engine sees anything."""
+        if not 1 <= n <= MAX_N:  # first: a huge n is refused for what it is
+            raise bad_request(f"{prefix}n must be between 1 and {MAX_N}, got {n}", "n")
+        max_tokens = None if params is None else [samples[0].max_tokens for samples in params]
+        problem = request_work_error(self.server.request_limits, num_prompts, n, prompt_lens, max_tokens)
+        if problem is not None:
+            message, param = problem
+            raise bad_request(message, param, code=REQUEST_TOO_LARGE)
+
     async def _generate(
         self, request_id: str, jobs: list[tuple[list[int], SamplingParams]], session_id: str | None
     ) -> list[GenerateOutput]:
@@ -259,6 +284,7 @@ class DataPlane:
         )
         if sp.logprobs is not None and sp.logprobs < 0:
             raise bad_request(f"sampling_params.logprobs must be >= 0, got {sp.logprobs}", "logprobs")
+        self._check_work(1, sp.n, prefix="sampling_params.")
         self._check_tokens(body.token_ids, "token_ids")
         spec = _Sampling(
             n=sp.n,
@@ -272,6 +298,7 @@ class DataPlane:
             prefix="sampling_params.",
         )
         params = self._params(spec, len(body.token_ids))
+        self._check_work(1, sp.n, [len(body.token_ids)], [params], prefix="sampling_params.")
         request_id = body.request_id or f"gen-{uuid.uuid4().hex}"
         outputs = await self._generate(
             request_id, [(body.token_ids, p) for p in params], self._session_id(request, body.session_id)
@@ -314,12 +341,15 @@ class DataPlane:
 
     # ------------------------------------------------------------------ /v1/completions
 
-    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
-        """``prompt`` as a list of token-id prompts: token ids, a batch of them, a string or strings."""
+    async def _completion_prompts(self, prompt: Any, add_special_tokens: bool, n: int) -> list[list[int]]:
+        """``prompt`` as a list of token-id prompts: token ids, a batch of them, a string or strings. Their
+        count times ``n`` is checked against the request limits before any is tokenized."""
 
         def is_ids(value: Any) -> bool:
             return isinstance(value, list) and all(type(t) is int for t in value)
 
+        batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        self._check_work(len(prompt) if batch else 1, n)
         if isinstance(prompt, str):
             prompts = await self._encode([prompt], add_special_tokens, "prompt")
         elif is_ids(prompt) and prompt:
@@ -355,7 +385,7 @@ class DataPlane:
         check_stream_options(body.stream, body.stream_options)
         if body.logprobs is not None and body.logprobs < 0:
             raise bad_request(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
-        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens)
+        prompts = await self._completion_prompts(body.prompt, body.add_special_tokens, body.n)
         spec = _Sampling(
             n=body.n,
             max_tokens=body.max_tokens,
@@ -367,6 +397,7 @@ class DataPlane:
             ignore_eos=body.ignore_eos,
         )
         per_prompt = [self._params(spec, len(p)) for p in prompts]
+        self._check_work(len(prompts), spec.n, [len(p) for p in prompts], per_prompt)
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex}"
         jobs = [
             (prompt, params)
@@ -498,13 +529,15 @@ class DataPlane:
         check_stream_options(body.stream, body.stream_options)
         if not body.messages:
             raise bad_request("messages is empty; pass at least one message", "messages")
+        n = 1 if body.n is None else body.n
+        self._check_work(1, n)
         prompt = await self._render(body.messages, body.tools, body.add_generation_prompt)
         self._check_tokens(prompt, "messages")
         stop_ids = list(body.stop_token_ids or [])
         if not body.ignore_eos:
             stop_ids += [t for t in self.server.renderer.get_stop_token_ids() if t not in stop_ids]
         spec = _Sampling(
-            n=1 if body.n is None else body.n,
+            n=n,
             max_tokens=body.max_completion_tokens
             if body.max_completion_tokens is not None
             else body.max_tokens,
@@ -516,6 +549,7 @@ class DataPlane:
             ignore_eos=body.ignore_eos,
         )
         params = self._params(spec, len(prompt))
+        self._check_work(1, n, [len(prompt)], [params])
         request_id = body.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         jobs = [(prompt, p) for p in params]
         session_id = self._session_id(request, body.session_id)

@@ -1,0 +1,186 @@
+"""One large request against ``rollflow serve``: does it hold back everyone else (issue 30, item 3)?
+
+One ``rollflow serve`` subprocess (tiny model, ``--max-batch-size`` slots). In one invocation:
+
+1. ``short_latency_idle``: ``--requests`` short completions (a 4-token prompt, ``--short-tokens`` tokens, one
+   at a time) on the idle server: the baseline.
+2. ``short_latency_behind_hog``: the same while a hog request runs: one ``/v1/completions`` of ``--hog-prompts``
+   prompts x ``n = --hog-n`` x ``--hog-tokens`` tokens (256 sequences by default, four times the batch), sent
+   first and checked to still be running after the last short request. Reports the short requests' p50 and
+   mean, and the p50 ratio behind the hog vs idle (target: at most 2). Strict first-come scheduling made a
+   short request wait for the hog's whole queue (seconds to minutes); fair scheduling admits it at the next
+   engine step.
+3. ``oversized_request`` (unless ``--no-oversized``): the issue's 40 KB body (10,000 prompts x ``n = 64``): its
+   status (400 with the ``--max-request-sequences`` limit) and how long the refusal took.
+
+``engine_steps_p50`` counts the engine steps each short request spanned (``rollflow:engine_steps`` in
+``/metrics``): fair scheduling bounds the wait in steps; what a step costs grows with the rows in the batch.
+
+Prints one JSON line per figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summary(latencies: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": round(percentile(latencies, 0.5) * 1000, 2),
+        "mean_ms": round(statistics.fmean(latencies) * 1000, 2),
+        "max_ms": round(max(latencies) * 1000, 2),
+    }
+
+
+async def short_requests(session, url: str, count: int, tokens: int) -> tuple[list[float], list[int]]:
+    """Latencies (s) of ``count`` short completions sent one at a time, and the engine steps each spanned."""
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    latencies, steps = [], []
+    for _ in range(count):
+        steps_before = await metric(session, url, "rollflow:engine_steps_total")
+        started = time.perf_counter()
+        async with session.post(f"{url}/v1/completions", json=body) as response:
+            answer = await response.json()
+            assert response.status == 200, answer
+        latencies.append(time.perf_counter() - started)
+        steps.append(await metric(session, url, "rollflow:engine_steps_total") - steps_before)
+    return latencies, steps
+
+
+async def metric(session, url: str, name: str) -> int:
+    """One value from the server's ``/metrics`` (0 when the server does not export it)."""
+    async with session.get(f"{url}/metrics") as response:
+        for line in (await response.text()).splitlines():
+            if line.startswith(name + "{"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
+async def main(args: argparse.Namespace) -> None:
+    import aiohttp
+
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "rollflow", "serve", "--model", "rollflow:tiny", "--port", "0",
+        "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.hog_tokens + 16),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        while not (line := await server.stdout.readline()).startswith(b'{"event": "ready"'):
+            assert line, "rollflow serve exited before it was ready"
+        url = json.loads(line)["url"]
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await short_requests(session, url, 5, args.short_tokens)  # warm-up: first forward, thread start
+            idle, idle_steps = await short_requests(session, url, args.requests, args.short_tokens)
+
+            hog_body = {
+                "prompt": [[9, 10, 11, 12 + i] for i in range(args.hog_prompts)],
+                "n": args.hog_n,
+                "max_tokens": args.hog_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+            }
+            hog = asyncio.create_task(session.post(f"{url}/v1/completions", json=hog_body))
+            deadline = time.monotonic() + 60.0
+            full = min(args.max_batch_size, args.hog_prompts * args.hog_n)
+            while await metric(session, url, "vllm:num_requests_running") < full:
+                assert time.monotonic() < deadline and not hog.done(), "the hog never filled the batch"
+                await asyncio.sleep(0.01)
+            behind, behind_steps = await short_requests(session, url, args.requests, args.short_tokens)
+            hog_running_after = not hog.done()
+            hog.cancel()  # the client leaves: the server aborts the hog's sequences
+            with contextlib.suppress(asyncio.CancelledError):
+                await hog
+
+            idle_summary, behind_summary = summary(idle), summary(behind)
+            common = {"benchmark": "fair_scheduling", "short_tokens": args.short_tokens}
+            idle_line = {**common, "measurement": "short_latency_idle", **idle_summary}
+            idle_line["engine_steps_p50"] = statistics.median(idle_steps)
+            print(json.dumps(idle_line), flush=True)
+            print(
+                json.dumps(
+                    {
+                        **common,
+                        "measurement": "short_latency_behind_hog",
+                        "hog": f"{args.hog_prompts} prompts x n={args.hog_n} x {args.hog_tokens} tokens",
+                        "max_batch_size": args.max_batch_size,
+                        **behind_summary,
+                        "engine_steps_p50": statistics.median(behind_steps),
+                        "hog_still_running_after": hog_running_after,
+                    }
+                ),
+                flush=True,
+            )
+            print(
+                json.dumps(
+                    {
+                        **common,
+                        "measurement": "short_latency_ratio",
+                        "p50_ratio_behind_hog_vs_idle": round(
+                            behind_summary["p50_ms"] / idle_summary["p50_ms"], 2
+                        ),
+                        "mean_ratio_behind_hog_vs_idle": round(
+                            behind_summary["mean_ms"] / idle_summary["mean_ms"], 2
+                        ),
+                        "steps_ratio_behind_hog_vs_idle": round(
+                            statistics.median(behind_steps) / max(1, statistics.median(idle_steps)), 2
+                        ),
+                        "target_ratio": 2.0,
+                    }
+                ),
+                flush=True,
+            )
+
+            if args.no_oversized:
+                return
+            started = time.perf_counter()
+            oversized = {"prompt": [[5]] * 10_000, "n": 64, "max_tokens": 1}
+            async with session.post(f"{url}/v1/completions", json=oversized) as response:
+                answer = await response.json()
+                status = response.status
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "fair_scheduling",
+                        "measurement": "oversized_request",
+                        "request": "10000 prompts x n=64",
+                        "status": status,
+                        "code": answer.get("error", {}).get("code"),
+                        "answered_ms": round((time.perf_counter() - started) * 1000, 2),
+                    }
+                ),
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20, help="short requests per phase (default 20)")
+    parser.add_argument("--short-tokens", type=int, default=4, help="tokens per short request (default 4)")
+    parser.add_argument("--hog-prompts", type=int, default=4, help="prompts of the hog request (default 4)")
+    parser.add_argument("--hog-n", type=int, default=64, help="n of the hog request (default 64)")
+    parser.add_argument("--hog-tokens", type=int, default=1000, help="max_tokens of the hog (default 1000)")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="the server's slots (default 64)")
+    parser.add_argument(
+        "--no-oversized",
+        action="store_true",
+        help="skip the oversized request (a server without request limits would queue all of it)",
+    )
+    asyncio.run(main(parser.parse_args()))
