@@ -23,6 +23,7 @@ each (no polling):
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 from http import HTTPStatus
@@ -65,6 +66,18 @@ async def json_errors_middleware(request: web.Request, handler: Any) -> web.Stre
     except Exception as exc:  # a bug: say so, keep serving
         log.exception("unhandled error in request handler", path=request.path)
         return json_error(500, f"internal error: {exc!r}")
+
+
+def bearer_token_matches(header: str | bytes | None, token: str | bytes) -> bool:
+    """Whether an ``Authorization`` header value is ``Bearer <token>`` (the scheme in any case), compared in
+    constant time. aiohttp decodes header bytes that are not UTF-8 with surrogate escapes; they are encoded
+    back to those bytes here, so such a header is a wrong token (401), not an encoding error (500)."""
+    if not header:
+        return False
+    raw = header if isinstance(header, bytes) else header.encode("utf-8", "surrogateescape")
+    expected = token if isinstance(token, bytes) else token.encode("utf-8", "surrogateescape")
+    scheme, _, given = raw.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(given, expected)
 
 
 def reason_phrase(status: int) -> bytes:

@@ -72,6 +72,7 @@ from aiohttp import web
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.inference.http import (
     JSONErrorAppRunner,
+    bearer_token_matches,
     json_error,
     json_errors_middleware,
     raw_json_response,
@@ -844,12 +845,12 @@ class InferenceRouter:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.api_key and request.path not in OPEN_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                return json_error(
-                    401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'"
-                )
+        if (
+            self.api_key
+            and request.path not in OPEN_PATHS
+            and not bearer_token_matches(request.headers.get("Authorization"), self.api_key)
+        ):
+            return json_error(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
         return await handler(request)
 
     async def _url_param(self, request: web.Request) -> str | web.Response:

@@ -32,7 +32,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import hmac
 import re
 import secrets
 import time
@@ -46,7 +45,7 @@ from aiohttp import web
 
 from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
 from rollflow.inference.client import InferenceClient
-from rollflow.inference.http import JSONErrorAppRunner, raw_json_response
+from rollflow.inference.http import JSONErrorAppRunner, bearer_token_matches, raw_json_response
 from rollflow.inference.http_front import (
     Header,
     HttpFront,
@@ -662,8 +661,8 @@ class TITOProxy:
     # ------------------------------------------------------------------ HTTP: admin endpoints
 
     def _authorize(self, request: web.Request) -> None:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.admin_token}".encode()):
+        assert self.admin_token is not None  # the admin routes exist only with a token
+        if not bearer_token_matches(request.headers.get("Authorization"), self.admin_token):
             raise RequestError("missing or wrong bearer token", status=401, code="unauthorized")
 
     def _admin_session(self, request: web.Request) -> Session:

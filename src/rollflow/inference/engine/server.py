@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hmac
 import json
 import os
 import signal
@@ -80,7 +79,13 @@ from rollflow.inference.engine.server_protocol import (
     engine_dead,
     error_response,
 )
-from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, raise_open_file_limit, warn_if_exposed
+from rollflow.inference.http import (
+    HttpLimits,
+    JSONErrorAppRunner,
+    bearer_token_matches,
+    raise_open_file_limit,
+    warn_if_exposed,
+)
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
 
@@ -402,11 +407,12 @@ class EngineServer:
 
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if self.api_key is not None and request.path not in OPEN_PATHS:
-            header = request.headers.get("Authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                raise ApiError(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
+        if (
+            self.api_key is not None
+            and request.path not in OPEN_PATHS
+            and not bearer_token_matches(request.headers.get("Authorization"), self.api_key)
+        ):
+            raise ApiError(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
         return await handler(request)
 
     # ------------------------------------------------------------------ health and metrics
