@@ -69,8 +69,12 @@ class DataConfig(Section):
     """Column of the reference answer the reward gets as ``item.answer`` (dotted path); unset: ``answer``, else
     verl's ``reward_model.ground_truth``, else none."""
     on_bad_row: Literal["fail", "skip"] = "fail"
-    """A row without a usable prompt or answer: ``fail`` (an error naming the row) or ``skip`` (counted and
-    logged, never silent)."""
+    """A row without a usable prompt or answer, or a prompt (of any task) that cannot fit
+    ``inference.max_model_len`` with room for one generated token: ``fail`` (an error naming the row, its
+    line for JSONL) or ``skip`` (counted and logged, never silent: a prompt too long is not generated for,
+    its group's samples are masked as ``prompt_too_long`` and counted in the ``skipped_prompts`` metric).
+    Prompts are measured before they are tokenized: text with more characters than ``max_model_len`` times
+    the tokenizer's longest token (x4 for Unicode normalization) cannot fit and is never tokenized."""
     shuffle: bool = True
     """Visit the rows of each epoch in a fresh order seeded by ``seed`` and the epoch (False: file order)."""
     epochs: Positive | None = None
@@ -86,6 +90,15 @@ class DataConfig(Section):
     seed: int = 0
     """Seed of the generated prompt stream (or of a dataset's shuffles); the same seed gives the same prompts in
     the same order."""
+    reward_timeout_s: PositiveFloat = 60.0
+    """Longest one sample's reward may take (with ``rewards``, the whole weighted sum), in seconds. Past it
+    the sample is masked (``reward_timeout``), counted in the ``reward_timeouts`` metric and logged; a sync
+    reward's thread is left to finish on its own (a daemon thread: the run neither waits for it nor for it
+    to stop), and 64 such calls still running stop the run with an error naming the reward."""
+    task_timeout_s: PositiveFloat = 60.0
+    """Longest a custom task's ``item(index)`` may take (it runs in a daemon thread), in seconds; past it the
+    run fails with an error naming the task and the index. Built-in tasks and datasets are lookups and are
+    not timed."""
 
 
 class SamplingConfig(Section):
@@ -385,6 +398,10 @@ class OrchestratorConfig(Section):
     partial_rollouts: bool = True
     """After an ``abort``, continue the request from its partial tokens on the new weights (True), or throw
     the partial tokens away and sample the completion again (False)."""
+    max_masked_steps: NonNegative = 3
+    """Steps in a row with every sample masked (rewards that fail or time out, prompts too long, failed
+    agents) after which the run stops with an error counting the reasons, instead of running to the end
+    having trained nothing; 0 never stops."""
 
 
 class CheckpointConfig(Section):

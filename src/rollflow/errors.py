@@ -327,9 +327,37 @@ class AgentError(RollflowError):
 class RewardPartError(RollflowError):
     """A part of a weighted reward failed; names it."""
 
-    def __init__(self, name: str, error: Exception):
+    def __init__(self, name: str, error: BaseException):
         super().__init__(f"reward {name!r}: {type(error).__name__}: {error}")
         self.name = name
+
+
+class PromptTooLongError(ConfigError):
+    """A prompt of the run's data cannot fit the engines' context (``inference.max_model_len``) while
+    ``data.on_bad_row = "fail"``; the message names the row (file and line for JSONL) and the fixes."""
+
+
+class CallbackTimeoutError(RollflowError, TimeoutError):
+    """A user callback (a reward, a custom task's ``item``) ran past its timeout; the message names the
+    callback and the timeout's config key.
+
+    Attributes:
+        timeout_s: the timeout that ran out, in seconds.
+    """
+
+    def __init__(self, message: str, *, timeout_s: float):
+        super().__init__(message)
+        self.timeout_s = timeout_s
+
+
+class StuckCallbacksError(RollflowError):
+    """Too many calls of one sync user callback ran past their timeout and still hold a thread each (a thread
+    cannot be killed): the callback blocks, and the run stops instead of piling up threads."""
+
+
+class NothingToTrainError(RollflowError):
+    """``orchestrator.max_masked_steps`` steps in a row had every sample masked: the run would train nothing.
+    The message counts the mask reasons and names the last problem."""
 
 
 # ---------------------------------------------------------------- the TITO proxy

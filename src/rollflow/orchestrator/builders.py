@@ -173,7 +173,9 @@ async def open_generator(
 ) -> AsyncIterator[Any]:
     """The generator a config asks for: ``AgentGenerator`` with ``[agent]`` (its proxy listens while the
     context is open), else ``SingleTurnGenerator`` scored by ``rewarder`` (default: ``data.reward`` and
-    ``data.rewards`` over ``task``), continuing aborted samples per ``orchestrator.partial_rollouts``.
+    ``data.rewards`` over ``task``, under ``data.reward_timeout_s``), continuing aborted samples per
+    ``orchestrator.partial_rollouts``, with prompts that cannot fit ``inference.max_model_len`` refused or
+    skipped per ``data.on_bad_row`` (``PromptLimit``).
 
     Raises:
         ConfigError: the agent, composer or reward does not resolve.
@@ -182,11 +184,13 @@ async def open_generator(
         async with build_agent_generator(config, client, renderer, tokenizer) as generator:
             yield generator
         return
-    from rollflow.rollout.generator import SingleTurnGenerator
+    from rollflow.rollout.generator import PromptLimit, SingleTurnGenerator
     from rollflow.rollout.rewards import Rewarder
 
     if rewarder is None:
-        rewarder = Rewarder.from_config(config.data.reward, task, config.data.rewards)
+        rewarder = Rewarder.from_config(
+            config.data.reward, task, config.data.rewards, timeout_s=config.data.reward_timeout_s
+        )
     yield SingleTurnGenerator(
         client,
         renderer,
@@ -194,6 +198,7 @@ async def open_generator(
         config.sampling,
         seed=config.seed,
         partial_rollouts=config.orchestrator.partial_rollouts,
+        prompt_limit=PromptLimit.from_config(config, tokenizer, task),
     )
 
 

@@ -84,6 +84,7 @@ async def generate(
             num_prompts,
             samples_per_prompt=config.sampling.samples_per_prompt,
             max_concurrent=config.orchestrator.max_inflight,
+            item_timeout_s=config.data.task_timeout_s,
         )
         with _open_output(path) as out:
             async for group in groups:
@@ -136,10 +137,10 @@ async def evaluate_offline(config: RunConfig, checkpoint: str | Path | None = No
     if checkpoint is not None:
         policy = await anyio.to_thread.run_sync(load_policy_weights, resolve_checkpoint(checkpoint))
     task = await anyio.to_thread.run_sync(eval_task, config, config.eval or EvalConfig())
-    _tokenizer, renderer = await anyio.to_thread.run_sync(load_chat, config)
+    tokenizer, renderer = await anyio.to_thread.run_sync(load_chat, config)
     async with get_inference_client(config) as client:
         version = 0
         if policy is not None:
             await push_policy(config, client, *policy)
             version = policy[1]
-        return await Evaluator(config, client, renderer, task).evaluate(version)
+        return await Evaluator(config, client, renderer, task, tokenizer).evaluate(version)

@@ -42,7 +42,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from rollflow.channels import Channel, channel
 from rollflow.config import RunConfig, to_json
-from rollflow.errors import CheckpointError, ConfigError, StorageError, describe_os_error
+from rollflow.errors import (
+    CheckpointError,
+    ConfigError,
+    NothingToTrainError,
+    StorageError,
+    describe_os_error,
+)
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
 from rollflow.metrics import JsonlWriter, MetricsSink, truncate_jsonl_after_step
 from rollflow.orchestrator.barrier import WeightBarrier
@@ -63,10 +69,10 @@ from rollflow.orchestrator.run_dir import (
     write_resume_config,
 )
 from rollflow.orchestrator.schedules import StalenessSchedule
-from rollflow.rollout.datasets import steps_for_epochs, task_from_config
-from rollflow.rollout.generator import SingleTurnGenerator
-from rollflow.rollout.rewards import REWARD_ERROR, Rewarder, reward_part_means
-from rollflow.rollout.tasks import Task
+from rollflow.rollout.datasets import DatasetTask, steps_for_epochs, task_from_config
+from rollflow.rollout.generator import PROMPT_TOO_LONG, SingleTurnGenerator
+from rollflow.rollout.rewards import REWARD_ERROR, REWARD_TIMEOUT, Rewarder, reward_part_means
+from rollflow.rollout.tasks import Task, item_caller
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -145,6 +151,9 @@ class Orchestrator:
         self.evaluator: Any = None
         self.eval_history: list[dict[str, Any]] = []
         self.colocation: Colocation | None = None
+        # Steps in a row with every sample masked, and their mask reasons (orchestrator.max_masked_steps).
+        self._masked_steps = 0
+        self._masked_reasons: Counter[str] = Counter()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -198,7 +207,10 @@ class Orchestrator:
             self._exit_stack.callback(self._lock.release)
             # The data first: a bad file fails before anything is written, and epochs set the run's length.
             self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
-            rewarder = Rewarder.from_config(config.data.reward, self.task, config.data.rewards)
+            self._item = item_caller(self.task, config.data.task_timeout_s)
+            rewarder = Rewarder.from_config(
+                config.data.reward, self.task, config.data.rewards, timeout_s=config.data.reward_timeout_s
+            )
             config = self.config = self._with_epoch_steps(config)
             checkpoint = self._prepare_run_dir()
             # Where the trainer workers and servers run (cluster.backend): on Ray, the placement is granted here.
@@ -214,10 +226,16 @@ class Orchestrator:
             self.generator = await self._exit_stack.enter_async_context(
                 open_generator(config, self.client, renderer, tokenizer, self.task, rewarder)
             )
+            limit = getattr(self.generator, "prompt_limit", None)
+            if limit is not None and isinstance(self.task, DatasetTask):
+                # Rows too long to fit by their length alone fail here (on_bad_row = "fail"), not mid-run.
+                await anyio.to_thread.run_sync(limit.check_items, self.task.items)
             if config.eval is not None:
                 from rollflow.rollout.evaluation import Evaluator
 
-                self.evaluator = await anyio.to_thread.run_sync(Evaluator, config, self.client, renderer)
+                self.evaluator = await anyio.to_thread.run_sync(
+                    Evaluator, config, self.client, renderer, None, tokenizer
+                )
             self.schedule = StalenessSchedule.from_config(config.orchestrator, policy_version=0, steps_done=0)
             self.colocation = Colocation.from_config(config, self.client, self.schedule.pause_mode)
             if checkpoint is not None:
@@ -443,14 +461,19 @@ class Orchestrator:
             self._results = None
 
     async def _generation_failure(self) -> BaseException:
-        """The error that ended generation (its results stream ended while the trainer waited for it)."""
+        """The error that ended generation (its results stream ended while the trainer waited for it); out
+        of the task groups' exception groups when it is one error (or the same kind several times), so that
+        a prompt too long or a stuck reward reaches the caller as its own clear error."""
         task = self._generation
         if task is None:
             return RuntimeError("generation was stopped while a step waited for its groups")
         await asyncio.wait({task})
         if task.cancelled():
             return RuntimeError("generation was cancelled while a step waited for its groups")
-        return task.exception() or RuntimeError("generation ended while a step waited for its groups")
+        error = task.exception()
+        if error is None:
+            return RuntimeError("generation ended while a step waited for its groups")
+        return _single_error(error)
 
     def _next_prompt_index(self, fresh: Iterator[int]) -> int:
         """A dropped prompt first (it must still be trained), else the next prompt not trained yet."""
@@ -476,7 +499,7 @@ class Orchestrator:
             while True:
                 await self.schedule.admit()
                 index = self._next_prompt_index(fresh)
-                item = self.task.item(index)
+                item = await self._item(index)
                 await send.send(
                     RolloutRequest(
                         prompt_index=index,
@@ -575,9 +598,38 @@ class Orchestrator:
         if self._eval_due():
             metrics.update(await self._evaluate())
         self._record(batch, metrics)
+        self._check_masked(batch)
         if self._checkpoint_due():
             await self._save_checkpoint()
         return metrics
+
+    def _check_masked(self, batch: TrainBatch) -> None:
+        """Count steps in a row whose every sample was masked; at ``orchestrator.max_masked_steps`` of them
+        the run trains nothing, and stops.
+
+        Raises:
+            NothingToTrainError: the message counts the mask reasons and names the last reward problem.
+        """
+        samples = batch.samples
+        if not samples or not all(sample.masked for sample in samples):
+            self._masked_steps, self._masked_reasons = 0, Counter()
+            return
+        self._masked_steps += 1
+        self._masked_reasons.update(sample.mask_reason or "masked" for sample in samples)
+        limit = self.config.orchestrator.max_masked_steps
+        if limit == 0 or self._masked_steps < limit:
+            return
+        reasons = ", ".join(f"{reason} x{count}" for reason, count in self._masked_reasons.most_common())
+        first = batch.step - self._masked_steps + 1
+        steps = f"step {first}" if first == batch.step else f"steps {first}-{batch.step}"
+        rewarder = getattr(self.generator, "rewarder", None)
+        problem = getattr(rewarder, "last_problem", None)
+        last = f"; the last reward problem: {problem}" if problem else ""
+        raise NothingToTrainError(
+            f"{steps}: every sample was masked ({reasons}){last}. The run trains nothing: fix what masks the "
+            "samples (the 'sample masked' and 'skipped' warnings in the log name each one), or set "
+            "orchestrator.max_masked_steps = 0 to go on regardless"
+        )
 
     async def _push(self, policy_version: int) -> dict[str, float]:
         """The weight-update barrier: the trainer's weights reach the engines as ``policy_version``."""
@@ -606,6 +658,12 @@ class Orchestrator:
             "reward_mean": statistics.fmean(rewards) if rewards else math.nan,
             "reward_std": statistics.pstdev(rewards) if len(rewards) > 1 else 0.0,
             "reward_errors": sum(sample.mask_reason == REWARD_ERROR for sample in samples),
+            "reward_timeouts": sum(sample.mask_reason == REWARD_TIMEOUT for sample in samples),
+            # Prompts that cannot fit inference.max_model_len (data.on_bad_row = "skip").
+            "skipped_prompts": sum(
+                bool(group.samples) and all(s.mask_reason == PROMPT_TOO_LONG for s in group.samples)
+                for group in batch.groups
+            ),
             "completion_tokens": tokens,
             "completion_len_mean": tokens / max(len(samples), 1),
             **{f"finish_{reason.value}": finish[reason] / len(samples) for reason in FinishReason},
@@ -714,6 +772,26 @@ def _write_file(path: Path, data: bytes) -> None:
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         raise StorageError(describe_os_error(error, path)) from None
+
+
+def _single_error(error: BaseException) -> BaseException:
+    """``error``, or the one error inside nested exception groups (cancellations left out; several of one
+    kind count as one: the first, the others logged); the group itself when it holds different kinds."""
+    if not isinstance(error, BaseExceptionGroup):
+        return error
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [error]
+    while stack:
+        current = stack.pop(0)
+        if isinstance(current, BaseExceptionGroup):
+            stack[:0] = list(current.exceptions)
+        elif not isinstance(current, asyncio.CancelledError):
+            leaves.append(current)
+    if not leaves or len({type(leaf) for leaf in leaves}) > 1:
+        return error
+    for other in leaves[1:]:
+        log.error("generation also failed", error=f"{type(other).__name__}: {other}")
+    return leaves[0]
 
 
 def _staleness_metrics(staleness: list[int]) -> dict[str, float]:

@@ -12,8 +12,8 @@ An agent is either
   prints the reward as the last line of stdout and exits 0.
 
 Outcomes: an agent that runs past ``timeout_s`` is cancelled (a command's whole process group is killed) and
-its samples are masked as ``"timeout"``; an exception, a non-zero exit or a reward that is not a finite number
-masks them as ``"error"``. Either way the group goes on. Every trajectory contributes at least one sample (an
+its samples are masked as ``"timeout"``; an exception (``SystemExit`` too), a non-zero exit or a reward that is
+not a real number finite in float32 (``rewards.reward_value``) masks them as ``"error"``. Either way the group goes on. Every trajectory contributes at least one sample (an
 empty masked one when the model was never called), so it is visible in the group and in the counts.
 
 Requests sample at ``sampling.temperature``, ``sampling.top_p`` and ``sampling.top_k``, which the trainer's
@@ -29,8 +29,6 @@ import asyncio
 import contextlib
 import copy
 import inspect
-import math
-import numbers
 import os
 import secrets
 import signal
@@ -45,7 +43,9 @@ import structlog
 from rollflow.errors import AgentError, ConfigError
 from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
+from rollflow.rollout.callbacks import is_interruption
 from rollflow.rollout.generator import sample_seed
+from rollflow.rollout.rewards import reward_value
 from rollflow.tito.composer import COMPOSE_MODES, TITOSample, resolve_composer, trace_metrics
 from rollflow.tito.saved import TraceWriter, trace_record
 
@@ -173,11 +173,15 @@ def resolve_agent(
 
 
 def _reward(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise AgentError(f"the agent returned {type(value).__name__}, expected the reward as a float")
-    if not math.isfinite(value):
-        raise AgentError(f"the agent returned the non-finite reward {value}")
-    return float(value)
+    """The agent's reward, held to the contract of every reward (``rewards.reward_value``).
+
+    Raises:
+        AgentError: the value is not a real number finite in float32.
+    """
+    try:
+        return reward_value(value)
+    except ValueError as problem:
+        raise AgentError(f"the agent {problem}") from None
 
 
 class AgentGenerator:
@@ -334,7 +338,9 @@ class AgentGenerator:
         with anyio.move_on_after(self.timeout_s) as scope:
             try:
                 reward = _reward(await self.agent(base_url, task))
-            except Exception as failure:  # any agent failure masks the trajectory
+            except BaseException as failure:  # any agent failure masks the trajectory (SystemExit too)
+                if is_interruption(failure):
+                    raise
                 error = f"{type(failure).__name__}: {failure}"
         # A deadline that fired is a timeout, even if the agent swallowed the cancellation.
         if scope.cancel_called:

@@ -32,8 +32,25 @@ DEFAULT_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 _MISSING = object()
 
 
+class Rows(list):  # type: ignore[type-arg]
+    """The rows of a dataset (plain dicts, a list like any other) and, read from JSONL, the file line of each.
+
+    Messages about a row name it the same way everywhere: ``line L, row R`` for JSONL (``L`` counts from 1
+    as editors do, blank lines included; ``R`` is its index among the rows, from 0), ``row R`` otherwise.
+    """
+
+    lines: list[int] | None = None
+    """Per row, its line in the JSONL file (None: not read from JSONL)."""
+
+
+def row_name(row: int, lines: list[int] | None) -> str:
+    """``line L, row R`` (JSONL) or ``row R``: how messages and logs name row ``row``."""
+    return f"line {lines[row]}, row {row}" if lines is not None else f"row {row}"
+
+
 def read_rows(path: str, split: str | None = None, *, key: str = "data.path") -> list[dict[str, Any]]:
-    """All rows of the dataset at ``path`` (see the module docstring for the forms it takes).
+    """All rows of the dataset at ``path`` (see the module docstring for the forms it takes); from JSONL, a
+    ``Rows`` that also holds each row's line.
 
     Raises:
         ConfigError: the file or directory does not exist, its format is unknown, a row is not valid
@@ -67,24 +84,25 @@ def _read_file(source: Path, key: str) -> list[dict[str, Any]]:
     )
 
 
-def _read_jsonl(source: Path, key: str) -> list[dict[str, Any]]:
-    rows = []
+def _read_jsonl(source: Path, key: str) -> Rows:
+    rows = Rows()
+    lines: list[int] = []
     with source.open("rb") as file:
         for line_number, line in enumerate(file, start=1):
             if not line.strip():
                 continue
+            where = f"line {line_number}, row {len(rows)}"
             try:
                 row = json.loads(line)
             except ValueError as error:
-                raise ConfigError(
-                    f"{key} = {str(source)!r}, line {line_number}: not valid JSON ({error})"
-                ) from None
+                raise ConfigError(f"{key} = {str(source)!r}, {where}: not valid JSON ({error})") from None
             if not isinstance(row, dict):
                 raise ConfigError(
-                    f"{key} = {str(source)!r}, line {line_number}: a row must be a JSON object, got "
-                    f"{type(row).__name__}"
+                    f"{key} = {str(source)!r}, {where}: a row must be a JSON object, got {type(row).__name__}"
                 )
             rows.append(row)
+            lines.append(line_number)
+    rows.lines = lines
     return rows
 
 
@@ -202,6 +220,7 @@ class DatasetTask:
     """A task over the rows of a dataset, shuffled per epoch; its reward is set by ``data.reward(s)``."""
 
     name = "dataset"
+    inline_item = True  # a lookup: called on the event loop (rollflow.rollout.tasks.item_caller)
 
     def __init__(
         self,
@@ -214,11 +233,22 @@ class DatasetTask:
         on_bad_row: str = "fail",
         source: str = "data",
         key: str = "data",
+        lines: list[int] | None = None,
     ):
-        """Raises:
-        ConfigError: no rows, a key absent from every row (the message lists the columns), or a row without
-            a usable prompt or answer while ``on_bad_row = "fail"`` (the message names the row).
+        """Args (besides the ``data.*`` keys they mirror):
+        rows: the rows (``read_rows``).
+        source: the dataset's path, for messages.
+        key: the config section (``data``, ``eval``), for messages.
+        lines: per row, its JSONL line (default: ``rows.lines`` of a ``Rows``); items carry it in their
+            metadata (``line``, next to ``row``) and messages name rows by it (``row_name``).
+
+        Raises:
+            ConfigError: no rows, a key absent from every row (the message lists the columns), or a row without
+                a usable prompt or answer while ``on_bad_row = "fail"`` (the message names the row).
         """
+        self.source = source
+        self.key = key
+        self.lines = lines if lines is not None else getattr(rows, "lines", None)
         if not rows:
             raise ConfigError(
                 f"{key}.path = {source!r}: the dataset (split) is empty; there is nothing to train on"
@@ -252,12 +282,15 @@ class DatasetTask:
             if problem is not None:
                 if on_bad_row == "fail":
                     raise ConfigError(
-                        f"{source!r}, row {number}: {problem}; fix the row, or set {key}.on_bad_row = 'skip' to "
-                        "count and skip such rows"
+                        f"{source!r}, {row_name(number, self.lines)}: {problem}; fix the row, or set "
+                        f"{key}.on_bad_row = 'skip' to count and skip such rows"
                     )
-                bad.append(f"row {number}: {problem}")
+                bad.append(f"{row_name(number, self.lines)}: {problem}")
                 continue
-            self.items.append(TaskItem(messages=messages, answer=answer, metadata={"row": number}))
+            metadata: dict[str, Any] = {"row": number}
+            if self.lines is not None:
+                metadata["line"] = self.lines[number]
+            self.items.append(TaskItem(messages=messages, answer=answer, metadata=metadata))
             self.rows.append(number)
         self.skipped = len(bad)
         if bad:
@@ -293,6 +326,13 @@ class DatasetTask:
 
     def reward(self, completion: str, item: TaskItem) -> float:
         raise ConfigError("a dataset has no reward of its own: set data.reward or data.rewards")
+
+    def describe(self, metadata: dict[str, Any]) -> str:
+        """How messages name the row an item came from: ``data.path = 'x.jsonl', line 11, row 10``."""
+        row = metadata.get("row")
+        if not isinstance(row, int):
+            return f"{self.key}.path = {self.source!r}"
+        return f"{self.key}.path = {self.source!r}, {row_name(row, self.lines)}"
 
 
 def task_from_config(

@@ -48,11 +48,19 @@ def eval_task(config: RunConfig, evaluation: EvalConfig) -> Any:
 class Evaluator:
     """Evaluates the policy the engines behind ``client`` hold on the held-out prompts."""
 
-    def __init__(self, config: RunConfig, client: Any, renderer: Any, task: Any | None = None):
-        """Raises:
-        ConfigError: the held-out set or the reward does not resolve.
+    def __init__(
+        self, config: RunConfig, client: Any, renderer: Any, task: Any | None = None, tokenizer: Any = None
+    ):
+        """Args:
+        config, client, renderer: the run's.
+        task: the held-out task (default: ``eval_task``).
+        tokenizer: the model's, for the character bound of prompts that cannot fit the context
+            (``PromptLimit``; without it, a bound that any vocabulary meets).
+
+        Raises:
+            ConfigError: the held-out set or the reward does not resolve.
         """
-        from rollflow.rollout.generator import SingleTurnGenerator
+        from rollflow.rollout.generator import PromptLimit, SingleTurnGenerator
         from rollflow.rollout.rewards import Rewarder
 
         self.evaluation = evaluation = config.eval or EvalConfig()
@@ -60,7 +68,11 @@ class Evaluator:
         size = len(self.task) if hasattr(self.task, "__len__") else evaluation.num_prompts
         self.num_prompts = min(evaluation.num_prompts, size)
         self.max_inflight = config.orchestrator.max_inflight
-        rewarder = Rewarder.from_config(config.data.reward, self.task, config.data.rewards)
+        rewarder = Rewarder.from_config(
+            config.data.reward, self.task, config.data.rewards, timeout_s=config.data.reward_timeout_s
+        )
+        limit = PromptLimit.from_config(config, tokenizer, self.task)
+        self.task_timeout_s = config.data.task_timeout_s
         max_tokens = evaluation.max_tokens or config.sampling.max_tokens
         self.generators: dict[str, tuple[Any, int]] = {}
         if evaluation.greedy:
@@ -69,7 +81,13 @@ class Evaluator:
             )
             self.generators["greedy"] = (
                 SingleTurnGenerator(
-                    client, renderer, rewarder, greedy, seed=config.seed, request_prefix="eval-g-"
+                    client,
+                    renderer,
+                    rewarder,
+                    greedy,
+                    seed=config.seed,
+                    request_prefix="eval-g-",
+                    prompt_limit=limit,
                 ),
                 1,
             )
@@ -80,7 +98,13 @@ class Evaluator:
             sampled = msgspec.structs.replace(config.sampling, temperature=temperature, max_tokens=max_tokens)
             self.generators["sampled"] = (
                 SingleTurnGenerator(
-                    client, renderer, rewarder, sampled, seed=config.seed, request_prefix="eval-s-"
+                    client,
+                    renderer,
+                    rewarder,
+                    sampled,
+                    seed=config.seed,
+                    request_prefix="eval-s-",
+                    prompt_limit=limit,
                 ),
                 evaluation.samples,
             )
@@ -100,6 +124,7 @@ class Evaluator:
                     self.num_prompts,
                     samples_per_prompt=samples,
                     max_concurrent=self.max_inflight,
+                    item_timeout_s=self.task_timeout_s,
                 )
             ]
             metrics.update(self._kind_metrics(kind, groups, samples))

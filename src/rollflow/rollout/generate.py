@@ -8,19 +8,30 @@ from typing import Any
 
 import anyio
 
+from rollflow.config import DataConfig
 from rollflow.messages import RolloutRequest, ScoredGroup
+from rollflow.rollout.tasks import item_caller
 
 
 async def generate_groups(
-    generator: Any, task: Any, num_prompts: int, *, samples_per_prompt: int, max_concurrent: int
+    generator: Any,
+    task: Any,
+    num_prompts: int,
+    *,
+    samples_per_prompt: int,
+    max_concurrent: int,
+    item_timeout_s: float | None = None,
 ) -> AsyncIterator[ScoredGroup]:
-    """Groups for prompts ``0 .. num_prompts - 1``, ``max_concurrent`` at a time, in prompt order."""
+    """Groups for prompts ``0 .. num_prompts - 1``, ``max_concurrent`` at a time, in prompt order; a custom
+    task's ``item`` runs under ``item_timeout_s`` (``data.task_timeout_s``; default: its default)."""
     groups: dict[int, ScoredGroup] = {}
     limiter = anyio.CapacityLimiter(max_concurrent)
+    timeout_s = DataConfig().task_timeout_s if item_timeout_s is None else item_timeout_s
+    item_of = item_caller(task, timeout_s)
 
     async def one(index: int) -> None:
         async with limiter:
-            item = task.item(index)
+            item = await item_of(index)
             request = RolloutRequest(
                 prompt_index=index,
                 messages=item.messages,

@@ -7,13 +7,14 @@ data position of a run is one integer and resuming never repeats or skips a prom
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from rollflow.errors import ConfigError
+from rollflow.errors import CallbackTimeoutError, ConfigError
 from rollflow.imports import import_object
+from rollflow.rollout.callbacks import CallbackRunner
 
 
 class TaskItem(msgspec.Struct, frozen=True):
@@ -62,6 +63,7 @@ class CaseTask:
     """
 
     name = "case"
+    inline_item = True  # item() is cheap and never blocks: called on the event loop (see item_caller)
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -93,6 +95,7 @@ class DigitTask:
     """Include a digit in the reply: learnable from scratch in seconds; a smoke test, not prompt-dependent."""
 
     name = "digit"
+    inline_item = True
 
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -142,3 +145,36 @@ def load_task(spec: str, seed: int, args: dict[str, Any] | None = None) -> Task:
             "item(index) and reward(completion, item) or the attribute name"
         )
     return task
+
+
+def item_caller(task: Any, timeout_s: float) -> Callable[[int], Awaitable[TaskItem]]:
+    """``await call(index)`` returns ``task.item(index)``.
+
+    A task whose class sets ``inline_item = True`` (the built-in tasks, datasets: lookups that never block)
+    is called on the event loop. Any other task's ``item`` is user code: it runs in a daemon thread (or, if it
+    is ``async def``, on the loop) under ``timeout_s`` (``data.task_timeout_s``), so one that blocks fails
+    the run with ``CallbackTimeoutError`` naming the task and the index instead of stalling it, and never
+    holds up Ctrl-C or SIGTERM (``rollflow.rollout.callbacks``).
+    """
+    if getattr(type(task), "inline_item", False):
+
+        async def inline(index: int) -> TaskItem:
+            return task.item(index)
+
+        return inline
+    name = getattr(task, "name", type(task).__name__)
+    runner = CallbackRunner(
+        task.item, name=f"data.task {name!r}: item()", timeout_s=timeout_s, timeout_key="data.task_timeout_s"
+    )
+
+    async def timed(index: int) -> TaskItem:
+        try:
+            return await runner(index)
+        except CallbackTimeoutError:
+            raise CallbackTimeoutError(
+                f"data.task {name!r}: item({index}) ran past data.task_timeout_s = {timeout_s:g} s; make it "
+                "return promptly (load or generate its data up front), or raise data.task_timeout_s",
+                timeout_s=timeout_s,
+            ) from None
+
+    return timed

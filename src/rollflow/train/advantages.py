@@ -14,7 +14,9 @@
 
 For every method, masked (invalid) samples get advantage 0 and are left out of the baseline, so a failed
 reward never shifts its group's other advantages. Non-finite rewards of valid samples are propagated (they
-give non-finite advantages), so the trainer sees them and skips the step instead of training on garbage.
+give non-finite advantages), so the trainer sees them and skips the step instead of training on garbage; so
+are rewards so large that the group's sums overflow (``math.fsum`` raises on them): that group's valid samples
+get NaN. (The rewarder holds rewards within float32's range, where no sum of a group overflows.)
 
 An agent run composed into several samples (one per branch or per step) is one unit of the baseline: its
 samples share the trajectory's advantage instead of each weighing in on the group's mean and std.
@@ -66,13 +68,17 @@ def compute_advantages(
         if ok:
             trajectory = None if trajectories is None else trajectories[index]
             units.setdefault(("sample", index) if trajectory is None else trajectory, []).append(index)
-    unit_rewards = [
-        math.fsum(float(rewards[i]) for i in members) / len(members) for members in units.values()
-    ]
+    if method not in ("grpo", "rloo", "grpo_no_std"):
+        raise ValueError(f"unknown advantage method {method!r}; expected 'grpo', 'rloo' or 'grpo_no_std'")
+    try:
+        unit_rewards = [
+            math.fsum(float(rewards[i]) for i in members) / len(members) for members in units.values()
+        ]
+        unit_advantages = _unit_advantages(unit_rewards, method, epsilon)
+    except OverflowError:  # sums beyond float64 (mixed signs near 1e308): non-finite, as documented
+        unit_advantages = [math.nan] * len(units)
     advantages = [0.0] * len(rewards)
-    for advantage, members in zip(
-        _unit_advantages(unit_rewards, method, epsilon), units.values(), strict=True
-    ):
+    for advantage, members in zip(unit_advantages, units.values(), strict=True):
         for index in members:
             advantages[index] = advantage
     return advantages
