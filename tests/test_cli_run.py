@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO_ROOT
+from .helpers.clients import suite_inference_mode
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
 
@@ -40,18 +41,16 @@ def wait_for_step(metrics_path: Path, step: int, process: subprocess.Popen, time
     raise AssertionError(f"step {step} not reached in {timeout_s} s")
 
 
-@pytest.mark.parametrize(
-    ("mode", "schedule"),
-    [
-        pytest.param(
-            "local", "sync", marks=pytest.mark.local_only(reason="the README's run, engines in process")
-        ),
-        pytest.param("http", "fully_async", marks=pytest.mark.http_only(reason="the README's run over HTTP")),
-    ],
-)
-def test_quickstart_learns_the_prompt_dependent_task(tmp_path, mode, schedule):
-    """The README's run command: reward starts near chance and ends near 1 on the case task, with engines
-    in process (local, sync) and with 2 engine servers behind the router (http, fully async)."""
+@pytest.mark.follows_mode
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quickstart_learns_the_prompt_dependent_task(tmp_path):
+    """The README's run command: reward starts near chance and ends near 1 on the case task. In the suite's
+    mode: engines in process with the sync schedule (the README's run as it is), or 2 engine servers behind
+    the router with the fully async schedule (the http pass). The embedded API trains the same way
+    (``test_orchestrator.test_start_run_stop_in_a_running_loop`` checks it steps in a running loop)."""
+    mode = suite_inference_mode()
+    schedule = "sync" if mode == "local" else "fully_async"
     started = time.monotonic()
     result = subprocess.run(
         rollflow(

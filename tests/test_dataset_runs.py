@@ -13,6 +13,9 @@ from rollflow import Orchestrator, load_config
 
 from .helpers.data import case_rows, write_jsonl, write_parquet
 
+# Whole runs, whose config takes $ROLLFLOW_INFERENCE_MODE (runs from dataset files): the http pass runs them over HTTP.
+pytestmark = pytest.mark.follows_mode
+
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -100,7 +103,6 @@ async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_p
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_generate_reads_a_dataset_and_reports_each_reward(tmp_path):
     from rollflow.orchestrator.generate import generate
 

@@ -13,6 +13,9 @@ from rollflow.errors import ConfigError
 
 from .helpers.data import case_rows, write_jsonl
 
+# Whole runs, whose config takes $ROLLFLOW_INFERENCE_MODE (evaluation runs on the run's engines): the http pass runs them over HTTP.
+pytestmark = pytest.mark.follows_mode
+
 EVAL = [
     "orchestrator.prompts_per_step=2",
     "sampling.samples_per_prompt=2",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow import Orchestrator, load_config
+from rollflow import Orchestrator
 from rollflow.errors import CheckpointError, ConfigError
 from rollflow.rollout.tasks import TaskItem
 
@@ -102,24 +102,6 @@ async def test_resume_continues_where_the_checkpoint_left_off(tmp_path):
     prompts = [r["prompt_index"] for r in read_jsonl(config.run_dir / "rollouts.jsonl")]
     assert sorted(prompts) == list(range(16))
     assert any((weights_at_3[name] != tensor).any() for name, tensor in weights_at_4.items())
-
-
-async def test_quickstart_learns_inside_pytest_asyncio(tmp_path):
-    """The quickstart training, embedded: `await Orchestrator.start(...)` in an already running loop."""
-    import statistics
-
-    from .conftest import REPO_ROOT
-
-    config = load_config([REPO_ROOT / "examples" / "quickstart.toml"], [f"output_dir='{tmp_path}'"])
-    orchestrator = await Orchestrator.start(config)
-    try:
-        metrics = await orchestrator.run()
-    finally:
-        await orchestrator.stop()
-    rewards = [m["reward_mean"] for m in metrics]
-    assert len(rewards) == config.orchestrator.steps
-    assert statistics.fmean(rewards[:5]) <= 0.6
-    assert statistics.fmean(rewards[-10:]) >= 0.9
 
 
 def server_children(command: bytes = b"serve") -> list[int]:

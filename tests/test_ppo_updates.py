@@ -230,6 +230,7 @@ def test_fsdp2_workers_take_the_same_updates_as_one_trainer(tiny_model_dir, base
         workers.close()
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_run_in_a_trainer_process_logs_each_pass(tmp_path):
     from rollflow import Orchestrator
 

@@ -133,6 +133,7 @@ def test_a_lock_kept_by_a_fork_of_a_dead_holder_says_so(tmp_path):
             time.sleep(0.05)
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_an_orchestrator_holds_the_lock_from_setup_to_stop(tmp_path):
     config = small_config(tmp_path / "runs", "orchestrator.steps=1")
     orchestrator = await Orchestrator.start(config)
@@ -170,6 +171,7 @@ def test_meaning_changes_name_each_key():
     assert meaning_changes(saved, new) == ["sampling.samples_per_prompt: 8 -> 4", "seed: 0 -> 1"]
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_zero(tmp_path):
     config = small_config(tmp_path / "runs", "orchestrator.steps=3", "checkpoint.every=2")
     async with Orchestrator(config) as orchestrator:
@@ -190,6 +192,7 @@ async def test_a_run_stopped_before_its_first_checkpoint_resumes_from_step_zero(
     assert [p.name for p in config_history(run_dir)] == ["config.json", "config.resume-1.json"]
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_resume_refuses_a_change_of_meaning_unless_forced_and_keeps_every_config(tmp_path):
     config = small_config(tmp_path / "runs", "orchestrator.steps=2", "checkpoint.every=1")
     async with Orchestrator(config) as orchestrator:

@@ -18,6 +18,9 @@ from rollflow import Orchestrator, load_config
 from rollflow.errors import ConfigError
 from rollflow.tracking import SAMPLE_COLUMNS, check_backends
 
+# Whole runs, whose config takes $ROLLFLOW_INFERENCE_MODE (the tracked runs): the http pass runs them over HTTP.
+pytestmark = pytest.mark.follows_mode
+
 STEPS = 2
 
 

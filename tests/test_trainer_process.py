@@ -145,6 +145,7 @@ def _children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_fully_async_run_trains_in_the_child_and_resumes(tmp_path):
     config = small_config(
         tmp_path,

@@ -214,6 +214,7 @@ def _children() -> list[int]:
         return [int(child) for child in children.read().split() if alive(int(child))]
 
 
+@pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_run_resumes_on_another_number_of_workers_exactly_once_per_prompt(tmp_path):
     from rollflow import Orchestrator
 
