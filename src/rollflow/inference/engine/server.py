@@ -88,6 +88,7 @@ from rollflow.inference.http import (
 )
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
+from rollflow.weights.receiver import init_timeout_s
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +110,46 @@ def _default_receiver_factory(init_info: dict[str, Any], worker_rank: int) -> An
     from rollflow.weights.receiver import create_receiver
 
     return create_receiver(init_info, worker_rank)
+
+
+def _close_quietly(receiver: Any) -> None:
+    """``receiver.close()``, a failure logged: a receiver nobody uses any more."""
+    close = getattr(receiver, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception:
+            log.exception("closing an unused weight receiver failed")
+
+
+def _in_daemon_thread(function: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """A future of ``function(*args)`` run in a new daemon thread. Unlike ``asyncio.to_thread`` it holds no
+    worker of the loop's executor, so a call that blocks for good (a peer that never answers) costs one idle
+    thread, not the executor the server's other blocking work needs."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:  # handed to the future
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            if error is None:
+                _close_quietly(result)
+
+    threading.Thread(target=run, name="rollflow-weight-init", daemon=True).start()
+    return future
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
@@ -664,10 +705,38 @@ class EngineServer:
         return await asyncio.shield(asyncio.ensure_future(work))
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        """``POST /init_weight_transfer_engine``: build a new receiver from ``init_info``, replacing the old one.
+
+        ``init_info.timeout_s`` (default 300) bounds the whole call: past it the answer is a 502 naming it,
+        whatever the receiver's construction waits on (a trainer rendezvous that accepts the connection and
+        never answers). The construction runs outside the server's weights lock, so other weight calls and a
+        new init are never held behind it; a later init supersedes it, and a receiver it returns late (after its
+        timeout, or once superseded) is closed.
+        """
         body = await self._read(request, InitWeightTransferBody)
+        try:
+            timeout_s = init_timeout_s(body.init_info)
+        except ValueError as error:
+            raise bad_request(f"invalid init_info: {error}", "init_info") from None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+
+        def timed_out(what: str) -> ApiError:
+            # 502: the trainer side (the upstream peer) did not answer in time, not this request's fault.
+            return ApiError(
+                502,
+                f"weight transfer init did not complete within init_info.timeout_s = {timeout_s:g} s ({what}); "
+                "check that the trainer side is running and reachable, or raise weight_sync.timeout_s",
+                "init_info",
+            )
 
         async def init() -> None:
-            async with self._weights_lock:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._weights_lock.acquire()
+            except TimeoutError:
+                raise timed_out("waiting for another weight call to finish") from None
+            try:
                 if self._receive_in_flight:
                     # The blocked receive owns the old receiver and closes it when it returns; its update
                     # round is abandoned.
@@ -676,24 +745,52 @@ class EngineServer:
                 else:
                     await self._close_receiver()
                 self._epoch += 1
+                epoch = self._epoch
                 self._version_floor = None
                 self._receive_lock = asyncio.Lock()
                 self._receive_in_flight = False
-                try:
-                    # Blocking, and may join a torch.distributed group: off the event loop.
-                    self._receiver = await asyncio.to_thread(self.receiver_factory, body.init_info, 0)
-                except (ValueError, TypeError, KeyError) as error:
-                    raise bad_request(f"invalid init_info: {error}", "init_info") from None
-                except Exception as error:  # the trainer's group did not form: a failure, named
-                    log.exception("weight transfer init failed")
-                    # 502: the trainer side (the upstream peer) failed, not this request.
+            finally:
+                self._weights_lock.release()
+            # Blocking, and may join a torch.distributed group: off the event loop, outside the lock, and in a
+            # thread of its own (one that never returns must not take a worker of the loop's executor).
+            building = _in_daemon_thread(self.receiver_factory, body.init_info, 0)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    receiver = await asyncio.shield(building)
+            except TimeoutError as error:
+                failed = None if not building.done() or building.cancelled() else building.exception()
+                if isinstance(failed, TimeoutError):  # the receiver's own deadline
+                    raise timed_out(str(failed)) from None
+                # This call's deadline: whatever the construction returns later is closed.
+                building.add_done_callback(self._close_late_receiver)
+                log.warning("weight transfer init timed out", timeout_s=timeout_s, error=repr(error))
+                raise timed_out("the receiver was not ready") from None
+            except (ValueError, TypeError, KeyError) as error:
+                raise bad_request(f"invalid init_info: {error}", "init_info") from None
+            except Exception as error:  # the trainer's group did not form: a failure, named
+                log.exception("weight transfer init failed")
+                # 502: the trainer side (the upstream peer) failed, not this request.
+                raise ApiError(502, f"weight transfer init failed: {type(error).__name__}: {error}") from None
+            async with self._weights_lock:
+                if epoch != self._epoch:
+                    await asyncio.to_thread(_close_quietly, receiver)
                     raise ApiError(
-                        502, f"weight transfer init failed: {type(error).__name__}: {error}"
-                    ) from None
+                        409,
+                        "a later init_weight_transfer_engine superseded this one while its receiver was being "
+                        "built; the later one is in force",
+                    )
+                self._receiver = receiver
                 self._init_info = body.init_info
 
         await self._shielded(init())
         return json_response({"message": "Weight transfer initialized"})
+
+    @staticmethod
+    def _close_late_receiver(building: asyncio.Future) -> None:
+        """Close the receiver an init that timed out built after all (in a thread: closing may block)."""
+        if building.cancelled() or building.exception() is not None:
+            return
+        threading.Thread(target=_close_quietly, args=(building.result(),), daemon=True).start()
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
         async with self._weights_lock:
