@@ -581,6 +581,16 @@ class AgentConfig(Section):
     turns outrun one event loop, above all with the engines in the run's process (``inference.mode =
     "local"``), where the proxy's HTTP, rendering and parsing share one interpreter with them. Streamed
     requests stream through the workers too. Above 1, ``port`` must be 0 and ``advertise_url`` unset."""
+    max_sessions: Positive = 10_000
+    """Most agent sessions the TITO proxy holds open at once (each holds its trace, a few KB, until it is
+    closed); opening one more is refused: HTTP 429 ``too_many_sessions`` from ``rollflow proxy``'s ``POST
+    /sessions``, a ``RequestError`` in a run. With ``proxy_workers`` it bounds the sessions of all workers
+    together. Raise it when more agents run at once."""
+    session_idle_timeout_s: PositiveFloat = 3600.0
+    """Seconds an agent session may go without a request in flight before the TITO proxy closes it as timed
+    out (its trace sealed, its URL answering 409 that it expired), so sessions nobody closes do not pile up.
+    In a run, ``timeout_s`` ends each trajectory's session sooner; set this above the longest pause an agent
+    makes between two requests."""
     save_traces: Literal["none", "sampled", "all"] = "none"
     """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
     trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,

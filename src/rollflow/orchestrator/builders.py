@@ -65,8 +65,9 @@ def proxy_options(
     ``agent.proxy_workers``): it listens on ``agent.host``:``agent.port`` (``host`` and ``port`` override
     them; 127.0.0.1 and a free port without ``[agent]``), advertises ``agent.advertise_url``, defaults
     requests to ``[sampling]`` and knows the engines' limits (``inference.max_batch_size``,
-    ``max_model_len``, ``return_routed_experts``). Without ``[agent]`` it enforces the run's sampling (its
-    samples train a policy at those settings) and tolerates unknown fields."""
+    ``max_model_len``, ``return_routed_experts``) and bounds its sessions (``agent.max_sessions``,
+    ``agent.session_idle_timeout_s``). Without ``[agent]`` it enforces the run's sampling (its samples train a
+    policy at those settings), tolerates unknown fields and keeps the proxy's session defaults."""
     agent = config.agent
     return {
         "model_name": config.model.path,
@@ -84,6 +85,11 @@ def proxy_options(
         "return_routed_experts": config.inference.return_routed_experts,
         "max_model_len": config.inference.max_model_len,
         "http_limits": config.inference.http_limits(),
+        **(
+            {"max_sessions": agent.max_sessions, "session_idle_timeout_s": agent.session_idle_timeout_s}
+            if agent is not None
+            else {}
+        ),
     }
 
 

@@ -14,6 +14,12 @@ composed samples as JSON), so agents in any language and tests from outside can 
 arrives while another close of the session drains waits for it and returns samples of the same sealed
 trace; a close after the session is closed is a 409.
 
+Sessions are bounded: at most ``max_sessions`` are open at once (``agent.max_sessions``; opening one more is
+a 429 ``too_many_sessions``, ``RequestError`` in process), and a session without a request in flight for
+``session_idle_timeout_s`` (``agent.session_idle_timeout_s``) is closed as timed out, its trace sealed; its
+URL then answers 409 saying it expired. Each open session holds its trace and bookkeeping (about 5 KB empty)
+until it is closed, so without these an agent that never closes its sessions grows the proxy for good.
+
 HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 4xx
 (400 naming the field, 404 unknown model or session, 409 closed session, 413 body too large); a 5xx is a bug,
 except 503 when inference itself is gone. A client that disconnects cancels its request, which aborts the
@@ -93,6 +99,11 @@ _SESSION_PREFIX = "/sessions/"
 _COMPLETIONS_SUFFIX = "/v1/chat/completions"
 # A streamed reply is parsed again at most after this many times the last parse's duration.
 PARSE_BACKOFF = 4.0
+# Defaults of agent.max_sessions and agent.session_idle_timeout_s.
+DEFAULT_MAX_SESSIONS = 10_000
+DEFAULT_SESSION_IDLE_TIMEOUT_S = 3600.0
+# The idle sweep runs this often, as a fraction of the idle timeout (and at least once a minute).
+_SWEEPS_PER_TIMEOUT = 4
 
 
 def claim_session_id(session_id: str | None, *taken: Container[str]) -> str:
@@ -111,10 +122,13 @@ def claim_session_id(session_id: str | None, *taken: Container[str]) -> str:
     return session_id
 
 
-def remember_closed(closed: collections.OrderedDict[str, None], *keys: str) -> None:
-    """Add ``keys`` to the closed sessions' ids and tokens ``closed``, forgetting the oldest past a bound."""
+def remember_closed(
+    closed: collections.OrderedDict[str, str | None], *keys: str, reason: str | None = None
+) -> None:
+    """Add ``keys`` to the closed sessions' ids and tokens ``closed``, forgetting the oldest past a bound;
+    ``reason`` is what a later request to them is told (None: that the session is closed)."""
     for key in keys:
-        closed[key] = None
+        closed[key] = reason
     while len(closed) > _MAX_CLOSED_REMEMBERED:
         closed.popitem(last=False)
 
@@ -198,6 +212,10 @@ class TITOProxy:
         max_n: the most replies one request may ask for (``n``); more is a 400.
         return_routed_experts: the engines return MoE routed experts (``inference.return_routed_experts``):
             a reply with stop strings is then sampled whole and cut, so that its routes are kept.
+        max_sessions: the most sessions open at once; ``open_session`` beyond it raises ``RequestError``
+            (HTTP 429, code ``too_many_sessions``).
+        session_idle_timeout_s: seconds a session may go without a request in flight before it is closed as
+            timed out (checked every quarter of it, at least once a minute).
     """
 
     def __init__(
@@ -223,7 +241,17 @@ class TITOProxy:
         max_n: int = 16,
         advertise_url: str | None = None,
         return_routed_experts: bool = False,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S,
     ):
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
+            raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
+        if isinstance(session_idle_timeout_s, bool) or not (
+            isinstance(session_idle_timeout_s, int | float) and session_idle_timeout_s > 0
+        ):  # inf: sessions never expire
+            raise ValueError(
+                f"session_idle_timeout_s must be a positive number of seconds, got {session_idle_timeout_s!r}"
+            )
         # Swappable components.
         self.client = client
         self.renderer = renderer if isinstance(renderer, TITORenderer) else TITORenderer(renderer, tokenizer)
@@ -250,13 +278,23 @@ class TITOProxy:
         self.max_prompt_chars = (
             None if max_model_len is None else max_prompt_chars(max_model_len, self.renderer.tokenizer)
         )
+        self.max_sessions = max_sessions
+        self.session_idle_timeout_s = float(session_idle_timeout_s)
+        # What a request to an expired session is told (one string for all of them).
+        self._expired_reason = (
+            f"this session expired: it had no request for {self.session_idle_timeout_s:g} s "
+            "(agent.session_idle_timeout_s); open a new session"
+        )
         # Runtime state.
         self._runner: web.AppRunner | None = None
         self._server: asyncio.Server | None = None
         self.fronts: set[HttpFront] = set()  # connections the hot path serves (see http_front)
         self._sessions: dict[str, Session] = {}  # by URL token
         self._by_id: dict[str, Session] = {}
-        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tokens and ids
+        # Closed sessions' tokens and ids, with what a request to them is told (None: that it is closed).
+        self._closed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
+        self._sweeper: asyncio.Task[None] | None = None
+        self.num_expired_sessions = 0
 
     @property
     def base_url(self) -> str:
@@ -309,11 +347,17 @@ class TITOProxy:
             raise
         self._runner = runner
         self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.get_running_loop().create_task(self._expire_idle_sessions())
         log.debug("tito proxy listening", base_url=self.base_url)
 
     async def close(self) -> None:
         """Close every open session (draining each), then the listener and its connections. Idempotent.
         The listener is released also when this is cancelled (then without waiting for the drains)."""
+        sweeper, self._sweeper = self._sweeper, None
+        if sweeper is not None:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
         try:
             for session in list(self._by_id.values()):
                 await self.close_session(session)
@@ -339,7 +383,10 @@ class TITOProxy:
 
         Raises:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
+            RequestError: ``max_sessions`` sessions are open already (status 429, code ``too_many_sessions``).
         """
+        if len(self._by_id) >= self.max_sessions:
+            raise too_many_sessions(len(self._by_id), self.max_sessions)
         session_id = claim_session_id(session_id, self._by_id, self._closed)
         token = secrets.token_urlsafe(24)
         base_url = f"{self.public_url}/sessions/{token}/v1"
@@ -386,6 +433,30 @@ class TITOProxy:
             await finish_session(session.session_id)
         return trace
 
+    async def _expire_idle_sessions(self) -> None:
+        """Close, as timed out, every session that has had no request in flight for
+        ``session_idle_timeout_s``; runs while the proxy listens."""
+        timeout_s = self.session_idle_timeout_s
+        interval_s = min(timeout_s / _SWEEPS_PER_TIMEOUT, 60.0)
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            idle = [s for s in self._by_id.values() if not s.closed and s.idle_for_s(now) >= timeout_s]
+            for session in idle:
+                if session.closed or session.idle_for_s(time.monotonic()) < timeout_s:
+                    continue  # closed, or a request came, while an earlier one was being closed
+                log.info("closing an idle tito session", session=session.session_id, idle_timeout_s=timeout_s)
+                try:
+                    await self.close_session(
+                        session, error=self._expired_reason, timed_out=True, drain_timeout_s=0
+                    )
+                except Exception:  # one session's close (its finish_session) must not end the sweep
+                    log.exception("closing an idle tito session failed", session=session.session_id)
+                self.num_expired_sessions += 1
+                for key in (session.token, session.session_id):
+                    if key in self._closed:
+                        self._closed[key] = self._expired_reason
+
     # ------------------------------------------------------------------ HTTP: errors
 
     @web.middleware
@@ -402,7 +473,8 @@ class TITOProxy:
         session = self._sessions.get(token)
         if session is None:
             if token in self._closed:
-                raise RequestError("this session is closed", status=409, code="session_closed")
+                reason = self._closed[token] or "this session is closed"
+                raise RequestError(reason, status=409, code="session_closed")
             raise RequestError("unknown session", status=404, code="session_not_found")
         return session
 
@@ -670,7 +742,8 @@ class TITOProxy:
         session = self._by_id.get(session_id)
         if session is None:
             if session_id in self._closed:
-                raise RequestError(f"session {session_id!r} is closed", status=409, code="session_closed")
+                reason = self._closed[session_id] or "this session is closed"
+                raise RequestError(f"session {session_id!r}: {reason}", status=409, code="session_closed")
             raise RequestError(f"unknown session {session_id!r}", status=404, code="session_not_found")
         return session
 
@@ -714,6 +787,17 @@ class TITOProxy:
             {"samples": samples, "metrics": trace_metrics(trace, samples)}, enc_hook=_enc_hook
         )
         return web.Response(body=body, content_type="application/json")
+
+
+def too_many_sessions(open_sessions: int, max_sessions: int) -> RequestError:
+    """The 429 for a session opened beyond ``max_sessions``."""
+    return RequestError(
+        f"the TITO proxy has {open_sessions} sessions open, its limit (agent.max_sessions = {max_sessions}); "
+        "close finished sessions first (POST /sessions/{id}/close), or raise agent.max_sessions",
+        status=429,
+        code="too_many_sessions",
+        type="RateLimitError",
+    )
 
 
 def _prompt_ids(turn: Turn) -> list[int]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -134,6 +135,13 @@ class Session:
         self._settings = settings
         self._inflight: dict[str, _InFlight] = {}
         self._tasks: set[asyncio.Task] = set()
+        # time.monotonic() of the last request's start or end (the proxy's idle expiry).
+        self.last_active = time.monotonic()
+
+    def idle_for_s(self, now: float) -> float:
+        """Seconds since the last request started or ended as of ``now`` (``time.monotonic()``); 0 while one
+        is in flight."""
+        return 0.0 if self._tasks else now - self.last_active
 
     def __repr__(self) -> str:
         return f"Session({self.session_id!r}, turns={len(self.trace.turns)}, closed={self.closed})"
@@ -159,6 +167,7 @@ class Session:
         """
         if self.closed:
             raise TraceSealedError(f"session {self.session_id!r} is closed")
+        self.last_active = time.monotonic()
         entry = None
         if request_key is not None and is_retry:
             turns = self.trace.replay(request_key)
@@ -196,6 +205,7 @@ class Session:
     def _forget(self, request_key: str | None, entry: _InFlight):
         def done(task: asyncio.Task) -> None:
             self._tasks.discard(task)
+            self.last_active = time.monotonic()
             if request_key is not None and self._inflight.get(request_key) is entry:
                 del self._inflight[request_key]
             if not task.cancelled():

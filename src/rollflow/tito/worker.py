@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from rollflow.errors import InferenceUnavailableError
+from rollflow.errors import InferenceUnavailableError, RequestError
 from rollflow.messages import (
     GenerateChunk,
     GenerateOutput,
@@ -156,7 +156,7 @@ async def serve(fd: int) -> None:
             elif isinstance(message, WorkerOpen):
                 try:
                     session = await proxy.open_session(message.session_id)
-                except ValueError as error:
+                except (ValueError, RequestError) as error:  # a bad or taken id, or too many sessions
                     link.send(WorkerOpened(message.call, "", str(error)))
                 else:
                     link.send(WorkerOpened(message.call, session.base_url))

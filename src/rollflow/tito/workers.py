@@ -56,7 +56,7 @@ from rollflow.messages import (
     WorkerSetup,
     WorkerStream,
 )
-from rollflow.tito.proxy import claim_session_id, remember_closed
+from rollflow.tito.proxy import DEFAULT_MAX_SESSIONS, claim_session_id, remember_closed, too_many_sessions
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.trace import Trace
 
@@ -369,6 +369,7 @@ class ProxyWorkers:
         self.client = client
         self.renderer = renderer if isinstance(renderer, TITORenderer) else TITORenderer(renderer, tokenizer)
         self.model_name: str = options["model_name"]
+        self.max_sessions: int = options.get("max_sessions", DEFAULT_MAX_SESSIONS)
         self.num_workers = workers
         self.start_timeout_s = start_timeout_s
         self._setup = WorkerSetup(
@@ -380,7 +381,7 @@ class ProxyWorkers:
         # Runtime state.
         self._workers: list[_Worker] = []
         self._sessions: dict[str, WorkerSession] = {}
-        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._closed: collections.OrderedDict[str, str | None] = collections.OrderedDict()
         self._replacement: asyncio.Task[None] | None = None
 
     @property
@@ -435,7 +436,10 @@ class ProxyWorkers:
         Raises:
             ValueError: ``session_id`` is already in use, or not 1-128 letters, digits, '.', '_', '-'.
             ProxyWorkerError: no worker could take it.
+            RequestError: ``max_sessions`` sessions are open already over all workers (status 429).
         """
+        if len(self._sessions) >= self.max_sessions:
+            raise too_many_sessions(len(self._sessions), self.max_sessions)
         session_id = claim_session_id(session_id, self._sessions, self._closed)
         worker = await self._live_worker()
         worker.sessions += 1
