@@ -31,6 +31,19 @@ SHORT_TOKENS = 4
 SHORT_STEPS = SHORT_TOKENS + 4
 
 
+class RecordingEngine(TorchEngine):
+    """A ``TorchEngine`` that records, on its own thread, the step at which each request id first finished a
+    sequence, so fairness is read in engine steps whatever the event loop's delays."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finished_at: dict[str, int] = {}
+
+    def _finish(self, slot, reason):
+        self.finished_at.setdefault(self._slots[slot].request.request_id, self.num_steps)
+        super()._finish(slot, reason)
+
+
 def varied(model):
     """A copy with matrices re-drawn at std 0.3 (seeded): greedy continuations vary token to token."""
     model = copy.deepcopy(model)
@@ -67,34 +80,35 @@ async def wait_until(predicate, timeout_s: float = 60.0) -> None:
             await asyncio.sleep(0.001)
 
 
-async def run_hog_and_short(engine: TorchEngine, hog_prompts: list[list[int]], short_prompt: list[int]):
+async def run_hog_and_short(engine: RecordingEngine, hog_prompts: list[list[int]], short_prompt: list[int]):
     """Start a hog of ``2 * SLOTS`` sequences under one request id; once it holds every slot, send a short
-    request. Returns (hog outputs, short output, steps the short request took, hog done when short was)."""
+    request. Returns (hog outputs, short output, engine steps from sending the short request to its end,
+    whether a hog sequence had ended before it)."""
     hog = asyncio.gather(
         *(engine.generate(GenerateRequest(p, greedy(HOG_TOKENS), request_id="hog")) for p in hog_prompts)
     )
     await wait_until(lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3)
     steps_before = engine.num_steps
     short = await engine.generate(GenerateRequest(short_prompt, greedy(SHORT_TOKENS), request_id="short"))
-    steps = engine.num_steps - steps_before
-    hog_done_first = hog.done()
-    return await hog, short, steps, hog_done_first
+    outputs = await hog
+    steps = engine.finished_at["short"] - steps_before
+    return outputs, short, steps, engine.finished_at["hog"] < engine.finished_at["short"]
 
 
 async def test_a_short_request_is_not_queued_behind_a_hog(dense_model):
     hog_prompts = prompts([5, 9, 7, 12, 6, 10, 8, 11], seed=1)
     [short_prompt] = prompts([6], seed=2)
     alone = TorchEngine(copy.deepcopy(dense_model), max_batch_size=1, max_model_len=256)
-    engine = TorchEngine(copy.deepcopy(dense_model), max_batch_size=SLOTS, max_model_len=256)
+    engine = RecordingEngine(copy.deepcopy(dense_model), max_batch_size=SLOTS, max_model_len=256)
     try:
         expected = [await alone.generate(GenerateRequest(p, greedy(HOG_TOKENS))) for p in hog_prompts]
-        hog, short, steps, hog_done_first = await run_hog_and_short(engine, hog_prompts, short_prompt)
+        hog, short, steps, hog_ended_first = await run_hog_and_short(engine, hog_prompts, short_prompt)
     finally:
         await alone.shutdown()
         await engine.shutdown()
     # Strict first-come order would have kept it waiting for HOG_TOKENS steps (until a hog sequence ended).
     assert steps <= SHORT_STEPS, f"the short request took {steps} engine steps behind the hog"
-    assert not hog_done_first
+    assert not hog_ended_first
     assert len(short.token_ids) == SHORT_TOKENS and short.finish_reason == FinishReason.LENGTH
     assert engine.num_preemptions >= 1
     # The preempted hog sequence resumed from its tokens: every hog output is what it is without a neighbour.
@@ -140,7 +154,7 @@ async def test_a_preempted_moe_sequence_keeps_one_route_per_token(moe_model):
     alone = TorchEngine(
         copy.deepcopy(moe_model), max_batch_size=1, max_model_len=256, return_routed_experts=True
     )
-    engine = TorchEngine(
+    engine = RecordingEngine(
         copy.deepcopy(moe_model), max_batch_size=SLOTS, max_model_len=256, return_routed_experts=True
     )
     try:
@@ -159,10 +173,16 @@ async def test_a_preempted_moe_sequence_keeps_one_route_per_token(moe_model):
 
 async def test_a_short_http_request_finishes_while_a_hog_request_runs(dense_model, tiny_model_dir):
     """The same through ``rollflow serve``: one ``/v1/completions`` of 2 prompts x n = SLOTS, then a short one."""
-    engine = TorchEngine(copy.deepcopy(dense_model), max_batch_size=SLOTS, max_model_len=512)
+    engine = RecordingEngine(copy.deepcopy(dense_model), max_batch_size=SLOTS, max_model_len=512)
     server = EngineServer(engine, load_tokenizer(tiny_model_dir), served_model_name="tiny", eos_token_ids=())
     await server.start()
-    hog_body = {"prompt": prompts([6, 8], seed=7), "n": SLOTS, "max_tokens": 400, "temperature": 0.0}
+    hog_body = {
+        "prompt": prompts([6, 8], seed=7),
+        "n": SLOTS,
+        "max_tokens": 400,
+        "temperature": 0.0,
+        "request_id": "hog",
+    }
     try:
         async with aiohttp.ClientSession() as http:
             hog = asyncio.ensure_future(http.post(f"{server.url}/v1/completions", json=hog_body))
@@ -170,12 +190,17 @@ async def test_a_short_http_request_finishes_while_a_hog_request_runs(dense_mode
                 lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3
             )
             steps_before = engine.num_steps
-            body = {"prompt": prompts([5], seed=8)[0], "max_tokens": SHORT_TOKENS, "temperature": 0.0}
+            body = {
+                "prompt": prompts([5], seed=8)[0],
+                "max_tokens": SHORT_TOKENS,
+                "temperature": 0.0,
+                "request_id": "short",
+            }
             async with http.post(f"{server.url}/v1/completions", json=body) as response:
                 assert response.status == 200, await response.text()
                 answer = await response.json()
-            steps = engine.num_steps - steps_before
-            assert not hog.done()
+            steps = engine.finished_at["short"] - steps_before
+            assert "hog" not in engine.finished_at  # no hog sequence has ended
             hog.cancel()  # the client leaves: its sequences are aborted
             with pytest.raises(asyncio.CancelledError):
                 await hog
@@ -183,5 +208,5 @@ async def test_a_short_http_request_finishes_while_a_hog_request_runs(dense_mode
         await server.close()
     assert answer["choices"][0]["finish_reason"] == "length"
     # First come, first served, it would have waited for the hog's first sequences (400 steps) and then for
-    # the rest of its sequences; the HTTP round trip adds a few steps of the hog's decoding, not hundreds.
+    # the rest of its sequences; reading and parsing its HTTP request adds a few steps, not hundreds.
     assert steps < 400, f"the short request took {steps} engine steps behind the hog"

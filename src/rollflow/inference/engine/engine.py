@@ -23,6 +23,9 @@ max(1, max_batch_size // R))`` slots, ``R`` being the number of requests with se
 while fewer than ``max_batch_size`` requests are in the engine, a request that arrives starts its first sequence
 in the step after it arrives, however many sequences an earlier request queued (its wait is one step, not the
 earlier request's generation). Requests of one sequence each are admitted in arrival order and never preempted.
+The bound is in steps: a step over a full batch costs more than one over a lone sequence (on a CPU, about its
+rows times the context they attend to), so behind a full batch a short request's wall-clock latency is its
+tokens times a full step (``benchmarks/fair_scheduling.py`` measures both).
 
 Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
 belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
@@ -1010,9 +1013,15 @@ class TorchEngine:
         running = self._running_per_group
         if not self._free_slots:
             # Nothing to preempt unless some request holds more than its share: skip the heap (the common case
-            # of a long queue of one-sequence requests behind a full batch).
+            # of a long queue of one-sequence requests behind a full batch). Counting a request both running
+            # and waiting twice gives a share no larger than the true one, without looking at every request.
+            if not running:
+                return
+            most = max(running.values())
+            if most <= max(1, self.max_batch_size // (len(running) + len(self._waiting.groups()))):
+                return
             share = self._fair_share()
-            if not running or max(running.values()) <= share:
+            if most <= share:
                 return
         else:
             share = 0  # computed only if it comes to preempting
