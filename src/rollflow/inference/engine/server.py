@@ -732,25 +732,21 @@ class EngineServer:
 
         async def init() -> None:
             try:
-                async with asyncio.timeout_at(deadline):
-                    await self._weights_lock.acquire()
+                async with asyncio.timeout_at(deadline), self._weights_lock:
+                    if self._receive_in_flight:
+                        # The blocked receive owns the old receiver and closes it when it returns; its update
+                        # round is abandoned.
+                        self._receiver = None
+                        self._update_active = False
+                    else:
+                        await self._close_receiver()
+                    self._epoch += 1
+                    epoch = self._epoch
+                    self._version_floor = None
+                    self._receive_lock = asyncio.Lock()
+                    self._receive_in_flight = False
             except TimeoutError:
-                raise timed_out("waiting for another weight call to finish") from None
-            try:
-                if self._receive_in_flight:
-                    # The blocked receive owns the old receiver and closes it when it returns; its update
-                    # round is abandoned.
-                    self._receiver = None
-                    self._update_active = False
-                else:
-                    await self._close_receiver()
-                self._epoch += 1
-                epoch = self._epoch
-                self._version_floor = None
-                self._receive_lock = asyncio.Lock()
-                self._receive_in_flight = False
-            finally:
-                self._weights_lock.release()
+                raise timed_out("waiting for another weight call, or closing the previous receiver") from None
             # Blocking, and may join a torch.distributed group: off the event loop, outside the lock, and in a
             # thread of its own (one that never returns must not take a worker of the loop's executor).
             building = _in_daemon_thread(self.receiver_factory, body.init_info, 0)
