@@ -19,7 +19,7 @@ from rollflow import Orchestrator, load_config
 from rollflow.errors import CallbackTimeoutError, StuckCallbacksError
 from rollflow.messages import FinishReason, Sample
 from rollflow.rollout import rewards
-from rollflow.rollout.callbacks import CallbackRunner
+from rollflow.rollout.callbacks import CallbackRunner, abandoned_calls
 from rollflow.rollout.rewards import REWARD_TIMEOUT, Rewarder
 from rollflow.rollout.tasks import CaseTask, TaskItem, item_caller
 
@@ -34,6 +34,10 @@ def _release_blocked_threads():
     RELEASE.clear()
     yield
     RELEASE.set()
+    # Their calls count as abandoned until they return; let them, so no other test sees them.
+    deadline = time.monotonic() + 30
+    while abandoned_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def make_samples(texts: list[str]) -> list[Sample]:
@@ -100,9 +104,8 @@ async def test_cancelling_stops_waiting_for_a_blocked_sync_reward_at_once():
             tg.cancel_scope.cancel()
     assert not deadline.cancelled_caught
     assert time.monotonic() - cancelled_at < 5  # the blocked thread was left behind, not waited for
-    # A daemon thread: the interpreter does not wait for it at exit either.
-    assert threads[0].daemon and threads[0].is_alive()
-    assert rewarder.runner.stuck == 1
+    assert threads[0].is_alive()
+    assert rewarder.runner.stuck == 1 and abandoned_calls() == 1  # `rollflow` exits without joining it
     RELEASE.set()
     # Counted down when the abandoned call returns (its thread then waits for the next call).
     deadline_at = time.monotonic() + 30
@@ -154,6 +157,30 @@ async def test_a_custom_tasks_item_runs_under_data_task_timeout_s():
     # Built-in tasks are lookups, called on the event loop.
     task = CaseTask(0)
     assert await item_caller(task, timeout_s=0.3)(5) == task.item(5)
+
+
+def slow_task(seed: int) -> SlowTask:
+    return SlowTask()
+
+
+async def test_a_run_whose_custom_task_blocks_fails_naming_the_task_and_index(tmp_path):
+    config = load_config(
+        [],
+        [
+            f"output_dir='{tmp_path / 'runs'}'",
+            "name=slowtask",
+            "data.task='tests.test_reward_timeout:slow_task'",
+            "data.task_timeout_s=0.3",
+            "orchestrator.prompts_per_step=2",
+            "orchestrator.steps=3",
+            "sampling.samples_per_prompt=2",
+            "sampling.max_tokens=4",
+        ],
+    )
+    async with Orchestrator(config) as orchestrator:
+        with pytest.raises(CallbackTimeoutError, match=r"item\(3\) ran past data.task_timeout_s = 0.3 s"):
+            await orchestrator.run()
+        assert orchestrator.state.step == 1  # prompts 0 and 1 trained; prompt 3 never came
 
 
 calls = {"n": 0}
@@ -241,7 +268,7 @@ def test_sigterm_stops_a_run_promptly_while_a_sync_reward_blocks(tmp_path):
         stopped_in = time.monotonic() - sent
         stderr = process.stderr.read()  # type: ignore[union-attr]
         assert returncode == 143, stderr[-3000:]
-        assert "terminated (SIGTERM)" in stderr
+        assert "terminated (SIGTERM)" in stderr and "exiting without waiting for" in stderr
         assert stopped_in < 30, stopped_in  # about a second on an idle machine
     finally:
         if process.poll() is None:

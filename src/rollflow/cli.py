@@ -7,6 +7,7 @@ interrupted (Ctrl-C), 143 terminated (SIGTERM: ``rollflow run`` and ``generate``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
@@ -699,6 +700,50 @@ _ARTIFACT_COMMANDS = {"export": _export, "plot": _plot, "config": _config}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``rollflow`` command; returns its exit status (see the module docstring).
+
+    As the process's entry point (``argv`` None: the ``rollflow`` script, ``python -m rollflow``), when the
+    command leaves user callbacks behind that are still running (a reward abandoned past
+    ``data.reward_timeout_s`` or at Ctrl-C/SIGTERM: its thread cannot be killed, and an ordinary exit would
+    wait for it), the process ends at once with ``os._exit`` once its output is flushed. Called with
+    ``argv`` (from Python), it returns as usual.
+    """
+    from rollflow.rollout.callbacks import abandoned_calls
+
+    if argv is not None:
+        return _main(argv)
+    try:
+        status = _main(argv)
+    except BaseException as error:
+        if not abandoned_calls():
+            raise
+        if isinstance(error, SystemExit):
+            status = error.code if isinstance(error.code, int) else EXIT_FAILURE
+        else:
+            import traceback
+
+            traceback.print_exc()
+            status = EXIT_INTERRUPTED if isinstance(error, KeyboardInterrupt) else EXIT_FAILURE
+    if abandoned_calls():
+        _exit_now(status)
+    return status
+
+
+def _exit_now(status: int) -> None:
+    """End the process without joining the threads of abandoned callbacks (they cannot be stopped)."""
+    from rollflow.rollout.callbacks import abandoned_calls
+
+    sys.stderr.write(
+        f"exiting without waiting for {abandoned_calls()} abandoned user callback call(s) still running "
+        "(a reward past data.reward_timeout_s, or one the stop cut off)\n"
+    )
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def _main(argv: list[str] | None) -> int:
     # Background jobs of non-interactive shells start with SIGINT ignored; `kill -INT` (Ctrl-C) must still
     # stop a run cleanly.
     signal.signal(signal.SIGINT, signal.default_int_handler)

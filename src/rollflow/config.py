@@ -93,10 +93,10 @@ class DataConfig(Section):
     reward_timeout_s: PositiveFloat = 60.0
     """Longest one sample's reward may take (with ``rewards``, the whole weighted sum), in seconds. Past it
     the sample is masked (``reward_timeout``), counted in the ``reward_timeouts`` metric and logged; a sync
-    reward's thread is left to finish on its own (a daemon thread: the run neither waits for it nor for it
-    to stop), and 64 such calls still running stop the run with an error naming the reward."""
+    reward's thread is left to finish on its own (the run does not wait for it, nor does ``rollflow``'s
+    exit), and 64 such calls still running stop the run with an error naming the reward."""
     task_timeout_s: PositiveFloat = 60.0
-    """Longest a custom task's ``item(index)`` may take (it runs in a daemon thread), in seconds; past it the
+    """Longest a custom task's ``item(index)`` may take (it runs in a worker thread), in seconds; past it the
     run fails with an error naming the task and the index. Built-in tasks and datasets are lookups and are
     not timed."""
 

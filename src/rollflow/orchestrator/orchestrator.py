@@ -207,7 +207,6 @@ class Orchestrator:
             self._exit_stack.callback(self._lock.release)
             # The data first: a bad file fails before anything is written, and epochs set the run's length.
             self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
-            self._item = item_caller(self.task, config.data.task_timeout_s)
             rewarder = Rewarder.from_config(
                 config.data.reward, self.task, config.data.rewards, timeout_s=config.data.reward_timeout_s
             )
@@ -494,12 +493,14 @@ class Orchestrator:
     ) -> None:
         """Data source: emit prompts from the data position on, as the schedule admits them."""
         fresh = self._untrained_indices()
+        # A custom task's item() is user code: timed, in a worker thread (data.task_timeout_s).
+        item_of = item_caller(self.task, self.config.data.task_timeout_s)
         async with send:
             task_status.started()
             while True:
                 await self.schedule.admit()
                 index = self._next_prompt_index(fresh)
-                item = await self._item(index)
+                item = await item_of(index)
                 await send.send(
                     RolloutRequest(
                         prompt_index=index,

@@ -5,33 +5,37 @@ An async callback runs on the event loop inside a cancel scope with the deadline
 cancelled and counts as timed out, even when the callback swallowed the cancellation. An async callback that
 blocks the loop itself (``time.sleep`` in an ``async def``) cannot be helped: nothing else runs meanwhile.
 
-A sync callback runs in a **daemon thread** of a small pool (``DaemonThreads``), and the event loop awaits a
-future the thread completes. Past the deadline, or when the run is cancelled (Ctrl-C, SIGTERM, ``stop()``),
-the awaiting side stops waiting at once and the thread is *abandoned*: it runs on until the callback
-returns, its result is dropped, and since it is a daemon thread the interpreter does not wait for it at exit.
-Why threads that can be abandoned, and not the alternatives:
+A sync callback runs in one of anyio's worker threads (as ``anyio.to_thread.run_sync`` always ran them), and
+the event loop awaits it with ``abandon_on_cancel``: past the deadline, or when the run is cancelled (Ctrl-C,
+SIGTERM, ``stop()``), the awaiting side stops waiting at once and the call is *abandoned*: its thread runs on
+until the callback returns, and its result is dropped. A thread cannot be killed, so what remains is the
+process's exit, which joins every non-daemon thread: ``rollflow``'s commands therefore end with ``os._exit``
+(after their output is flushed) while abandoned calls are still running (``abandoned_calls``), instead of
+living on until SIGKILL. Why this, and not the alternatives:
 
-- ``anyio.to_thread.run_sync`` (and ``concurrent.futures.ThreadPoolExecutor``) threads are joined: a
-  cancelled run waits for a blocked callback, and the interpreter's exit joins the thread, so the process
-  outlives SIGTERM until SIGKILL.
-- A process pool could kill a stuck call, but it needs picklable callbacks (no closures, no lambdas, no
+- a plain ``anyio.to_thread.run_sync`` (and ``concurrent.futures``) cannot be cancelled: a cancelled run
+  waits for a blocked callback.
+- daemon threads of rollflow's own would spare the exit, but move the calls off anyio's thread pool, which
+  the training step shares, and that changed the quickstart's training steps on a busy 2-core machine from
+  0.25 s to 0.9-1.9 s (the trainer's OpenMP threads busy-wait; ``OMP_WAIT_POLICY=PASSIVE`` undid it, so it
+  is torch's threading, not the rewards, but it is the step time users would see).
+- a process pool could kill a stuck call, but it needs picklable callbacks (no closures, no lambdas, no
   objects holding a client), re-imports the user's module per worker, and pays a pickle round trip per
   call; a reward is usually a few microseconds of string work, and may hold state (a judge client, a
   cache) that a process would copy.
 
-A thread cannot be killed, so an abandoned one still holds its stack and whatever it blocks on. Each
-``CallbackRunner`` counts its abandoned calls that are still running; at ``max_stuck`` it raises
-``StuckCallbacksError`` instead of starting another, which ends the run with a message that names the
-callback, rather than piling up a thread per sample.
+An abandoned call still holds its thread and whatever it blocks on. Each ``CallbackRunner`` counts its
+abandoned calls that are still running; at ``max_stuck`` it raises ``StuckCallbacksError`` instead of
+starting another, which ends the run with a message that names the callback, rather than piling up a thread
+per sample.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
+import math
 import threading
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -60,111 +64,24 @@ def is_interruption(error: BaseException) -> bool:
     return isinstance(error, KeyboardInterrupt | asyncio.CancelledError | anyio.get_cancelled_exc_class())
 
 
-class _Job:
-    """One sync call handed to a pool thread, and the loop future its outcome goes to."""
+class _Call:
+    """State of one sync call, shared by the awaiting side and its thread (under ``_LOCK``)."""
 
-    __slots__ = ("abandoned", "args", "finished", "fn", "future", "loop", "on_abandoned_done")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], loop: asyncio.AbstractEventLoop):
-        self.fn = fn
-        self.args = args
-        self.loop = loop
-        self.future: asyncio.Future[Any] = loop.create_future()
-        self.finished = False  # the callback returned (set under the pool's lock)
-        self.abandoned = False
-        # Called in the pool thread when an abandoned call finally returns.
-        self.on_abandoned_done: Callable[[], None] | None = None
-
-
-def _deliver(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():  # the caller stopped waiting (timeout, cancellation)
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-class DaemonThreads:
-    """A pool of daemon threads that runs sync callbacks; the interpreter never waits for them at exit.
-
-    A thread is started whenever a call finds none idle (so a call starts at once: its timeout measures the
-    callback, not a queue), and idle threads wait for the next call. Concurrency is bounded by the callers
-    (``CallbackRunner``'s limiter), so the pool holds at most that many threads plus the abandoned ones.
-    """
+    __slots__ = ("abandoned", "finished")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wakeup = threading.Condition(self._lock)
-        self._jobs: deque[_Job] = deque()
-        self._idle = 0  # idle threads not yet reserved for a queued job
-        self.threads = 0
-
-    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> _Job:
-        """Start ``fn(*args)`` in a pool thread; its outcome completes the returned job's loop future."""
-        job = _Job(fn, args, asyncio.get_running_loop())
-        with self._lock:
-            self._jobs.append(job)
-            if self._idle:
-                self._idle -= 1  # reserved: an idle thread takes this job
-                self._wakeup.notify()
-                return job
-            self.threads += 1
-        threading.Thread(target=self._work, name="rollflow callback", daemon=True).start()
-        return job
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._jobs:
-                    self._wakeup.wait()
-                job = self._jobs.popleft()
-            self._run(job)
-
-    def _run(self, job: _Job) -> None:
-        result, error = None, None
-        try:
-            result = job.fn(*job.args)
-        except BaseException as raised:  # SystemExit included: the caller decides what it means
-            error = raised
-        with self._lock:
-            job.finished = True
-            on_done = job.on_abandoned_done if job.abandoned else None
-            self._idle += 1
-        if job.abandoned:
-            if on_done is not None:
-                on_done()
-            return
-        # A closed loop (RuntimeError): nobody waits for this result any more.
-        with contextlib.suppress(RuntimeError):
-            job.loop.call_soon_threadsafe(_deliver, job.future, result, error)
-
-    def abandon(self, job: _Job, on_done: Callable[[], None]) -> bool:
-        """Stop waiting for ``job``: a queued one is dropped, a running one is left to finish, and
-        ``on_done`` runs (in its thread) when it does. Returns whether it is left running."""
-        with self._lock:
-            if job in self._jobs:
-                self._jobs.remove(job)
-                self._idle += 1  # the thread reserved for it stays idle
-                return False
-            if job.finished:
-                return False
-            job.abandoned = True
-            job.on_abandoned_done = on_done
-            return True
+        self.finished = False
+        self.abandoned = False
 
 
-_POOL: DaemonThreads | None = None
-_POOL_LOCK = threading.Lock()
+_LOCK = threading.Lock()
+_abandoned_running = 0
 
 
-def daemon_threads() -> DaemonThreads:
-    """The process's pool of callback threads (created on first use)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = DaemonThreads()
-        return _POOL
+def abandoned_calls() -> int:
+    """Sync callback calls of this process that were abandoned (timed out or cancelled) and are still
+    running: the threads an exit would wait for (see the module docstring)."""
+    return _abandoned_running
 
 
 class CallbackRunner:
@@ -204,10 +121,13 @@ class CallbackRunner:
         self.max_threads = max_threads
         self.max_stuck = max_stuck
         self.is_async = is_async_callable(fn)
-        self._stuck = 0
-        self._stuck_lock = threading.Lock()
-        # Per event loop: a notebook or a test suite may use the runner from more than one.
-        self._limiter: tuple[asyncio.AbstractEventLoop, anyio.CapacityLimiter] | None = None
+        self._stuck = 0  # under _LOCK
+        # Per event loop (a notebook or a test suite may use the runner from more than one): the bound on
+        # calls at once, and an unbounded limiter for to_thread.run_sync (whose default one the trainer
+        # shares).
+        self._limiters: (
+            tuple[asyncio.AbstractEventLoop, anyio.CapacityLimiter, anyio.CapacityLimiter] | None
+        ) = None
 
     @property
     def stuck(self) -> int:
@@ -229,15 +149,11 @@ class CallbackRunner:
             return result
         return await self._call_sync(args)
 
-    def _limiter_for_loop(self) -> anyio.CapacityLimiter:
+    def _limiters_for_loop(self) -> tuple[anyio.CapacityLimiter, anyio.CapacityLimiter]:
         loop = asyncio.get_running_loop()
-        if self._limiter is None or self._limiter[0] is not loop:
-            self._limiter = (loop, anyio.CapacityLimiter(self.max_threads))
-        return self._limiter[1]
-
-    def _abandoned_done(self) -> None:
-        with self._stuck_lock:
-            self._stuck -= 1
+        if self._limiters is None or self._limiters[0] is not loop:
+            self._limiters = (loop, anyio.CapacityLimiter(self.max_threads), anyio.CapacityLimiter(math.inf))
+        return self._limiters[1], self._limiters[2]
 
     async def _call_sync(self, args: tuple[Any, ...]) -> Any:
         if self._stuck >= self.max_stuck:
@@ -247,19 +163,39 @@ class CallbackRunner:
                 "blocks. Fix it (e.g. give its network or subprocess calls their own timeout), or raise "
                 f"{self.timeout_key} if it is merely slow"
             )
-        pool = daemon_threads()
-        async with self._limiter_for_loop():
-            job = pool.submit(self.fn, args)
+        state = _Call()
+        fn = self.fn
+
+        def call() -> Any:
+            global _abandoned_running
+            try:
+                return fn(*args)
+            finally:
+                with _LOCK:
+                    state.finished = True
+                    if state.abandoned:
+                        self._stuck -= 1
+                        _abandoned_running -= 1
+
+        bounded, unbounded = self._limiters_for_loop()
+        # The bound is taken outside the deadline: the timeout measures the callback, not the queue.
+        async with bounded:
             finished = False
             try:
                 with anyio.move_on_after(self.timeout_s):
-                    result = await job.future
+                    result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=unbounded)
                     finished = True
             finally:
                 if not finished:  # timed out or cancelled: stop waiting, leave the thread behind
-                    with self._stuck_lock:
-                        if pool.abandon(job, self._abandoned_done):
-                            self._stuck += 1
+                    self._abandon(state)
             if not finished:
                 raise self._timed_out()
             return result
+
+    def _abandon(self, state: _Call) -> None:
+        global _abandoned_running
+        with _LOCK:
+            if not state.finished:
+                state.abandoned = True
+                self._stuck += 1
+                _abandoned_running += 1

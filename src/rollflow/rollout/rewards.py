@@ -2,8 +2,9 @@
 by import path, or a weighted sum of these (``data.rewards``).
 
 A reward function is ``fn(completion: str, item: TaskItem) -> float``, sync or async, and each sample's call
-runs under ``data.reward_timeout_s``: sync functions in daemon threads (``rollflow.rollout.callbacks``), so a
-slow reward never stalls generation and a blocked one never holds the run up at Ctrl-C or SIGTERM. Its value
+runs under ``data.reward_timeout_s``: sync functions in worker threads that a timeout or a stop abandons
+(``rollflow.rollout.callbacks``), so a slow reward never stalls generation and a blocked one never holds the
+run up at Ctrl-C or SIGTERM. Its value
 is held to one contract (``reward_value``: a real number, finite in float32). A function that raises, returns
 anything else, or runs past its timeout masks that one sample (scored 0, left out of the loss and its group's
 baseline); the run goes on, the failure is counted (``reward_errors``, ``reward_timeouts``) and logged with the
@@ -123,7 +124,7 @@ class WeightedReward:
     """``sum(weight * fn(completion, item))`` over named parts, each value held to ``reward_value``'s
     contract; returns the sum and the parts' values (for the group's ``reward/NAME`` metrics).
 
-    Sync parts run in daemon threads (``rollflow.rollout.callbacks``); the ``Rewarder``'s timeout covers the
+    Sync parts run in worker threads (``rollflow.rollout.callbacks``); the ``Rewarder``'s timeout covers the
     whole sum."""
 
     def __init__(self, parts: list[tuple[str, RewardFn, float]]):
@@ -161,11 +162,12 @@ class Rewarder:
     """Assigns rewards to the samples of one group, masking samples whose reward fails or times out.
 
     Each sample's reward is one call of ``reward_fn`` under ``timeout_s`` (``data.reward_timeout_s``): an
-    async function on the event loop, a sync one in a daemon thread of its own, so that a reward that blocks
-    costs its sample (masked ``reward_timeout``), never the run, and Ctrl-C or SIGTERM stop the run at once
-    even while one blocks (``rollflow.rollout.callbacks`` says why daemon threads). A reward that raises
-    (any exception, ``SystemExit`` included; Ctrl-C and cancellation stop the run instead) or returns
-    something ``reward_value`` refuses masks its sample as ``reward_error``.
+    async function on the event loop, a sync one in a worker thread that is abandoned past the timeout or at
+    a stop, so that a reward that blocks costs its sample (masked ``reward_timeout``), never the run, and
+    Ctrl-C or SIGTERM stop the run at once even while one blocks (``rollflow.rollout.callbacks`` says how,
+    and why not processes). A reward that raises (any exception, ``SystemExit`` included; Ctrl-C and
+    cancellation stop the run instead) or returns something ``reward_value`` refuses masks its sample as
+    ``reward_error``.
     """
 
     def __init__(self, reward_fn: RewardFn, name: str = "reward", *, timeout_s: float | None = None):

@@ -151,7 +151,7 @@ def item_caller(task: Any, timeout_s: float) -> Callable[[int], Awaitable[TaskIt
     """``await call(index)`` returns ``task.item(index)``.
 
     A task whose class sets ``inline_item = True`` (the built-in tasks, datasets: lookups that never block)
-    is called on the event loop. Any other task's ``item`` is user code: it runs in a daemon thread (or, if it
+    is called on the event loop. Any other task's ``item`` is user code: it runs in a worker thread (or, if it
     is ``async def``, on the loop) under ``timeout_s`` (``data.task_timeout_s``), so one that blocks fails
     the run with ``CallbackTimeoutError`` naming the task and the index instead of stalling it, and never
     holds up Ctrl-C or SIGTERM (``rollflow.rollout.callbacks``).
