@@ -46,6 +46,7 @@ from rollflow.errors import (
     CheckpointError,
     ConfigError,
     NothingToTrainError,
+    RollflowError,
     StorageError,
     describe_os_error,
 )
@@ -461,7 +462,7 @@ class Orchestrator:
 
     async def _generation_failure(self) -> BaseException:
         """The error that ended generation (its results stream ended while the trainer waited for it); out
-        of the task groups' exception groups when it is one error (or the same kind several times), so that
+        of the task groups' exception groups when it is one rollflow error (or several of one kind), so that
         a prompt too long or a stuck reward reaches the caller as its own clear error."""
         task = self._generation
         if task is None:
@@ -776,8 +777,10 @@ def _write_file(path: Path, data: bytes) -> None:
 
 
 def _single_error(error: BaseException) -> BaseException:
-    """``error``, or the one error inside nested exception groups (cancellations left out; several of one
-    kind count as one: the first, the others logged); the group itself when it holds different kinds."""
+    """``error``, or the one rollflow error inside nested exception groups (cancellations left out; several
+    of one kind count as one: the first, the others logged): its message was written for the user (a prompt
+    too long, a stuck reward), and the CLI reports it as such. A group that holds anything else (a bug, a
+    crash) is kept whole, with every traceback."""
     if not isinstance(error, BaseExceptionGroup):
         return error
     leaves: list[BaseException] = []
@@ -788,7 +791,8 @@ def _single_error(error: BaseException) -> BaseException:
             stack[:0] = list(current.exceptions)
         elif not isinstance(current, asyncio.CancelledError):
             leaves.append(current)
-    if not leaves or len({type(leaf) for leaf in leaves}) > 1:
+    kinds = {type(leaf) for leaf in leaves}
+    if len(kinds) != 1 or not issubclass(kinds.pop(), RollflowError):
         return error
     for other in leaves[1:]:
         log.error("generation also failed", error=f"{type(other).__name__}: {other}")
