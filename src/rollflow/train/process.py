@@ -30,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from rollflow.children import start_child
 from rollflow.config import TrainerConfig
 from rollflow.errors import RollflowError
 from rollflow.messages import PackedBatch, StepResult
@@ -83,12 +84,8 @@ class TrainerProcess:
     """
 
     def __init__(self, spec: TrainerSpec):
-        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
-        self._conn, child_conn = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child_conn, spec), name="rollflow-trainer", daemon=True
-        )
-        self._process.start()
+        self._conn, child_conn = multiprocessing.Pipe()
+        self._process = start_child(_serve, (child_conn, spec), name="rollflow-trainer")
         child_conn.close()
         self._lock = threading.Lock()
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would

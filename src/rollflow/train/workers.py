@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import select
 import signal
 import sys
 import threading
@@ -31,6 +32,7 @@ from typing import Any
 
 import structlog
 
+from rollflow.children import start_child
 from rollflow.errors import ConfigError, RollflowError
 from rollflow.train.handle import RankGroup
 from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec, error_reply
@@ -76,20 +78,17 @@ class TrainerWorkers(RankGroup):
         self.parallelism = config.parallelism
         device = _check_devices(config)
         threads = config.num_threads or max(1, (os.cpu_count() or 1) // self.world_size)
-        context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._workers: list[_Worker] = []
         try:
             for rank in range(self.world_size):
-                conn, child_conn = context.Pipe()
-                process = context.Process(
-                    target=_serve_rank,
-                    args=(child_conn, spec, rank, self.world_size, device, threads, os.getpid()),
+                conn, child_conn = multiprocessing.Pipe()
+                process = start_child(
+                    _serve_rank,
+                    (child_conn, spec, rank, self.world_size, device, threads, os.getpid()),
                     name=f"rollflow-trainer-{rank}",
-                    daemon=True,
                 )
-                process.start()
                 child_conn.close()
                 self._workers.append(_Worker(rank, process, conn))
             (port,) = self._gather("start", ranks=[0], timeout=STARTUP_TIMEOUT_S)
@@ -407,7 +406,26 @@ def leave_group() -> None:
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A worker outlives its parent only by a second: one stuck in a collective never reads its pipe's end."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
+    """A worker outlives its parent only by a second: one stuck in a collective never reads its pipe's end.
+    The parent is watched by pid (a pidfd where the OS has them, which a reused pid cannot fool): a worker
+    started from a fork server is not the parent's child."""
+    try:
+        handle = os.pidfd_open(parent)
+    except (AttributeError, OSError):
+        handle = None
+    if handle is not None:
+        select.select([handle], [], [])  # readable once the process has exited
+    else:
+        while _alive(parent):
+            time.sleep(1.0)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
