@@ -42,8 +42,9 @@ async def test_hung_transfer_fails_within_the_timeout_and_resumes(client):
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError, match=r"weight_sync\.timeout_s = 0\.5"):
         await barrier.update(StaticWeights(list), policy_version=1, pause_mode="wait")
-    # A transfer that does not bound itself is cut at the barrier's backstop, just after the timeout.
-    assert time.monotonic() - started < 0.5 + PUSH_BACKSTOP_GRACE_S + 1.0
+    # A transfer that does not bound itself (it would hang for ever) is cut at the barrier's backstop, just
+    # after the timeout; the bound is generous, for a loaded machine.
+    assert time.monotonic() - started < 0.5 + PUSH_BACKSTOP_GRACE_S + 10
     assert not await client.is_paused()
     output = await client.generate(GenerateRequest([1, 2, 3], SamplingParams(max_tokens=2, temperature=0)))
     assert len(output.token_ids) == 2  # the engine serves again
@@ -169,6 +170,6 @@ async def test_each_phase_is_bounded_and_named(client, monkeypatch):
         WeightSyncTimeoutError, match="pausing the engines took longer than weight_sync.timeout_s"
     ):
         await barrier.update(StaticWeights(list), policy_version=1, pause_mode="wait")
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 0.5 + 10  # the pause hangs for ever; generous, for a loaded machine
     assert pushed == []
     assert not await client.is_paused()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO_ROOT
+from .helpers.waits import wait_until_sync
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
 PAUSED_RUN = Path(__file__).parent / "helpers" / "paused_run.py"
@@ -260,10 +261,10 @@ def test_sigterm_stops_cleanly_leaves_no_process_and_resumes_exactly_once(
         )
     )
     assert not {pid: cmd for pid, cmd in left.items() if "resource_tracker" not in cmd}, left
-    deadline = time.monotonic() + 5
-    while still_running(children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not still_running(children), still_running(children)
+    wait_until_sync(
+        lambda: not still_running(children),
+        lambda: f"the run's children end; left: {still_running(children)}",
+    )
     assert not (run_dir / "run.lock").exists()
 
     checkpoints = sorted(path.name for path in (run_dir / "checkpoints").glob("step_*"))

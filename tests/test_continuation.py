@@ -12,6 +12,8 @@ from rollflow.errors import InferenceUnavailableError
 from rollflow.inference.client import LocalInferenceClient, collect_stream, generate_past_aborts
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, RolloutRequest
 
+from .helpers.waits import wait_until
+
 
 def output(tokens: list[int], finish: FinishReason, version: int = 0) -> GenerateOutput:
     return GenerateOutput("r", tokens, [-0.5] * len(tokens), finish, [version] * len(tokens), prompt_len=3)
@@ -104,9 +106,11 @@ async def test_single_turn_samples_survive_an_abort_pause(tiny_model_dir, partia
     try:
         request = RolloutRequest(0, [{"role": "user", "content": "count"}], answer=None, num_samples=2)
         group = asyncio.create_task(generator.generate_group(request))
-        while engine.num_running < 2:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.02)  # some tokens in
+        await wait_until(lambda: engine.num_running >= 2, "both samples are running")
+        # Some tokens in: the two sample together, a token each per step.
+        await wait_until(
+            lambda: engine.total_generated_tokens >= 2 * 3, "some tokens are sampled", poll_s=0.001
+        )
         await engine.pause("abort")
         await engine.resume()
         result = await group

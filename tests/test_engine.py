@@ -21,6 +21,8 @@ from rollflow.inference.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from rollflow.models.tiny import ensure_tiny_model
 
+from .helpers.waits import wait_until
+
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
@@ -68,12 +70,6 @@ def hf_logprobs(model, prompt: list[int], output: GenerateOutput, temperature: f
             scaled[row, scaled[row].sort(descending=True, stable=True).indices[count:]] = float("-inf")
     logprobs = torch.log_softmax(scaled, dim=-1)
     return logprobs.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0].tolist()
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------- exactness
@@ -180,10 +176,10 @@ async def test_continuous_batching_matches_solo_results(varied_model):
         # Four requests for three slots, released at once: one has to queue (prefill of three ragged prompts).
         await engine.pause("keep")
         tasks = [asyncio.create_task(engine.generate(r)) for r in requests[:4]]
-        await wait_until(lambda: engine.num_waiting == 4)
+        await wait_until(lambda: engine.num_waiting == 4, "the four requests queue")
         await engine.resume()
         # r0 and then r3 (in r0's slot) finish: slot 0 is empty while slots 1 and 2 decode.
-        await wait_until(lambda: engine.num_running == 2 and engine.num_waiting == 0)
+        await wait_until(lambda: engine.num_running == 2 and engine.num_waiting == 0, "r0 and r3 finish")
         for r in requests[4:]:  # later ones join while the long ones are decoding
             await asyncio.sleep(0.005)
             tasks.append(asyncio.create_task(engine.generate(r)))
@@ -223,18 +219,20 @@ async def test_cancelled_callers_free_their_slot_and_queue_place(varied_model):
     engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=1, max_model_len=512)
     try:
         running = asyncio.create_task(engine.generate(request([5, 6, 7], SamplingParams(max_tokens=400))))
-        await wait_until(lambda: engine.num_running == 1)
+        await wait_until(lambda: engine.num_running == 1, "the request is running")
         # Frozen, the requests could only leave through the cancellations.
         await engine.pause("keep")
         queued = asyncio.create_task(engine.generate(request([1, 2], SamplingParams(max_tokens=400))))
-        await wait_until(lambda: engine.num_waiting == 1)
+        await wait_until(lambda: engine.num_waiting == 1, "the second request queues")
         for task in (running, queued):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-        await wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0, timeout_s=2.0)
+        await wait_until(
+            lambda: engine.num_running == 0 and engine.num_waiting == 0, "the cancelled requests leave"
+        )
         await engine.resume()
-        output = await asyncio.wait_for(engine.generate(request([8, 9], SamplingParams(max_tokens=2))), 5.0)
+        output = await asyncio.wait_for(engine.generate(request([8, 9], SamplingParams(max_tokens=2))), 60)
         assert len(output.token_ids) == 2
         assert engine.num_running == 0 and engine.num_waiting == 0
         assert engine.total_generated_tokens < 400, "a cancelled request kept generating"
@@ -298,7 +296,7 @@ async def test_stop_token_ends_generation_and_is_included(engine):
 async def test_pause_abort_returns_partial_tokens_and_holds_new_requests(engine):
     long = SamplingParams(max_tokens=480, temperature=1.0)
     tasks = [asyncio.create_task(engine.generate(request(p, long))) for p in make_prompts([5, 9])]
-    await wait_until(lambda: engine.total_generated_tokens >= 10)
+    await wait_until(lambda: engine.total_generated_tokens >= 10, "some tokens are sampled")
     await engine.pause("abort")
     assert engine.is_paused
     for output in await asyncio.gather(*tasks):
@@ -306,26 +304,26 @@ async def test_pause_abort_returns_partial_tokens_and_holds_new_requests(engine)
         assert 0 < len(output.token_ids) < 480
         assert len(output.logprobs) == len(output.policy_versions) == len(output.token_ids)
     late = asyncio.create_task(engine.generate(request([3, 4, 5])))
-    await asyncio.sleep(0.2)
-    assert not late.done() and engine.num_waiting == 1
+    await wait_until(lambda: engine.num_waiting == 1, "the late request queues")
+    assert not late.done()  # held while paused
     await engine.resume()
     assert not engine.is_paused
-    assert len((await asyncio.wait_for(late, 5.0)).token_ids) == GREEDY.max_tokens
+    assert len((await asyncio.wait_for(late, 60)).token_ids) == GREEDY.max_tokens
 
 
 async def test_pause_wait_drains_running_requests(engine):
     params = SamplingParams(max_tokens=60, temperature=0.0)
     tasks = [asyncio.create_task(engine.generate(request(p, params))) for p in make_prompts([4, 8])]
-    await wait_until(lambda: engine.num_running == 2)
+    await wait_until(lambda: engine.num_running == 2, "both requests are running")
     await engine.pause("wait")
     assert engine.num_running == 0
     for output in await asyncio.gather(*tasks):
         assert len(output.token_ids) == 60 and output.finish_reason == FinishReason.LENGTH
     late = asyncio.create_task(engine.generate(request([3, 4, 5])))
-    await asyncio.sleep(0.2)
-    assert not late.done()
+    await wait_until(lambda: engine.num_waiting == 1, "the late request queues")
+    assert not late.done()  # held while paused
     await engine.resume()
-    assert (await asyncio.wait_for(late, 5.0)).finish_reason == FinishReason.LENGTH
+    assert (await asyncio.wait_for(late, 60)).finish_reason == FinishReason.LENGTH
 
 
 async def test_pause_keep_freezes_and_continues_unchanged(engine):
@@ -334,14 +332,14 @@ async def test_pause_keep_freezes_and_continues_unchanged(engine):
     baseline = await engine.generate(request(prompt, params))
     generated_before = engine.total_generated_tokens
     task = asyncio.create_task(engine.generate(request(prompt, params)))
-    await wait_until(lambda: engine.total_generated_tokens - generated_before >= 5)
+    await wait_until(lambda: engine.total_generated_tokens - generated_before >= 5, "some tokens are sampled")
     await engine.pause("keep")
     frozen_at = engine.total_generated_tokens
-    await asyncio.sleep(0.2)
+    await asyncio.sleep(0.2)  # a window for tokens that must not come: slowness can only hide one
     assert engine.total_generated_tokens == frozen_at and not task.done()
     assert engine.num_running == 1 and frozen_at - generated_before < 400
     await engine.resume()
-    output = await asyncio.wait_for(task, 10.0)
+    output = await asyncio.wait_for(task, 60)
     assert output.token_ids == baseline.token_ids
     assert output.finish_reason == FinishReason.LENGTH
 
@@ -369,7 +367,7 @@ async def test_load_weights_changes_outputs_and_policy_versions(engine, varied_m
 
 async def test_load_weights_mid_request_stamps_new_version(engine, varied_model):
     task = asyncio.create_task(engine.generate(request([5, 6], SamplingParams(max_tokens=400))))
-    await wait_until(lambda: engine.total_generated_tokens >= 3)
+    await wait_until(lambda: engine.total_generated_tokens >= 3, "some tokens are sampled")
     await engine.load_weights(list(varied_model.named_parameters()), policy_version=1)
     versions = (await task).policy_versions
     assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)
@@ -398,7 +396,7 @@ async def test_shutdown_aborts_requests_and_is_idempotent(varied_model):
     long = SamplingParams(max_tokens=400)
     running = asyncio.create_task(engine.generate(request([5, 6], long)))
     waiting = asyncio.create_task(engine.generate(request([7, 8], long)))
-    await wait_until(lambda: engine.total_generated_tokens >= 2)
+    await wait_until(lambda: engine.total_generated_tokens >= 2, "the first request is sampling")
     await engine.shutdown()
     await engine.shutdown()
     running_output, waiting_output = await asyncio.gather(running, waiting)
@@ -413,7 +411,7 @@ async def test_idle_engine_releases_its_worker_thread(engine):
         return [t for t in threading.enumerate() if t.name == "rollflow-torch-engine"]
 
     await engine.generate(request([5, 6, 7]))
-    await wait_until(lambda: not workers(), timeout_s=2.0)
+    await wait_until(lambda: not workers(), "the idle engine's worker thread ends")
     # The next call starts a new worker.
     assert len((await engine.generate(request([5, 6, 7]))).token_ids) == GREEDY.max_tokens
 
@@ -457,11 +455,11 @@ async def test_a_failing_forward_fails_its_requests_only_and_the_engine_keeps_se
         await engine.pause("abort")
         poisoned = asyncio.ensure_future(engine.generate(request([9, 10, 11], request_id="poisoned")))
         healthy = [asyncio.ensure_future(engine.generate(request([5, 6, 7]))) for _ in range(3)]
-        await wait_until(lambda: engine.num_waiting == 4)
+        await wait_until(lambda: engine.num_waiting == 4, "the four requests queue")
         await engine.resume()
-        outputs = await asyncio.wait_for(asyncio.gather(*healthy), 10.0)
+        outputs = await asyncio.wait_for(asyncio.gather(*healthy), 60)
         with pytest.raises(EngineGenerateError, match="simulated kernel failure"):
-            await asyncio.wait_for(poisoned, 10.0)
+            await asyncio.wait_for(poisoned, 60)
         # Batched with the failing row, the others were retried alone and match a solo run exactly.
         assert [o.token_ids for o in outputs] == [expected.token_ids] * 3
         assert not engine.is_dead and engine.num_failed_requests == 1
@@ -483,7 +481,7 @@ async def test_loop_failure_reaches_callers(varied_model):
     engine._take_slot = broken_take_slot
     try:
         with pytest.raises(EngineDeadError, match="simulated bookkeeping failure"):
-            await asyncio.wait_for(engine.generate(request([5, 6, 7])), 5.0)
+            await asyncio.wait_for(engine.generate(request([5, 6, 7])), 60)
         assert engine.is_dead
         with pytest.raises(EngineDeadError):
             await engine.generate(request([5, 6, 7]))
@@ -584,11 +582,13 @@ async def test_a_request_kept_through_a_weight_update_leaves_no_cached_prefix(en
     kept = asyncio.create_task(
         engine.generate(request(prompt, SamplingParams(max_tokens=40, temperature=0.0)))
     )
-    await wait_until(lambda: engine.total_generated_tokens - generated_before >= 3)
+    await wait_until(
+        lambda: engine.total_generated_tokens - generated_before >= 3, "some tokens are sampled", poll_s=0.001
+    )
     await engine.pause("keep")
     await engine.load_weights(tiny_model.state_dict().items(), policy_version=1)
     await engine.resume()
-    spanning = await asyncio.wait_for(kept, 10.0)
+    spanning = await asyncio.wait_for(kept, 60)
     assert set(spanning.policy_versions) == {0, 1}
     hits = engine.prefix_cache_hits
     after = await engine.generate(request(prompt))
@@ -608,7 +608,7 @@ async def test_abort_by_request_id_returns_partials(varied_model):
         long = SamplingParams(max_tokens=400)
         running = asyncio.create_task(engine.generate(request([5, 6], long, request_id="run")))
         waiting = asyncio.create_task(engine.generate(request([7, 8], long, request_id="wait")))
-        await wait_until(lambda: engine.total_generated_tokens >= 2)
+        await wait_until(lambda: engine.total_generated_tokens >= 2, "the first request is sampling")
         assert await engine.abort(["nope"]) == 0
         assert await engine.abort(["run", "wait"]) == 2
         running_output, waiting_output = await asyncio.gather(running, waiting)

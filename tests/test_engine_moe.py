@@ -19,6 +19,8 @@ from rollflow.errors import EngineError
 from rollflow.inference.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 
+from .helpers.waits import wait_until
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 
 
@@ -140,14 +142,12 @@ async def test_routes_are_dropped_with_the_prefix_cache(engine, moe_model):
 async def test_aborted_requests_keep_their_routes(engine):
     prompt = make_prompts([6], seed=5)[0]
     task = asyncio.create_task(engine.generate(GenerateRequest(prompt, SamplingParams(max_tokens=240))))
-    async with asyncio.timeout(10):
-        while engine.total_generated_tokens < 5:
-            await asyncio.sleep(0.001)
+    await wait_until(lambda: engine.total_generated_tokens >= 5, "some tokens are sampled", poll_s=0.001)
     await engine.pause("keep")
     queued = asyncio.create_task(engine.generate(GenerateRequest(prompt, GREEDY)))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: engine.num_waiting == 1, "the second request queues")
     assert await engine.abort() == 2
-    partial, never_admitted = await asyncio.wait_for(asyncio.gather(task, queued), 10)
+    partial, never_admitted = await asyncio.wait_for(asyncio.gather(task, queued), 60)
     assert partial.finish_reason == never_admitted.finish_reason == FinishReason.ABORT
     assert 0 < len(partial.token_ids) < 240
     assert partial.routed_experts.shape[0] == len(prompt) + len(partial.token_ids) - 1

@@ -13,6 +13,8 @@ from rollflow.errors import EngineError
 from rollflow.inference.client import collect_stream
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
+from .helpers.waits import wait_until
+
 pytestmark = pytest.mark.asyncio
 
 
@@ -73,7 +75,7 @@ async def test_pause_abort_ends_streams_and_pause_keep_freezes_them(engine):
     stream = engine.generate_stream(request(40))
     first = await anext(stream)
     await engine.pause("keep")
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # a window for a drop that must not come: slowness can only hide one
     assert engine.num_running == 1
     await engine.resume()
     chunks = [first] + [c async for c in stream]
@@ -86,7 +88,7 @@ async def test_leaving_the_stream_early_aborts_the_request(engine):
     async with contextlib.aclosing(engine.generate_stream(request(800))) as stream:
         async for _ in stream:
             break
-    await _wait_until(lambda: engine.num_running == 0)
+    await wait_until(lambda: engine.num_running == 0, "the aborted request leaves its slot")
     assert engine.num_cancelled_requests == cancelled + 1
 
     # A consumer cancelled while waiting for the next chunk aborts it too.
@@ -95,11 +97,11 @@ async def test_leaving_the_stream_early_aborts_the_request(engine):
             pass
 
     task = asyncio.create_task(consume())
-    await _wait_until(lambda: engine.num_running == 1)
+    await wait_until(lambda: engine.num_running == 1, "the stream's request is running")
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await _wait_until(lambda: engine.num_running == 0)
+    await wait_until(lambda: engine.num_running == 0, "the aborted request leaves its slot")
     assert engine.num_cancelled_requests == cancelled + 2
 
 
@@ -119,9 +121,3 @@ async def test_a_client_streams_like_it_generates(inference_client):
     assert streamed.logprobs == pytest.approx(whole.logprobs, abs=1e-4)
     assert (streamed.finish_reason, streamed.prompt_len) == (whole.finish_reason, whole.prompt_len)
     assert streamed.policy_versions == whole.policy_versions == [0] * len(whole.token_ids)
-
-
-async def _wait_until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)

@@ -15,6 +15,7 @@ from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 
 from .helpers.raw_http import exchange
+from .helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -153,13 +154,13 @@ async def test_hot_path_keeps_the_limits():
         # A body that stops arriving: 408 naming body_timeout_s.
         reader, writer = await open_router(router)
         writer.write(generate_request(b'{"token_ids": [1, 2, 3]}')[:-5])
-        raw = await asyncio.wait_for(reader.read(), 5)
+        raw = await asyncio.wait_for(reader.read(), 60)
         assert raw.split(b" ")[1] == b"408" and b"body_timeout_s" in raw
         writer.close()
         # A head that stops arriving: 408 naming header_timeout_s.
         reader, writer = await open_router(router)
         writer.write(b"POST /inference/v1/generate HTTP/1.1\r\nX-Sess")
-        raw = await asyncio.wait_for(reader.read(), 5)
+        raw = await asyncio.wait_for(reader.read(), 60)
         assert raw.split(b" ")[1] == b"408" and b"header_timeout_s" in raw
         writer.close()
         # A body over max_body_bytes: 413 (aiohttp's answer, as before).
@@ -172,7 +173,7 @@ async def test_hot_path_keeps_the_limits():
         status, _, _ = await exchange(*held[0], b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
         assert status == 200 and len(router.fronts) == 1
         reader, writer = await open_router(router)
-        raw = await asyncio.wait_for(reader.read(), 5)
+        raw = await asyncio.wait_for(reader.read(), 60)
         assert raw.split(b" ")[1] == b"503" and b"max_connections" in raw
         for _, held_writer in held:
             held_writer.close()
@@ -205,10 +206,9 @@ async def test_caller_that_leaves_cancels_the_upstream_request():
         _, writer = await open_router(router)
         writer.write(generate_request())
         await writer.drain()
-        while not backend.received:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: backend.received, "the request reaches the backend")
         writer.close()
-        await asyncio.wait_for(backend.cancelled.wait(), 5)
+        await asyncio.wait_for(backend.cancelled.wait(), 60)
         assert router.workers[backend.url].outstanding == 0
 
 
@@ -224,6 +224,6 @@ async def test_odd_heads_are_left_to_aiohttp():
         reader, writer = await open_router(router)
         writer.write(generate_request(extra=b"X-A: b\nContent-Length: 1000\r\n"))
         await writer.drain()
-        await asyncio.wait_for(reader.read(1), 10)  # whatever aiohttp answers, the front did not forward it
+        await asyncio.wait_for(reader.read(1), 60)  # whatever aiohttp answers, the front did not forward it
         assert not router.fronts and len(backend.received) == forwarded
         writer.close()

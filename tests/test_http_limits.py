@@ -17,8 +17,13 @@ from aiohttp import web
 
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
 from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.waits import wait_until
 
 TIMEOUT_S = 0.5
+# How long a test waits for an answer, and the most a timeout may overshoot: generous, for a loaded machine
+# (far below aiohttp's own 75 s keep-alive, so a connection closed by its timeout still tells).
+READ_WITHIN_S = 60.0
+LATE_S = 10.0
 
 
 async def _echo(request: web.Request) -> web.Response:
@@ -69,12 +74,12 @@ async def test_stalled_request_gets_408_after_its_timeout(sent: bytes, phase: st
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(sent)
-        reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
         status, body = _status_and_json(reply)
         assert status == 408
         assert phase in body["error"]["message"]
         assert body["error"]["type"] == "RequestTimeoutError"
-        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + 2.0
+        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + LATE_S
         assert reader.at_eof()
         writer.close()
     finally:
@@ -82,15 +87,16 @@ async def test_stalled_request_gets_408_after_its_timeout(sent: bytes, phase: st
 
 
 async def test_slow_but_steady_body_within_its_timeout_is_served():
-    runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=4 * TIMEOUT_S))
+    # The body timeout bounds the whole body: ten times the 1 s its gaps add up to, for a loaded machine.
+    runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=20 * TIMEOUT_S))
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n")
-        for byte in b"abcd":  # each gap shorter than the body timeout, the total too
+        for byte in b"abcd":  # each gap, and their total, shorter than the body timeout
             await asyncio.sleep(TIMEOUT_S / 2)
             writer.write(bytes([byte]))
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        reply, _ = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        reply, _ = await _read_reply(reader, within_s=READ_WITHIN_S)
         assert reply.count(b"HTTP/1.1 200") == 2
         assert b'"received":4' in reply.replace(b" ", b"")
         writer.close()
@@ -103,7 +109,7 @@ async def test_idle_kept_alive_connection_is_closed():
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
         assert reply.startswith(b"HTTP/1.1 200")
         assert waited >= TIMEOUT_S * 0.8  # served at once, then held open until idle for the timeout
         writer.close()
@@ -115,7 +121,7 @@ async def test_connections_beyond_the_cap_get_503():
     runner, port = await _serve(HttpLimits(header_timeout_s=5.0, body_timeout_s=5.0, max_connections=3))
     try:
         held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: len(runner.server.connections) == 3, "the server accepts the three")
         async with (
             aiohttp.ClientSession() as client,
             client.get(f"http://127.0.0.1:{port}/health") as response,
@@ -126,7 +132,7 @@ async def test_connections_beyond_the_cap_get_503():
         assert "max_connections" in body["error"]["message"]
         for _, writer in held:
             writer.close()
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: len(runner.server.connections) < 3, "the server sees connections close")
         async with (  # below the cap again: served
             aiohttp.ClientSession() as client,
             client.get(f"http://127.0.0.1:{port}/health") as response,
@@ -159,7 +165,8 @@ async def test_engine_server_keeps_serving_while_50_connections_stall(tiny_chat,
     served meanwhile, and every stalled connection is closed (with a 408) once the timeout passes."""
     from rollflow.inference.engine.server import EngineServer
 
-    limits = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0)
+    # Long enough that the client is surely served before any stall ends, on a loaded machine too.
+    limits = HttpLimits(header_timeout_s=5.0, body_timeout_s=5.0)
     server = EngineServer(uncached_engine, tiny_chat.tokenizer, served_model_name="tiny", http_limits=limits)
     url = await server.start()
     port = int(url.rsplit(":", 1)[1])
@@ -181,9 +188,11 @@ async def test_engine_server_keeps_serving_while_50_connections_stall(tiny_chat,
             async with client.post(f"{url}/inference/v1/generate", json=body) as response:
                 assert response.status == 200
         assert time.perf_counter() - started < limits.header_timeout_s  # served before any stall ended
-        replies = await asyncio.gather(*(_read_reply(reader, within_s=10.0) for reader, _ in connections))
+        replies = await asyncio.gather(
+            *(_read_reply(reader, within_s=READ_WITHIN_S) for reader, _ in connections)
+        )
         assert all(_status_and_json(reply)[0] == 408 for reply, _ in replies)
-        assert max(waited for _, waited in replies) < limits.header_timeout_s + 2.0
+        assert max(waited for _, waited in replies) < limits.header_timeout_s + LATE_S
         for _, writer in connections:
             writer.close()
     finally:
@@ -267,8 +276,8 @@ async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
         host, port = get_session(sender.transfer_id, 0)._server.server_address[:2]
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(b"GET /x HTTP/1.1\r\n")  # and nothing more
-        _, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
-        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + 2.0
+        _, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
+        assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + LATE_S
         writer.close()
     finally:
         sender.close()
@@ -300,7 +309,7 @@ async def test_router_and_tito_proxy_close_stalled_connections(listener: str, ti
         for (_, writer), payload in zip(connections, stalls, strict=True):
             writer.write(payload)
         for reader, writer in connections:
-            reply, waited = await _read_reply(reader, within_s=10 * TIMEOUT_S)
+            reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
             assert _status_and_json(reply)[0] == 408
-            assert waited < TIMEOUT_S + 2.0
+            assert waited < TIMEOUT_S + LATE_S
             writer.close()

@@ -14,6 +14,7 @@ import pytest
 
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, max_prompt_chars, max_token_chars
 from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.waits import wait_until
 
 
 class Recording:
@@ -154,15 +155,17 @@ async def test_trace_survives_a_caller_leaving_during_an_offloaded_render(tiny_c
 
     class SlowRenderer(Recording):
         def render(self, *args: Any, **kwargs: Any) -> Any:
+            self.threads.append(("render", threading.current_thread().name))
             time.sleep(0.3)
             return self._inner.render(*args, **kwargs)
 
-    trace = Trace(TITORenderer(SlowRenderer(tiny_chat.renderer, ()), tiny_chat.tokenizer), "s")
+    renderer = SlowRenderer(tiny_chat.renderer, ())
+    trace = Trace(TITORenderer(renderer, tiny_chat.tokenizer), "s")
     messages = [{"role": "user", "content": "hi"}]
     leaving = asyncio.create_task(trace.prepare(messages, None, offload=True))
-    await asyncio.sleep(0.1)  # the render is running in its thread
+    await wait_until(lambda: renderer.threads, "the render is running in its thread")
     leaving.cancel()
-    prepared = await asyncio.wait_for(trace.prepare(messages, None, offload=True), 5)
+    prepared = await asyncio.wait_for(trace.prepare(messages, None, offload=True), 60)
     assert prepared.prompt_ids
 
 
@@ -187,10 +190,10 @@ async def test_trace_operations_keep_their_order_whether_run_at_once_or_queued(t
     await trace.prepare([{"role": "user", "content": "idle"}], None)
     assert renderer.threads == [("idle", threading.current_thread().name)] and trace._worker is None
     slow = asyncio.create_task(trace.prepare([{"role": "user", "content": "slow"}], None, offload=True))
-    await asyncio.sleep(0.05)  # the slow render is running in its thread
+    await wait_until(lambda: len(renderer.threads) == 2, "the slow render is running in its thread")
     queued = [
         asyncio.create_task(trace.prepare([{"role": "user", "content": f"q{i}"}], None)) for i in range(3)
     ]
-    await asyncio.wait_for(asyncio.gather(slow, *queued), 5)
+    await asyncio.wait_for(asyncio.gather(slow, *queued), 60)
     assert [text for text, _ in renderer.threads] == ["idle", "slow", "q0", "q1", "q2"]
     assert trace._worker is None

@@ -15,6 +15,9 @@ from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
+from .helpers.servers import server_metric
+from .helpers.waits import wait_until
+
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
     pytest.mark.http_only(reason="RemoteInferenceClient itself, over the shared servers and its own routers"),
@@ -78,13 +81,19 @@ async def test_world_size_is_summed_and_cached(client):
     client.server_urls.pop()
 
 
-async def test_pause_keep_holds_requests_until_resume(client):
+def outstanding(router: InferenceRouter) -> int:
+    """Requests the router forwarded and its servers have not answered yet."""
+    return sum(worker.outstanding for worker in router.workers.values())
+
+
+async def test_pause_keep_holds_requests_until_resume(client, servers):
+    router, _ = servers
     await client.pause("keep")
     try:
         assert await client.is_paused()
         pending = asyncio.create_task(client.generate(request(max_tokens=2)))
-        await asyncio.sleep(0.5)
-        assert not pending.done()
+        await wait_until(lambda: outstanding(router), "the request reaches a paused server")
+        assert not pending.done()  # held there until resume
     finally:
         await client.resume()
     output = await asyncio.wait_for(pending, 30)
@@ -94,9 +103,14 @@ async def test_pause_keep_holds_requests_until_resume(client):
         await client.pause("halt")  # type: ignore[arg-type]
 
 
-async def test_pause_abort_returns_partial_tokens(client):
+async def test_pause_abort_returns_partial_tokens(client, servers):
+    router, urls = servers
     running = asyncio.create_task(client.generate(request(max_tokens=200)))
-    await asyncio.sleep(0.3)
+
+    async def sampling() -> bool:
+        return outstanding(router) > 0 and await server_metric(urls, "vllm:num_requests_running") > 0
+
+    await wait_until(sampling, "the request is sampling on a server", poll_s=0.02)
     await client.pause("abort")
     try:
         output = await asyncio.wait_for(running, 30)
@@ -229,7 +243,7 @@ async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
             assert {thread_niceness(pid, tid) for tid in os.listdir(f"/proc/{pid}/task")} == {os.nice(0) + 3}
     for log_name in ("server-0.log", "router-0.log"):
         assert (tmp_path / "run" / "logs" / "inference" / log_name).stat().st_size > 0
-    assert wait_dead([*started, *router], timeout_s=1) == []
+    assert wait_dead([*started, *router], timeout_s=60) == []
 
 
 async def test_one_server_is_reached_without_a_router(tmp_path):

@@ -14,11 +14,14 @@ import signal
 import aiohttp
 import pytest
 
-from rollflow.errors import MissingExtraError
+from rollflow.errors import InferenceError, MissingExtraError
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
 from rollflow.inference.server_group import ServerGroup
 from rollflow.messages import GenerateRequest, SamplingParams
+
+from .helpers.servers import server_metric
+from .helpers.waits import wait_until
 
 HAS_VLLM_ROUTER = importlib.util.find_spec("vllm_router") is not None
 IMPLS = [
@@ -82,9 +85,17 @@ async def test_a_killed_server_leaves_and_sessions_carry_on(impl, inference_serv
             outputs = await asyncio.gather(*(client.generate(request(sid)) for sid in sessions))
             assert all(len(output.token_ids) == 2 for output in outputs)
             os.killpg(victim_pid, signal.SIGKILL)
-            await asyncio.sleep(3.0)  # the routers' health checks run every second
+
+            async def answers() -> list | None:
+                outputs = await asyncio.gather(
+                    *(client.generate(request(sid)) for sid in sessions), return_exceptions=True
+                )
+                if any(isinstance(output, InferenceError) for output in outputs):
+                    return None  # the router's health checks (every second) have not taken the dead one out
+                return outputs
+
             # Every session, those that were on the dead server included, is answered by the one left.
-            outputs = await asyncio.gather(*(client.generate(request(sid)) for sid in sessions))
+            outputs = await wait_until(answers, "every session is answered by the server left", poll_s=0.5)
             assert all(len(output.token_ids) == 2 for output in outputs)
             # The control plane, the client's own, carries on with the server that is left.
             await client.pause("keep")
@@ -121,7 +132,11 @@ async def test_setup_starts_the_router_and_the_client_fans_control_calls_out(
             assert await client.is_paused()
             # A request sent while paused waits, and finishes after resume.
             pending = asyncio.create_task(client.generate(request("paused-session")))
-            await asyncio.sleep(0.3)
+
+            async def queued() -> bool:
+                return await server_metric(urls, "vllm:num_requests_waiting") > 0
+
+            await wait_until(queued, "the request waits on a paused server", poll_s=0.02)
             assert not pending.done()
         finally:
             await client.resume()

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from rollflow.orchestrator.run_dir import (
 )
 
 from .conftest import REPO_ROOT
+from .helpers.waits import wait_until_sync
 
 SMALL = [
     "orchestrator.prompts_per_step=4",
@@ -123,14 +123,15 @@ def test_a_lock_kept_by_a_fork_of_a_dead_holder_says_so(tmp_path):
         RunLock(run_dir).acquire()
     assert f"pid {holder}" in str(info.value) and "not running any more" in str(info.value)
     os.kill(fork, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def acquired() -> bool:
         try:
             with RunLock(run_dir):
-                break
+                return True
         except RunDirectoryInUseError:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+            return False
+
+    wait_until_sync(acquired, "the lock is free once the fork is killed")
 
 
 @pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE

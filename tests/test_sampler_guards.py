@@ -29,6 +29,8 @@ from rollflow.messages import (
 )
 from rollflow.models.loading import load_causal_lm
 
+from .helpers.waits import wait_until
+
 VOCAB = 64
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -223,9 +225,7 @@ async def test_a_row_of_non_finite_logits_fails_its_request_alone(engine):
     engine.runner.decode = decode_with_nan_in_slot_0
     await engine.pause("abort")  # the four queue and are admitted together on resume, the first into slot 0
     results = [asyncio.ensure_future(generate(engine)) for _ in range(4)]
-    async with asyncio.timeout(10):
-        while engine.num_waiting < 4:
-            await asyncio.sleep(0.005)
+    await wait_until(lambda: engine.num_waiting >= 4, "the four requests queue")
     await engine.resume()
     outcomes = await asyncio.gather(*results, return_exceptions=True)
     assert isinstance(outcomes[0], EngineError) and "non-finite logits" in str(outcomes[0])

@@ -24,6 +24,8 @@ from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
 from rollflow.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
+from .helpers.waits import wait_until
+
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MAX_BODY_BYTES = 256 * 1024
@@ -110,12 +112,6 @@ def assert_error(status: int, body: dict, expected_status: int, error_type: str 
     assert body["error"]["code"] == error_code(expected_status) and body["error"]["message"]
     if error_type is not None:
         assert body["error"]["type"] == error_type
-
-
-async def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 # ---------------------------------------------------------------------------- data plane
@@ -229,7 +225,7 @@ async def test_prefix_cache_hits_and_reset(server, http):
 async def start_long(http, server, request_id: str) -> asyncio.Task:
     body = {"token_ids": [5, 6, 7], "request_id": request_id, "sampling_params": LONG}
     task = asyncio.create_task(post(http, server, "/inference/v1/generate", body))
-    await wait_until(lambda: server.engine.num_running >= 1)
+    await wait_until(lambda: server.engine.num_running >= 1, f"{request_id} is running")
     return task
 
 
@@ -254,7 +250,7 @@ async def test_pause_keep_queues_and_wait_drains(server, http):
     await post(http, server, "/pause?mode=keep")
     queued = asyncio.create_task(post(http, server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {
         "max_tokens": 2}}))  # fmt: skip
-    await asyncio.sleep(0.2)
+    await wait_until(lambda: server.engine.num_waiting == 1, "the request sent while paused queues")
     assert not queued.done() and not running.done()
     await post(http, server, "/resume")
     assert (await queued)[0] == 200
@@ -263,9 +259,9 @@ async def test_pause_keep_queues_and_wait_drains(server, http):
 
     short = asyncio.create_task(post(http, server, "/inference/v1/generate", {"token_ids": [9], "sampling_params": {
         "max_tokens": 200, "ignore_eos": True}}))  # fmt: skip
-    await wait_until(lambda: server.engine.num_running >= 1)
+    await wait_until(lambda: server.engine.num_running >= 1, "the short request is running")
     pause = asyncio.create_task(post(http, server, "/pause?mode=wait"))
-    await wait_until(lambda: server.pause_mode == "wait")
+    await wait_until(lambda: server.pause_mode == "wait", "the server is pausing in wait mode")
     assert_error(*(await post(http, server, "/v1/completions", {"prompt": [5]})), 503)
     assert (await pause)[1] == {"status": "paused"}
     assert short.done() and (await short)[1]["choices"][0]["finish_reason"] == "length"
@@ -489,7 +485,7 @@ async def test_invalid_content_length_gets_400_json(server, content_length):
             b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: " + content_length + b"\r\n\r\n{}"
         )
         await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 10)
+        raw = await asyncio.wait_for(reader.read(), 60)
         writer.close()
         head, _, payload = raw.partition(b"\r\n\r\n")
         assert head.split()[1] == b"400" and b"application/json" in head
@@ -505,10 +501,10 @@ async def test_client_disconnect_aborts_engine_request(server):
             server.url + "/inference/v1/generate", json={"token_ids": [5, 6], "sampling_params": LONG}
         )
     )
-    await wait_until(lambda: engine.num_running == 1)
+    await wait_until(lambda: engine.num_running == 1, "the request is running")
     task.cancel()
     await session.close()
-    await wait_until(lambda: engine.num_running == 0, timeout_s=5)
+    await wait_until(lambda: engine.num_running == 0, "the disconnect aborts the engine request")
     assert engine.num_cancelled_requests == cancelled + 1
 
 

@@ -17,6 +17,7 @@ import pytest
 from rollflow.inference.token_bytes import token_bytes
 from rollflow.tito import TITOProxy
 from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.waits import wait_until
 
 KEY = "contract-key"
 DEEP = b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 1000 + b"]" * 1000 + b"}]}"
@@ -79,7 +80,7 @@ async def test_a_close_while_another_drains_returns_the_same_samples(tiny_chat):
         session = await proxy.open_session("closing")
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         in_flight = asyncio.create_task(_post(f"{session.base_url}/chat/completions", chat))
-        await asyncio.sleep(0.1)  # the request is sampling
+        await wait_until(lambda: scripted.requests, "the request is sampling")
         close = {"reward": 1.0, "max_seq_len": 256}
         auth = {"Authorization": f"Bearer {KEY}"}
         url = f"{proxy.base_url}/sessions/closing/close"

@@ -22,6 +22,7 @@ from rollflow.inference.server_group import (
 )
 
 from .helpers.processes import process_alive, wait_dead
+from .helpers.waits import wait_until
 
 
 def test_server_start_error_is_a_rollflow_error():
@@ -84,14 +85,13 @@ async def test_group_serves_and_logs_each_server(inference_servers):
 async def test_cancelled_start_leaves_nothing(tmp_path):
     group = ServerGroup("rollflow:tiny", 2, tmp_path, startup_timeout_s=120)
     starting = asyncio.create_task(group.start())
-    await asyncio.sleep(1.0)
+    await wait_until(lambda: len(group.pids) == 2, "both server processes are started", poll_s=0.05)
     pids = list(group.pids)
-    assert len(pids) == 2
     starting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await starting
     assert group.pids == []
-    assert wait_dead(pids, timeout_s=1) == []
+    assert wait_dead(pids, timeout_s=60) == []
 
 
 async def test_failed_start_names_the_log_and_leaves_nothing(tmp_path):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 import openai
@@ -15,6 +14,8 @@ import pytest_asyncio
 
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
+
+from .helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -61,7 +62,7 @@ async def sse_events(response: aiohttp.ClientResponse) -> list:
 
 async def test_completions_stream_is_incremental_and_equals_the_whole_answer(server, client):
     body = {"max_tokens": 1500, "seed": 3, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
-    started = time.perf_counter()
+    generated_before = server.engine.total_generated_tokens
     stream = await client.completions.create(
         model=MODEL,
         prompt="Once upon",
@@ -70,11 +71,12 @@ async def test_completions_stream_is_incremental_and_equals_the_whole_answer(ser
         stream_options={"include_usage": True},
         **body,
     )
-    first_at, running_at_first = None, None
+    generated_at_first, running_at_first, chunks = None, None, 0
     text, token_ids, logprobs, prompt_ids, finish, usage, versions = "", [], [], None, None, None, []
     async for chunk in stream:
-        if first_at is None:
-            first_at = time.perf_counter() - started
+        chunks += 1
+        if generated_at_first is None:
+            generated_at_first = server.engine.total_generated_tokens - generated_before
             running_at_first = server.engine.num_running
         if chunk.usage is not None:
             usage = chunk.usage
@@ -86,9 +88,10 @@ async def test_completions_stream_is_incremental_and_equals_the_whole_answer(ser
             prompt_ids = prompt_ids or extra.get("prompt_token_ids")
             logprobs += choice.logprobs.token_logprobs
             finish = choice.finish_reason or finish
-    total = time.perf_counter() - started
-    # The first chunk came while the engine was still sampling this request, long before the end.
-    assert running_at_first == 1 and first_at < total / 3, (first_at, total)
+    # The first chunk came while the engine was still sampling this request, and many followed: counts, not
+    # clocks (how far the engine got meanwhile depends on the machine's load).
+    assert running_at_first == 1 and generated_at_first < 1500, generated_at_first
+    assert chunks > 10, chunks
 
     whole = await client.completions.create(model=MODEL, prompt="Once upon", logprobs=0, **body)
     (choice,) = whole.choices
@@ -228,9 +231,7 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(server):
         first = await response.content.readline()
         assert first.startswith(b"data: ") and engine.num_running == 1
         response.close()  # drop the connection mid-stream
-    async with asyncio.timeout(10):
-        while engine.num_running:
-            await asyncio.sleep(0.005)
+    await wait_until(lambda: not engine.num_running, "the disconnect aborts the engine request")
     assert engine.num_cancelled_requests == cancelled + 1
     # The generation did not run to its end.
     assert engine.total_generated_tokens - generated < 1800

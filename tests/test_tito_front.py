@@ -13,7 +13,8 @@ from rollflow.inference.http_limits import HttpLimits
 from rollflow.tito import TITOProxy
 
 from .helpers.raw_http import exchange
-from .helpers.tito import MODEL, ScriptedClient, wait_until
+from .helpers.tito import MODEL, ScriptedClient
+from .helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -150,7 +151,7 @@ async def test_closed_session_is_409_and_connection_close_is_honoured(proxy):
             reader, writer, chat_request(completions_path(session), ask(), extra=b"Connection: close\r\n")
         )
         assert status == 200 and headers["connection"] == "close"
-        assert await asyncio.wait_for(reader.read(), 5) == b""  # the front closed the connection
+        assert await asyncio.wait_for(reader.read(), 60) == b""  # the front closed the connection
     finally:
         writer.close()
     await proxy.close_session(session)
@@ -191,10 +192,10 @@ async def test_a_caller_that_leaves_cancels_its_engine_request(tiny_chat):
         _, writer = await connect(proxy)
         writer.write(chat_request(completions_path(session), ask()))
         await writer.drain()
-        await wait_until(lambda: client.requests)
+        await wait_until(lambda: client.requests, "the request reaches the engine")
         assert len(proxy.fronts) == 1
         writer.close()
-        await wait_until(lambda: client.cancelled)
+        await wait_until(lambda: client.cancelled, "the caller's leaving cancels its engine request")
         assert client.cancelled == 1
         trace = await proxy.close_session(session)
         assert trace.stats.turns == 0

@@ -16,6 +16,7 @@ from rollflow.inference.router import InferenceRouter
 from rollflow.inference.server_group import free_port
 from rollflow.tito import TITOProxy
 from tests.helpers.tito import MODEL, ScriptedClient, assert_parity
+from tests.helpers.waits import wait_until
 
 pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
@@ -127,9 +128,9 @@ async def test_close_releases_the_socket_even_when_cancelled(tiny_chat):
     request = asyncio.ensure_future(
         api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     )
-    await asyncio.sleep(0.2)  # the request is in flight: close() waits on its drain
+    await wait_until(lambda: scripted.requests, "the request is in flight")
     closing = asyncio.ensure_future(proxy.close())
-    await asyncio.sleep(0.1)
+    await wait_until(lambda: session.closed, "close() waits on the request's drain")
     closing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await closing

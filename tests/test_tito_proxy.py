@@ -15,6 +15,7 @@ import pytest
 
 from rollflow.tito import TITOProxy, compose
 from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -215,15 +216,23 @@ async def test_client_disconnect_aborts_the_engine_request(tiny_chat):
     scripted = ScriptedClient(tiny_chat.tokenizer, delay_s=30)
     async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
-        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0, timeout=0.5)
-        for stream in (False, True):
-            with pytest.raises(openai.APITimeoutError):
-                await client.chat.completions.create(model=MODEL, messages=[_user("hi")], stream=stream)
-        for _ in range(100):
-            if scripted.cancelled == 2:
-                break
-            await asyncio.sleep(0.02)
-        assert scripted.cancelled == 2 and session.trace.turns == []
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+
+        async def leave(stream: bool) -> None:
+            """A client that disconnects while its request waits on the engine."""
+            sent = len(scripted.requests)
+            call = asyncio.ensure_future(
+                client.chat.completions.create(model=MODEL, messages=[_user("hi")], stream=stream)
+            )
+            await wait_until(lambda: len(scripted.requests) > sent, "the request reaches the engine")
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+        await leave(stream=False)
+        await leave(stream=True)
+        await wait_until(lambda: scripted.cancelled == 2, "the disconnects cancel both engine requests")
+        assert session.trace.turns == []
 
 
 async def test_client_disconnect_frees_the_real_engine_slot(proxy, inference_backend):
@@ -236,16 +245,14 @@ async def test_client_disconnect_frees_the_real_engine_slot(proxy, inference_bac
     }
     async with aiohttp.ClientSession() as http:
         task = asyncio.create_task(http.post(f"{session.base_url}/chat/completions", json=request))
-        for _ in range(200):
-            if await inference_backend.running_requests():
-                break
-            await asyncio.sleep(0.005)
+        await wait_until(inference_backend.running_requests, "the request is running on the engine")
         task.cancel()
-    for _ in range(200):
-        if not await inference_backend.running_requests():
-            break
-        await asyncio.sleep(0.005)
-    assert await inference_backend.running_requests() == 0 and session.trace.turns == []
+
+    async def idle() -> bool:
+        return not await inference_backend.running_requests()
+
+    await wait_until(idle, "the disconnect frees the engine slot")
+    assert session.trace.turns == []
 
 
 def _open_fds() -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 
 import aiohttp
 import openai
@@ -17,6 +16,7 @@ from rollflow.inference.streaming import TextDeltas
 from rollflow.messages import GenerateChunk, GenerateRequest
 from rollflow.tito import TITOProxy
 from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -76,7 +76,6 @@ async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engi
     async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
         agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
-        started = time.perf_counter()
         stream = await agent.chat.completions.create(
             model=MODEL,
             messages=[_user(LONG_PROMPT)],
@@ -87,7 +86,7 @@ async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engi
             logprobs=True,
         )
         content, finish, usage, logprobs, content_deltas = "", None, None, [], 0
-        first_at = running_at_first = tokens_at_first = None
+        running_at_first = tokens_at_first = None
         async for chunk in stream:
             usage = chunk.usage or usage
             for choice in chunk.choices:
@@ -95,18 +94,16 @@ async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engi
                     logprobs += [entry.logprob for entry in choice.logprobs.content]
                 if choice.delta.content:
                     content_deltas += 1
-                    if first_at is None:
-                        first_at = time.perf_counter() - started
+                    if running_at_first is None:
                         running_at_first, tokens_at_first = engine.num_running, len(logprobs)
                     assert "\ufffd" not in choice.delta.content[-1:]  # no half-sampled character sent
                 content += choice.delta.content or ""
                 finish = choice.finish_reason or finish
-        total = time.perf_counter() - started
         (turn,) = session.trace.turns
 
-    # Incremental: the first text came while the engine was still sampling, after a few of the tokens.
+    # Incremental: the first text came while the engine was still sampling, after a few of the tokens, and
+    # many deltas followed (counts, not clocks: how fast they come depends on the machine's load).
     assert running_at_first == 1 and tokens_at_first < len(turn.completion_ids) / 4
-    assert first_at < total / 3, (first_at, total)
     assert content_deltas > 10
     # Exact: the text adds up to the recorded message, the trace holds exactly the sampled tokens.
     assert content == turn.message["content"] and finish == turn.finish_reason
@@ -190,11 +187,9 @@ async def test_client_disconnect_mid_stream_aborts_the_engine_request(engine, ti
             await response.content.readline()  # the role chunk
             assert engine.num_running == 1
             response.close()
-        async with asyncio.timeout(10):
-            while engine.num_running:
-                await asyncio.sleep(0.005)
+        await wait_until(lambda: not engine.num_running, "the disconnect aborts the engine request")
         assert engine.num_cancelled_requests == cancelled + 1
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # a window for a turn that must not be recorded: slowness can only hide one
         assert session.trace.turns == []
 
 
@@ -309,14 +304,23 @@ async def test_a_streamed_retry_joins_the_attempt_in_flight_and_catches_up(tiny_
         session = await proxy.open_session()
         agent = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
 
-        async def attempt(delay_s: float) -> str:
-            await asyncio.sleep(delay_s)
+        streaming = asyncio.Event()  # the first attempt's text has begun to arrive
+
+        async def attempt(after: asyncio.Event | None) -> str:
+            if after is not None:
+                await asyncio.wait_for(after.wait(), 60)
             stream = await agent.chat.completions.create(
                 model=MODEL, messages=[_user("hi")], stream=True, extra_headers={"Idempotency-Key": "same"}
             )
-            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            text = ""
+            async for chunk in stream:
+                text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+                if text:
+                    streaming.set()
+            return text
 
-        first, joined = await asyncio.gather(attempt(0), attempt(0.1))
+        # The retry comes while the first attempt streams (not after a guessed delay).
+        first, joined = await asyncio.gather(attempt(None), attempt(streaming))
         (turn,) = session.trace.turns
     assert first == joined == turn.message["content"] and len(scripted.requests) == 1
 

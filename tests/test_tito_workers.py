@@ -26,7 +26,9 @@ from rollflow.errors import (
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams, WorkerOutput
 from rollflow.tito.trace import Trace
 from rollflow.tito.workers import Link, ProxyWorkerError, ProxyWorkers, failure_error, failure_message
-from tests.helpers.tito import MODEL, ScriptedClient, as_history_message, wait_until
+from tests.helpers.processes import process_alive
+from tests.helpers.tito import MODEL, ScriptedClient, as_history_message
+from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -196,7 +198,7 @@ async def test_an_agent_that_leaves_a_stream_ends_the_runs_stream(tiny_chat):
             first = await response.content.readline()
             assert first.startswith(b"data: ")
         # Leaving the block closed the connection mid-stream.
-        await asyncio.wait_for(client.closed_early.wait(), 10)
+        await asyncio.wait_for(client.closed_early.wait(), 60)
         await proxy.close_session(session, drain_timeout_s=0)
 
 
@@ -274,9 +276,12 @@ async def test_an_agent_that_disconnects_cancels_the_runs_generate(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer, delay_s=60)
     async with workers_over(client, tiny_chat) as proxy:
         session = await proxy.open_session()
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(post_chat(session.base_url, [{"role": "user", "content": "hi"}]), 1.0)
-        await wait_until(lambda: client.cancelled)
+        agent = asyncio.ensure_future(post_chat(session.base_url, [{"role": "user", "content": "hi"}]))
+        await wait_until(lambda: client.requests, "the agent's request reaches the run's generate")
+        agent.cancel()  # the agent disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await agent
+        await wait_until(lambda: client.cancelled, "the disconnect cancels the run's generate")
         assert client.cancelled == 1
         trace = await proxy.close_session(session)
     assert trace.stats.turns == 0
@@ -287,13 +292,13 @@ async def test_close_without_drain_cancels_requests_in_flight(tiny_chat):
     async with workers_over(client, tiny_chat) as proxy:
         session = await proxy.open_session()
         request = asyncio.ensure_future(post_chat(session.base_url, [{"role": "user", "content": "hi"}]))
-        await wait_until(lambda: client.requests)
+        await wait_until(lambda: client.requests, "the request reaches the run's generate")
         trace = await asyncio.wait_for(
-            proxy.close_session(session, error="agent failed", drain_timeout_s=0), 10
+            proxy.close_session(session, error="agent failed", drain_timeout_s=0), 60
         )
         status, body = await request
         # While the worker lives: its cancel, not its shutdown, ended the run's generate.
-        await wait_until(lambda: client.cancelled)
+        await wait_until(lambda: client.cancelled, "the close cancels the run's generate")
         assert client.cancelled == 1
     assert status == 409 and body["error"]["code"] == "session_closed"
     assert trace.error == "agent failed" and trace.sealed
@@ -308,8 +313,8 @@ async def test_a_lost_worker_masks_its_sessions_and_is_replaced(tiny_chat):
         session = await proxy.open_session("doomed")
         lost = session.worker
         os.kill(lost.process.pid, signal.SIGKILL)
-        await asyncio.wait_for(lost.process.wait(), 10)
-        trace = await asyncio.wait_for(proxy.close_session(session, timed_out=True), 10)
+        await asyncio.wait_for(lost.process.wait(), 60)
+        trace = await asyncio.wait_for(proxy.close_session(session, timed_out=True), 60)
         assert trace.sealed and trace.timed_out and trace.stats.turns == 0
         assert "proxy worker 0 exited" in trace.errors[0]
         # No live worker: the next session waits for a new one, which serves it.
@@ -444,17 +449,11 @@ async def test_workers_exit_when_the_run_is_killed():
     finally:
         run.kill()
         await run.wait()
-    for _ in range(200):
-        try:
-            os.kill(worker_pid, 0)
-        except ProcessLookupError:
-            return
-        with open(f"/proc/{worker_pid}/stat") as stat:
-            if stat.read().rsplit(")", 1)[1].split()[0] == "Z":  # exited, waiting to be reaped by init
-                return
-        await asyncio.sleep(0.05)
-    os.kill(worker_pid, signal.SIGKILL)
-    pytest.fail("the proxy worker outlived its run by 10 s")
+    try:  # gone, or a zombie (exited, waiting to be reaped by init)
+        await wait_until(lambda: not process_alive(worker_pid), "the proxy worker exits after its run")
+    except TimeoutError:
+        os.kill(worker_pid, signal.SIGKILL)
+        raise
 
 
 async def test_a_frame_that_is_not_a_link_message_loses_the_worker(tiny_chat):
@@ -469,10 +468,10 @@ async def test_a_frame_that_is_not_a_link_message_loses_the_worker(tiny_chat):
     worker._reader = asyncio.get_running_loop().create_task(worker._read())
     peer = await Link.open(theirs)
     call = asyncio.ensure_future(worker.call(WorkerOpen(0, "s")))
-    await asyncio.sleep(0.05)
+    await wait_until(lambda: worker._calls, "the call is sent and waits for its answer")
     peer.writer.write(b"\x00\x00\x00\x03abc")
     with pytest.raises(ProxyWorkerError, match="not a link message"):
-        await asyncio.wait_for(call, 5)
+        await asyncio.wait_for(call, 60)
     assert worker.gone is not None and "not a link message" in worker.gone
     await worker.stop()
     peer.close()

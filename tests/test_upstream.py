@@ -12,6 +12,8 @@ from aiohttp import web
 from rollflow.inference.server_group import free_port
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
+from .helpers.waits import wait_until
+
 
 @contextlib.asynccontextmanager
 async def raw_server(answer):
@@ -94,7 +96,7 @@ async def test_a_connection_closed_while_idle_is_replaced_and_bodies_until_close
     async with raw_server(keep_alive_then_close) as (url, connections):
         pool = UpstreamPool(url)
         assert await (await pool.request("GET", "/", [], b"")).read() == b"ok"
-        await asyncio.sleep(0.1)  # the server has closed that connection by now
+        await wait_until(lambda: pool._idle[0].closed, "the pool sees the server close its idle connection")
         assert await (await pool.request("GET", "/", [], b"")).read() == b"ok"
         assert len(connections) == 2
         pool.close()

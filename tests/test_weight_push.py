@@ -18,6 +18,7 @@ from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.weights import WeightTransfer, WeightTransferError, create_strategy
 
+from .helpers.processes import wait_dead
 from .helpers.training import make_batch
 from .helpers.weights import GREEDY, PROMPTS, server_outputs
 
@@ -372,7 +373,7 @@ async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights
         def push_weights(self, call: Any) -> Any:
             if call.op == "push" and self.pid is not None:
                 os.kill(self.pid, signal.SIGKILL)
-                _wait_dead(self.pid)
+                assert wait_dead([self.pid], timeout_s=60) == [], f"server {self.pid} did not die"
                 self.pid = None
             return super().push_weights(call)
 
@@ -468,19 +469,6 @@ async def test_a_trainer_process_that_dies_mid_push_fails_the_barrier_and_the_se
         barrier.close()
         await client.close()
         trainer.close()
-
-
-def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return
-        except FileNotFoundError:
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"server {pid} did not die")
 
 
 async def test_a_run_with_a_trainer_process_pushes_from_the_child(tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def wait_dead(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+def wait_dead(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     """Pids still alive after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

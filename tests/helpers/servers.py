@@ -1,4 +1,5 @@
-"""Real ``rollflow serve`` servers for tests, started once per session on a background event loop.
+"""Real ``rollflow serve`` servers for tests, started once per session on a background event loop, and the
+sum of one of their metrics.
 
 Server start-up (torch import, model load) takes seconds, so the HTTP tests share one ServerGroup. It runs on
 its own loop in a thread, so tests on any event loop (function- or module-scoped) can use its URLs.
@@ -10,7 +11,22 @@ import asyncio
 import threading
 from pathlib import Path
 
+import aiohttp
+
 from rollflow.inference.server_group import ServerGroup
+
+
+async def server_metric(urls: list[str], name: str) -> float:
+    """Sum of one metric over the servers' ``/metrics`` (``name{...}`` or ``name_total{...}`` samples), e.g.
+    ``vllm:num_requests_running``: what a test waits on instead of guessing how long the servers take."""
+    total = 0.0
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(f"{url}/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    if line.startswith(name + "{") or line.startswith(name + "_total{"):
+                        total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 class BackgroundServerGroup:

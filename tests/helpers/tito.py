@@ -25,13 +25,6 @@ def tiny_chat(tiny_model_dir) -> TinyChat:
     return load_tiny_chat(tiny_model_dir)
 
 
-async def wait_until(predicate: Callable[[], Any], timeout_s: float = 10.0) -> None:
-    """Return once ``predicate()`` is true; TimeoutError after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 class ScriptedClient:
     """An ``InferenceClient`` whose completions are chosen texts, tokenized and closed with the stop token.
 
