@@ -17,6 +17,9 @@ Routing:
   ring.) A larger factor lets more sessions follow their ring point (same server after the table forgot them,
   e.g. a router restart) at the cost of balance; a very large one is plain consistent hashing.
 - A request without a session goes to the healthy server with the fewest outstanding requests.
+- Session ids are read by ``rollflow.inference.session_ids`` on every path (the header as UTF-8, at most
+  ``MAX_SESSION_ID_BYTES``; anything else is a 400 before anything is pinned), and a request the server
+  refused (4xx) pins no new session.
 
 Failure handling:
 - Every ``health_check_interval_s`` each server must generate one token (``/inference/v1/generate``,
@@ -88,6 +91,12 @@ from rollflow.inference.http_front import (
 )
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.session_ids import (
+    SessionIdError,
+    check_body_session_id,
+    decode_session_id_header,
+    session_id_from_raw_headers,
+)
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
@@ -151,7 +160,10 @@ class _SessionField(msgspec.Struct):
 
 
 def _hash(key: str) -> int:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    # surrogatepass: a JSON body may carry a lone surrogate (``"\ud800"``); it still hashes.
+    return int.from_bytes(
+        hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
+    )
 
 
 def validate_server_url(url: Any) -> str:
@@ -410,24 +422,37 @@ class InferenceRouter:
         set) is proxied from and to the socket; anything else aiohttp serves as it always did (sessions named in
         the body, 401 …)."""
         session_id: str | None = None
+        refused: SessionIdError | None = None
         authorization: bytes | None = None
         forwarded: list[tuple[bytes, bytes]] = []
         for lower, name, value in headers:
             if lower == b"x-session-id":
-                if session_id is not None:
+                if session_id is not None or refused is not None:
                     return None  # named twice: aiohttp's path reads the first, as it always did
-                session_id = value.decode("latin-1")
+                try:
+                    session_id = decode_session_id_header(value)
+                except SessionIdError as error:
+                    refused = error
             elif lower == b"authorization":
                 authorization = value
             if lower not in _HOP_HEADER_BYTES:
                 forwarded.append((name, value))
-        if not session_id:
+        if not session_id and refused is None:
             return None
         if self._api_key_bytes is not None:
             scheme, _, token = authorization.partition(b" ") if authorization else (b"", b"", b"")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token, self._api_key_bytes):
                 return None  # aiohttp's middleware answers 401
+        if refused is not None:
+            # Answered here: aiohttp would refuse a header line over 8 KB with its own, vaguer 400.
+            return self._refuse_fast(front, refused)
+        assert session_id is not None
         return self.proxy_fast(front, "POST", path, session_id, forwarded, body)
+
+    @staticmethod
+    async def _refuse_fast(front: HttpFront, error: SessionIdError) -> None:
+        body = msgspec.json.encode(error_body(400, str(error), param=error.param))
+        front.write(raw_json_response(400, body, content_type=b"application/json; charset=utf-8"))
 
     # ------------------------------------------------------------------ membership and routing
 
@@ -582,7 +607,10 @@ class InferenceRouter:
 
     async def _handle_proxy(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # over client_max_size: 413 via the middleware
-        session_id = request.headers.get("X-Session-ID") or None
+        try:
+            session_id = session_id_from_raw_headers(request.raw_headers)
+        except SessionIdError as error:
+            return json_error(400, str(error), param=error.param)
         # The hot path: with the session in the header the body passes through unread (the server
         # validates it); only a request without one is decoded, for a ``session_id`` field.
         if session_id is None and request.method == "POST":
@@ -594,15 +622,20 @@ class InferenceRouter:
                 return json_error(400, f"request body is not valid JSON: {error}")
             except RecursionError:  # skipping a deeply nested field hits msgspec's depth limit
                 return json_error(400, "request body JSON is nested too deeply to decode; flatten it")
-            session_id = fields.session_id or None
+            try:
+                session_id = check_body_session_id(fields.session_id)
+            except SessionIdError as error:
+                return json_error(400, str(error), param=error.param)
         headers = _forwarded_raw_headers(request.raw_headers)
         answered: list[web.StreamResponse] = []
 
-        async def forward(worker: _Worker) -> BaseException | None:
+        async def forward(worker: _Worker) -> int | BaseException:
             response, error = await self._forward(request, worker, body, headers)
-            if response is not None:
-                answered.append(response)
-            return error
+            if response is None:
+                assert error is not None
+                return error
+            answered.append(response)
+            return response.status
 
         failure = await self._route(session_id, f"{request.method} {request.path}", forward)
         if failure is None:
@@ -614,14 +647,19 @@ class InferenceRouter:
         self,
         session_id: str | None,
         what: str,
-        forward: Callable[[_Worker], Awaitable[BaseException | None]],
+        forward: Callable[[_Worker], Awaitable[int | BaseException]],
     ) -> tuple[int, str, str | None] | None:
         """Send a request to the session's server, and once more elsewhere when that one failed before
-        answering: ``forward(worker)`` answers the caller, or returns the error that kept it from doing so.
-        None once a server answered, else the error to send: ``(status, message, type)``."""
+        answering: ``forward(worker)`` answers the caller and returns the status it answered, or returns the
+        error that kept it from doing so. None once a server answered, else the error to send:
+        ``(status, message, type)``.
+
+        A session this request placed is forgotten again when the server refused the request (4xx): a
+        refused request opens no session, and pinning it would let refused requests fill the table."""
         self.num_requests += 1
         tried: set[str] = set()
         last_error = "no healthy inference server"
+        new_session = session_id is not None and session_id not in self._sessions
         for attempt in range(2):
             worker = self.pick(session_id, tried)
             if worker is None:
@@ -629,10 +667,17 @@ class InferenceRouter:
             tried.add(worker.url)
             if attempt:
                 self.num_retries += 1
-            error = await forward(worker)
-            if error is None:
+            result = await forward(worker)
+            if isinstance(result, int):
+                if (
+                    new_session
+                    and 400 <= result < 500
+                    and session_id is not None
+                    and self._sessions.get(session_id) == worker.url
+                ):
+                    self._unpin(session_id)
                 return None
-            last_error = f"{worker.url}: {error!r}"
+            last_error = f"{worker.url}: {result!r}"
         self.num_errors += 1
         if self.workers and all(worker.engine_dead for worker in self.workers.values()):
             message = (
@@ -723,7 +768,7 @@ class InferenceRouter:
         """``_handle_proxy`` for a request ``HttpFront`` read itself: the same routing, retries, failover and
         errors, the answer written straight to the caller's connection."""
 
-        async def forward(worker: _Worker) -> BaseException | None:
+        async def forward(worker: _Worker) -> int | BaseException:
             return await self._forward_fast(front, method, path_qs, worker, body, headers)
 
         failure = await self._route(session_id, f"{method} {path_qs.partition('?')[0]}", forward)
@@ -739,9 +784,9 @@ class InferenceRouter:
         worker: _Worker,
         body: bytes,
         headers: list[tuple[bytes, bytes]],
-    ) -> BaseException | None:
-        """``_forward`` writing to ``front``; the error when the connection failed before anything was
-        written (the caller may retry elsewhere)."""
+    ) -> int | BaseException:
+        """``_forward`` writing to ``front``: the status answered, or the error when the connection failed
+        before anything was written (the caller may retry elsewhere)."""
         pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
@@ -763,7 +808,7 @@ class InferenceRouter:
                     head += b"Content-Length: %d\r\n\r\n" % len(data)
                     head += data
                     front.write(head)
-                    return None
+                    return upstream.status
                 head += b"Transfer-Encoding: chunked\r\n\r\n"
                 front.write(head)
                 started = True
@@ -773,7 +818,7 @@ class InferenceRouter:
                             front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                             await front.drain()
                 front.write(b"0\r\n\r\n")
-                return None
+                return upstream.status
         except UpstreamError as error:
             self._upstream_failed(worker, error)
             if started:
@@ -787,7 +832,7 @@ class InferenceRouter:
                     504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
                 )
             )
-            return None
+            return 504
         finally:
             worker.outstanding -= 1
 
@@ -887,13 +932,21 @@ class InferenceRouter:
         return web.json_response({"status": "removed", "url": url.rstrip("/")})
 
     async def _handle_finish_session(self, request: web.Request) -> web.Response:
-        session_id = request.query.get("session_id") or request.headers.get("X-Session-ID")
+        try:
+            session_id = check_body_session_id(
+                request.query.get("session_id")
+            ) or session_id_from_raw_headers(request.raw_headers)
+        except SessionIdError as error:
+            return json_error(400, str(error), param=error.param)
         if session_id is None and request.can_read_body:
             try:
                 fields = msgspec.json.decode(await request.read(), type=_SessionField)
             except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
                 return json_error(400, f"invalid request body: {error}", param="session_id")
-            session_id = fields.session_id
+            try:
+                session_id = check_body_session_id(fields.session_id)
+            except SessionIdError as error:
+                return json_error(400, str(error), param=error.param)
         if not session_id:
             return json_error(400, "missing session_id: give ?session_id=…", param="session_id")
         found = self.finish_session(session_id)

@@ -45,6 +45,7 @@ from rollflow.inference.engine.server_streaming import check_stream_options, str
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
 from rollflow.inference.request_limits import REQUEST_TOO_LARGE, request_work_error
 from rollflow.inference.routed_experts import pack_routed_experts
+from rollflow.inference.session_ids import SessionIdError, check_body_session_id, session_id_from_raw_headers
 from rollflow.inference.token_bytes import token_bytes
 from rollflow.messages import (
     FinishReason,
@@ -224,7 +225,11 @@ class DataPlane:
 
     @staticmethod
     def _session_id(request: web.Request, body_session_id: str | None) -> str | None:
-        return request.headers.get("X-Session-ID") or body_session_id
+        """The request's session id, header first, decoded and bounded as the router does (a 400 if bad)."""
+        try:
+            return session_id_from_raw_headers(request.raw_headers) or check_body_session_id(body_session_id)
+        except SessionIdError as error:
+            raise bad_request(str(error), error.param) from None
 
     @staticmethod
     def _usage(prompt_tokens: int, outputs: list[GenerateOutput]) -> dict[str, int]:
