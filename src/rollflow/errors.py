@@ -259,6 +259,11 @@ class StorageError(RollflowError):
     permission, read-only file system. The message names the path."""
 
 
+class RunDirectoryGoneError(StorageError):
+    """The run directory was deleted or replaced while the run held it (its lock file is gone or is another
+    file): the run stops rather than write into a recreated directory. The message names the directory."""
+
+
 def describe_os_error(error: OSError, path: str | os.PathLike[str]) -> str:
     """``cannot write PATH: <reason>`` with the free space of its file system when the disk is full.
 

@@ -693,6 +693,9 @@ class Orchestrator:
         return metrics
 
     def _record(self, batch: TrainBatch, metrics: dict[str, Any]) -> None:
+        # A deleted run directory takes metrics, rollouts and configs with it while our open files write on:
+        # stop at the first step after, naming it, instead of ending well with nothing kept.
+        self._lock.check_held()
         self.history.append(metrics)
         for sink in self._sinks:
             sink.log(metrics)
@@ -742,6 +745,7 @@ class Orchestrator:
         return final or (every > 0 and self.state.step % every == 0)
 
     async def _save_checkpoint(self) -> None:
+        self._lock.check_held()  # else the checkpoint would recreate the deleted directory
         path = await anyio.to_thread.run_sync(
             save_checkpoint,
             self.run_dir,

@@ -3,7 +3,9 @@ the run's meaning.
 
 - ``run.lock``: an exclusive ``flock`` held by the process that runs (or resumes) the run, for the run's
   life. The kernel drops it when that process exits, however it exits (``kill -9`` included), so a crashed
-  run never blocks the next one; the file records the holder's pid and host for the refusal message.
+  run never blocks the next one; the file records the holder's pid and host for the refusal message. The run
+  checks at each step's metrics and each checkpoint that the file is still the one it holds
+  (``RunLock.check_held``) and stops if the directory was deleted or replaced under it.
 - ``config.json``: the config the run started with, never overwritten; each resume writes
   ``config.resume-N.json`` (N = 1, 2, …), the config that resume ran with. The newest of them is the base of
   the next resume.
@@ -27,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from rollflow.errors import RunDirectoryInUseError, StorageError, describe_os_error
+from rollflow.errors import RunDirectoryGoneError, RunDirectoryInUseError, StorageError, describe_os_error
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +57,14 @@ MEANING_KEYS = (
 )
 """Config keys a resume may not change without ``--force``: they define what the checkpoints and metrics
 so far are of (the policy, its task and data stream, the group size its advantages assume, the seeds)."""
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file open as ``fd`` (same device and inode)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 class RunLock:
@@ -108,11 +118,7 @@ class RunLock:
                 raise
             # A holder that released (and removed the file) between our open and flock leaves us holding a
             # lock on a file nobody else can see: check it is still the file at the path, else try again.
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
+            if _is_file_at(fd, self.path):
                 break
             os.close(fd)
         previous = _read_record(fd)
@@ -136,9 +142,29 @@ class RunLock:
         fd, self._fd = self._fd, None
         if fd is None:
             return
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)  # while still locked, so no one takes a file that is about to vanish
+        # Only our own file: after the directory was deleted, the path may name another run's lock.
+        if _is_file_at(fd, self.path):
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # while still locked, so no one takes a file that is about to vanish
         os.close(fd)
+
+    def check_held(self) -> None:
+        """Check the run directory is still the one this lock was taken in: its lock file is still the file
+        this lock holds open (same inode; one ``fstat`` and one ``stat``). A no-op when not held.
+
+        Raises:
+            RunDirectoryGoneError: the lock file is gone or is another file (the directory was deleted, moved
+                or replaced while the run held it); the message names the directory.
+        """
+        fd = self._fd
+        if fd is None or _is_file_at(fd, self.path):
+            return
+        raise RunDirectoryGoneError(
+            f"the run directory {self.run_dir} was deleted, moved or replaced while this run held it "
+            f"({self.path} is gone or is another file): stopping rather than writing into a recreated "
+            "directory (the metrics, rollouts and configs written there are lost with it). Keep the "
+            "directory until the run ends; start a new run, or resume from a copy of the directory"
+        )
 
     def __enter__(self) -> RunLock:
         self.acquire()
