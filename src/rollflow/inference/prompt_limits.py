@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 # Unicode composition maps at most 4 code points to 1 (see the module docstring).
 NORMALIZATION_SLACK = 4
 # Text (characters) above this is tokenized or rendered in a worker thread: below it, encoding takes well
@@ -69,6 +71,58 @@ def message_text_chars(messages: Any) -> int:
     return total
 
 
+def _field(item: Any, name: str) -> Any:
+    return item.get(name) if isinstance(item, dict) else getattr(item, name, None)
+
+
+def _json_chars(value: Any) -> int:
+    """Characters ``value`` takes as text: a string's length, anything else's JSON (templates ``tojson`` it)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(msgspec.json.encode(value))  # C speed: milliseconds for megabytes
+    except (TypeError, ValueError, OverflowError):
+        return len(str(value))
+
+
+def rendered_chars(messages: Any, tools: Any = None) -> int:
+    """Characters of everything of a chat request a template may render: every message's content (all
+    roles, text parts included), reasoning, tool calls' names and arguments, and the tool definitions.
+
+    The size that decides whether rendering moves off the event loop (``OFFLOAD_CHARS``); an upper estimate
+    of the rendered text, not the refusal bound (``message_text_chars``): templates may drop parts of it.
+    """
+    total = _json_chars(tools) if tools else 0
+    if not isinstance(messages, list):
+        return total
+    for message in messages:
+        content = _field(message, "content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            for part in content:
+                text = _field(part, "text")
+                if isinstance(text, str):
+                    total += len(text)
+        for name in ("reasoning_content", "reasoning"):
+            reasoning = _field(message, name)
+            if isinstance(reasoning, str):
+                total += len(reasoning)
+        tool_calls = _field(message, "tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                function = _field(call, "function")
+                if function is None:
+                    total += _json_chars(call)
+                else:
+                    total += _json_chars(_field(function, "name")) + _json_chars(
+                        _field(function, "arguments")
+                    )
+    return total
+
+
 def prompt_too_long_message(chars: int, limit: int, max_model_len: int) -> str:
     """The 400 message for a prompt refused by its character count."""
     return (
@@ -85,4 +139,5 @@ __all__ = [
     "max_token_chars",
     "message_text_chars",
     "prompt_too_long_message",
+    "rendered_chars",
 ]

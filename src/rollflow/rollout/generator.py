@@ -18,7 +18,12 @@ import structlog
 from rollflow.config import SamplingConfig
 from rollflow.errors import ContextLengthExceededError, PromptTooLongError
 from rollflow.inference.client import InferenceClient, generate_past_aborts
-from rollflow.inference.prompt_limits import OFFLOAD_CHARS, max_prompt_chars, message_text_chars
+from rollflow.inference.prompt_limits import (
+    OFFLOAD_CHARS,
+    max_prompt_chars,
+    message_text_chars,
+    rendered_chars,
+)
 from rollflow.messages import (
     FinishReason,
     GenerateOutput,
@@ -200,7 +205,7 @@ class SingleTurnGenerator:
 
     async def _render(self, messages: list[dict[str, Any]]) -> list[int]:
         """``render_prompt``, in a worker thread for long text (tokenizing it would stall the event loop)."""
-        if message_text_chars(messages) > OFFLOAD_CHARS:
+        if rendered_chars(messages) > OFFLOAD_CHARS:
             return await anyio.to_thread.run_sync(self.render_prompt, messages)
         return self.render_prompt(messages)
 

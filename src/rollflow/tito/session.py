@@ -31,7 +31,7 @@ from rollflow.errors import (
 )
 from rollflow.ids import unique_hex
 from rollflow.inference.client import InferenceClient, collect_stream, generate_past_aborts
-from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars
+from rollflow.inference.prompt_limits import OFFLOAD_CHARS, rendered_chars
 from rollflow.messages import (
     FinishReason,
     GenerateChunk,
@@ -234,7 +234,7 @@ class Session:
         tools = normalize_tools(request.tools)
         renderer, options = self._template(request)
         prepared = await self.trace.prepare(
-            messages, tools, renderer=renderer, offload=message_text_chars(messages) > OFFLOAD_CHARS
+            messages, tools, renderer=renderer, offload=rendered_chars(messages, tools) > OFFLOAD_CHARS
         )
         try:
             samples = await _all(

@@ -42,7 +42,12 @@ from rollflow.inference.engine.server_protocol import (
     engine_error,
 )
 from rollflow.inference.engine.server_streaming import check_stream_options, stream_chat, stream_completions
-from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, prompt_too_long_message
+from rollflow.inference.prompt_limits import (
+    OFFLOAD_CHARS,
+    message_text_chars,
+    prompt_too_long_message,
+    rendered_chars,
+)
 from rollflow.inference.request_limits import REQUEST_TOO_LARGE, request_work_error
 from rollflow.inference.routed_experts import pack_routed_experts
 from rollflow.inference.session_ids import SessionIdError, check_body_session_id, session_id_from_raw_headers
@@ -504,8 +509,9 @@ class DataPlane:
                 return render()
 
         try:
-            # Inline while small and no large render holds the renderer; else in a worker thread.
-            if chars <= OFFLOAD_CHARS and lock.acquire(blocking=False):
+            # Inline while small and no large render holds the renderer; else in a worker thread. Small counts
+            # everything rendered (assistant turns, tool calls, tool definitions), not only the refusal's text.
+            if rendered_chars(messages, tools) <= OFFLOAD_CHARS and lock.acquire(blocking=False):
                 try:
                     return render()
                 finally:
