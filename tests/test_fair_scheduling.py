@@ -22,6 +22,8 @@ from rollflow.inference.engine.server import EngineServer
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 from rollflow.models.loading import load_tokenizer
 
+from .helpers.waits import wait_until
+
 # Slots of the engines below; the hog asks for twice as many sequences.
 SLOTS = 4
 HOG_TOKENS = 120
@@ -74,12 +76,6 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-async def wait_until(predicate, timeout_s: float = 60.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.001)
-
-
 async def run_hog_and_short(engine: RecordingEngine, hog_prompts: list[list[int]], short_prompt: list[int]):
     """Start a hog of ``2 * SLOTS`` sequences under one request id; once it holds every slot, send a short
     request. Returns (hog outputs, short output, engine steps from sending the short request to its end,
@@ -87,7 +83,11 @@ async def run_hog_and_short(engine: RecordingEngine, hog_prompts: list[list[int]
     hog = asyncio.gather(
         *(engine.generate(GenerateRequest(p, greedy(HOG_TOKENS), request_id="hog")) for p in hog_prompts)
     )
-    await wait_until(lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3)
+    await wait_until(
+        lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3,
+        "the hog holds every slot and has decoded",
+        poll_s=0.001,
+    )
     steps_before = engine.num_steps
     short = await engine.generate(GenerateRequest(short_prompt, greedy(SHORT_TOKENS), request_id="short"))
     outputs = await hog
@@ -128,9 +128,9 @@ async def test_requests_share_the_batch_and_one_sequence_requests_keep_arrival_o
             for name in ("a", "b")
             for p in prompts([4] * (2 * SLOTS), seed=3)
         ]
-        await wait_until(lambda: engine.num_waiting == 4 * SLOTS)
+        await wait_until(lambda: engine.num_waiting == 4 * SLOTS, "every sequence waits", poll_s=0.001)
         await engine.resume()
-        await wait_until(lambda: engine.num_running == SLOTS)
+        await wait_until(lambda: engine.num_running == SLOTS, "every slot runs", poll_s=0.001)
         assert sorted(engine._running_per_group.values()) == [SLOTS // 2, SLOTS // 2]
         await asyncio.gather(*tasks)
         # One-sequence requests (no shared id) never preempt each other.
@@ -140,7 +140,7 @@ async def test_requests_share_the_batch_and_one_sequence_requests_keep_arrival_o
             asyncio.ensure_future(engine.generate(GenerateRequest(p, greedy(1 + (i % 3)))))
             for i, p in enumerate(prompts([5] * 12, seed=4))
         ]
-        await wait_until(lambda: engine.num_waiting == 12)
+        await wait_until(lambda: engine.num_waiting == 12, "12 sequences wait", poll_s=0.001)
         await engine.resume()
         await asyncio.gather(*singles)
         assert engine.num_preemptions == preemptions
@@ -187,7 +187,9 @@ async def test_a_short_http_request_finishes_while_a_hog_request_runs(dense_mode
         async with aiohttp.ClientSession() as http:
             hog = asyncio.ensure_future(http.post(f"{server.url}/v1/completions", json=hog_body))
             await wait_until(
-                lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3
+                lambda: engine.num_running == SLOTS and engine.total_generated_tokens >= SLOTS * 3,
+                "the hog holds every slot and has decoded",
+                poll_s=0.001,
             )
             steps_before = engine.num_steps
             body = {

@@ -20,10 +20,11 @@ from rollflow.orchestrator.builders import proxy_options
 from rollflow.tito.proxy import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_IDLE_TIMEOUT_S, TITOProxy
 from rollflow.tito.testing import load_tiny_chat
 
+from .helpers.waits import wait_until
+
 TOKEN = "admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 CLOSE = {"reward": 1.0, "max_seq_len": 256}
-DEADLINE_S = 30.0
 
 
 class GatedClient:
@@ -54,12 +55,6 @@ class GatedClient:
 @pytest.fixture(scope="module")
 def chat(tiny_model_dir):
     return load_tiny_chat(tiny_model_dir)
-
-
-async def wait_until(predicate, timeout_s: float = DEADLINE_S) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def test_sessions_beyond_the_cap_are_429_until_one_closes(chat):
@@ -103,8 +98,8 @@ async def test_an_idle_session_expires_and_a_busy_one_does_not(chat):
         busy = await proxy.open_session("busy")
         request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
         turn = asyncio.ensure_future(http.post(f"{busy.base_url}/chat/completions", json=request))
-        await wait_until(lambda: client.started == 1)
-        await wait_until(lambda: idle.closed)
+        await wait_until(lambda: client.started == 1, "the busy session's request started")
+        await wait_until(lambda: idle.closed, "the idle session expired")
         # The idle one is sealed as timed out; the busy one stays open however long its request takes.
         assert idle.trace.timed_out and "session_idle_timeout_s" in idle.trace.error
         assert not busy.closed and proxy.num_expired_sessions == 1
@@ -120,7 +115,7 @@ async def test_an_idle_session_expires_and_a_busy_one_does_not(chat):
         assert response.status == 200, await response.text()
         response.release()
         # Idle once its request ended: it expires too, after the same timeout.
-        await wait_until(lambda: busy.closed)
+        await wait_until(lambda: busy.closed, "the busy session expired")
         assert len(busy.trace.turns) == 1 and busy.trace.timed_out
         # The run's own close of an expired session returns its sealed trace.
         assert await proxy.close_session(idle) is idle.trace

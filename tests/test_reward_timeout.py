@@ -103,7 +103,9 @@ async def test_cancelling_stops_waiting_for_a_blocked_sync_reward_at_once():
             cancelled_at = time.monotonic()
             tg.cancel_scope.cancel()
     assert not deadline.cancelled_caught
-    assert time.monotonic() - cancelled_at < 5  # the blocked thread was left behind, not waited for
+    assert (
+        time.monotonic() - cancelled_at < 20
+    )  # the blocked thread (held until RELEASE) was left behind, not waited for
     assert threads[0].is_alive()
     assert rewarder.runner.stuck == 1 and abandoned_calls() == 1  # `rollflow` exits without joining it
     RELEASE.set()
