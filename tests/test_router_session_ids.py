@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import pytest
 import pytest_asyncio
 from aiohttp import web
@@ -130,3 +131,49 @@ async def test_session_id_that_is_not_utf8_is_refused(router, upstream, chunked)
     assert status == 400, error
     assert error["error"]["param"] == "X-Session-ID" and "UTF-8" in error["error"]["message"]
     assert router._sessions == {} and upstream[1] == []
+
+
+async def test_finish_session_reads_the_header_as_the_proxy_does(router, upstream):
+    raw = "sess-é".encode()
+    status, _ = await _send(router, raw, chunked=False)
+    assert status == 200 and list(router._sessions) == ["sess-é"]
+    host, port = router.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = b"POST /finish_session HTTP/1.1\r\nHost: router\r\nContent-Length: 0\r\nX-Session-ID: "
+        status, _, data = await exchange(reader, writer, head + raw + b"\r\n\r\n")
+    finally:
+        writer.close()
+    assert status == 200 and json.loads(data)["found"] is True
+    assert router._sessions == {}
+
+
+@pytest.fixture
+async def engine_server(tiny_chat, uncached_engine):
+    from rollflow.inference.engine.server import EngineServer
+
+    server = EngineServer(
+        uncached_engine, tiny_chat.tokenizer, served_model_name="tiny", renderer=tiny_chat.renderer
+    )
+    url = await server.start()
+    try:
+        yield url
+    finally:
+        # Not server.close(): the module's engine outlives the test.
+        await server._runner.cleanup()
+
+
+async def test_the_server_bounds_and_decodes_session_ids_as_the_router_does(engine_server):
+    body = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 1}}
+    async with aiohttp.ClientSession() as http:
+        long_id = {"X-Session-ID": "s" * (MAX_SESSION_ID_BYTES + 1)}
+        async with http.post(f"{engine_server}{PATH}", json=body, headers=long_id) as response:
+            error = await response.json()
+            assert response.status == 400 and error["error"]["param"] == "X-Session-ID", error
+        async with http.post(f"{engine_server}{PATH}", json={**body, "session_id": "b" * 300}) as response:
+            error = await response.json()
+            assert response.status == 400 and error["error"]["param"] == "session_id", error
+        async with http.post(
+            f"{engine_server}{PATH}", json=body, headers={"X-Session-ID": "ok-1"}
+        ) as response:
+            assert response.status == 200, await response.text()
