@@ -72,6 +72,7 @@ def assert_exact_logprobs(model, samples) -> int:
     return checked
 
 
+@pytest.mark.slow
 async def test_callable_openai_agent_gives_exact_samples(proxy, tiny_model):
     seen, sampled = [], []
 
@@ -161,6 +162,7 @@ def composer(trace, **options):
 """
 
 
+@pytest.mark.slow
 async def test_the_proxy_in_a_worker_process_gives_the_same_samples(
     inference_client, tiny_chat, tiny_model, tmp_path
 ):
@@ -216,6 +218,7 @@ async def test_the_proxy_in_a_worker_process_gives_the_same_samples(
         assert sample.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
 
 
+@pytest.mark.slow
 async def test_timeout_masks_and_counts_a_timeout(proxy, inference_backend):
     async def slow_agent(base_url, task):
         if task.sample_index == 0:
@@ -274,6 +277,7 @@ print(0.5 + task["sample_index"] + (task["answer"] == 7) * 0.25)
 """
 
 
+@pytest.mark.slow
 async def test_command_agents(proxy, tmp_path):
     script = tmp_path / "agent.py"
     script.write_text(COMMAND_AGENT)
@@ -338,6 +342,7 @@ def test_rollflow_generate_writes_jsonl(tmp_path, monkeypatch):
     assert main(["generate", str(config), "--set", "agent.max_seq_len=0"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.follows_mode
 @pytest.mark.parametrize("schedule", ["sync", "fully_async"])
 def test_rollflow_run_trains_the_agent_example(tmp_path, schedule):

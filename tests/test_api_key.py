@@ -78,6 +78,7 @@ async def assert_guarded(http, base_url, method, path, body=None):
     assert status == 200, (path, payload)
 
 
+@pytest.mark.slow
 @pytest.mark.http_only(reason="the API key on servers, router and client")
 async def test_key_guards_client_router_and_servers(tmp_path, monkeypatch):
     """rollflow starts a server and a router with the key; the client sends it; both refuse calls without it

@@ -192,6 +192,7 @@ def generation_stopped(orchestrator: Orchestrator, client: SlowClient) -> bool:
     return orchestrator._generation is None and client.in_flight == 0
 
 
+@pytest.mark.slow
 async def test_generation_goes_on_between_run_calls(tmp_path, monkeypatch, engine):
     """run(steps=1) in a loop (a notebook): the groups for the next steps generate between the calls, so a
     call finds its batch waiting; generation ends with the configured steps, and nothing is trained twice."""

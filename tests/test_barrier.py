@@ -37,6 +37,7 @@ async def client(tiny_model_dir):
     await client.close()
 
 
+@pytest.mark.slow
 async def test_hung_transfer_fails_within_the_timeout_and_resumes(client):
     barrier = WeightBarrier(client, HungTransfer(), timeout_s=0.5)
     started = time.monotonic()
@@ -85,6 +86,7 @@ async def _server_running(url: str) -> int:
     return int(float(line.split()[-1]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "where",
     [

@@ -88,6 +88,7 @@ def test_quickstart_learns_the_prompt_dependent_task(tmp_path):
     assert (tmp_path / "runs" / "quickstart" / "checkpoints" / "step_000200" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["sync", "fully_async"])
 def test_quickstart_with_two_trainer_workers_pushing_into_servers(tmp_path, schedule):
     """The quickstart with 2 FSDP2 trainer workers and 2 engine servers, the workers pushing the weights
@@ -136,6 +137,7 @@ def test_quickstart_with_two_trainer_workers_pushing_into_servers(tmp_path, sche
         assert mismatch[0] < 1e-4, mismatch
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     args = [
         "run",
@@ -171,6 +173,7 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     assert sorted(prompts) == list(range(10 * 4)), "each prompt consumed exactly once"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["thread", "process"])
 def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path, placement):
     run_dir = tmp_path / "runs" / "quickstart"

@@ -137,6 +137,7 @@ def resume(tmp_path: Path, run_dir: Path, *args: str, env: dict[str, str] | None
     )
 
 
+@pytest.mark.slow
 def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_path):
     run_dir = tmp_path / "runs" / "quickstart"
     first, marker = start_paused(tmp_path, "step:2", hold_s=120)
@@ -167,6 +168,7 @@ def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_p
     assert not (run_dir / "run.lock").exists(), "released at exit"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "placement", "inference_mode", "target"),
     [

@@ -172,6 +172,7 @@ def test_colocate_config_errors_name_the_keys():
         assert config.inference.colocate and config.inference.sleep_level == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "level"), [("sync", 2), ("one_step", 1)])
 async def test_colocated_run_sleeps_and_wakes_around_every_step(tmp_path, mode, level):
     steps = 4
@@ -207,6 +208,7 @@ async def test_colocated_run_sleeps_and_wakes_around_every_step(tmp_path, mode, 
             assert all(later > earlier for earlier, later in itertools.pairwise(generated))
 
 
+@pytest.mark.slow
 async def test_a_failed_step_leaves_the_servers_awake_for_the_next_run(tmp_path, monkeypatch):
     """A training step that raises while the servers sleep: they are woken (weights pushed back at the
     current version, level 2) before the error propagates, and the next ``run`` trains on."""

@@ -102,6 +102,7 @@ def test_paths_that_are_not_under_the_config_stay_as_written(tmp_path, monkeypat
         load_config(path, "data.path=3")
 
 
+@pytest.mark.slow
 def test_the_agent_example_runs_from_any_directory(tmp_path):
     """``rollflow generate path/to/config.toml`` from another directory finds the agent file next to it."""
     config = REPO_ROOT / "examples" / "agent_tito" / "config.toml"
@@ -161,6 +162,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_the_embedded_api_logs_at_info_unless_logging_is_configured(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ROLLFLOW_INFERENCE_MODE"}
     result = subprocess.run(

@@ -64,6 +64,7 @@ def _closed_port() -> int:
 # ------------------------------------------------------------------ the same family, local or remote
 
 
+@pytest.mark.slow
 async def test_an_overlong_prompt_is_the_same_error_locally_and_over_http(
     local_engine, router, inference_servers
 ):

@@ -69,6 +69,7 @@ async def engine_greedy(model, prompt: list[int], stop: tuple[int, ...]) -> list
     return output.token_ids
 
 
+@pytest.mark.slow
 def test_export_loads_with_from_pretrained_and_generates_as_the_engine(trained_run, tmp_path):
     run, trained = trained_run
     out = tmp_path / "model"

@@ -86,6 +86,7 @@ async def test_stalled_request_gets_408_after_its_timeout(sent: bytes, phase: st
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_slow_but_steady_body_within_its_timeout_is_served():
     # The body timeout bounds the whole body: ten times the 1 s its gaps add up to, for a loaded machine.
     runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=20 * TIMEOUT_S))
@@ -160,6 +161,7 @@ def test_is_loopback():
     assert not is_loopback("0.0.0.0") and not is_loopback("::") and not is_loopback("10.1.2.3")
 
 
+@pytest.mark.slow
 async def test_engine_server_keeps_serving_while_50_connections_stall(tiny_chat, uncached_engine):
     """``rollflow serve``'s server: 50 connections stalled in their line, headers or body; a client is
     served meanwhile, and every stalled connection is closed (with a 408) once the timeout passes."""
@@ -259,6 +261,7 @@ def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
     assert flag.split("=", 1)[0] in result.stderr
 
 
+@pytest.mark.slow
 async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
     """The trainer's HTTP endpoint of ``weight_sync.strategy = "checkpoint"``: a silent client is dropped."""
     from rollflow.weights import StaticWeights, checkpoint

@@ -51,6 +51,7 @@ def split_groups(batch, workers: TrainerWorkers) -> set[int]:
     return on_rank[0] & on_rank[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("parallelism", "kl_in"), [("fsdp2", "loss"), ("ddp", "loss"), ("fsdp2", "reward")])
 def test_workers_with_a_kl_penalty_train_as_one_trainer_and_resume_against_the_initial_reference(
     tiny_model_dir, base_model, tmp_path, parallelism, kl_in

@@ -118,6 +118,7 @@ def server_children(command: bytes = b"serve") -> list[int]:
     return pids
 
 
+@pytest.mark.slow
 @pytest.mark.http_only(reason="a server killed under a run")
 async def test_a_server_dying_mid_run_does_not_stop_the_run(tmp_path, monkeypatch):
     """http mode, 2 servers: kill one; the router and the weight transfer carry on with the other."""

@@ -58,6 +58,7 @@ def read_png(path):
     return pixels.shape[1], pixels.shape[0]
 
 
+@pytest.mark.slow
 def test_plot_compares_runs_in_pngs(two_runs, tmp_path):
     out = tmp_path / "plots"
     result = subprocess.run(
@@ -75,6 +76,7 @@ def test_plot_compares_runs_in_pngs(two_runs, tmp_path):
         read_png(out / name)
 
 
+@pytest.mark.slow
 def test_single_run_default_out_and_eval_figure(two_runs, tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()

@@ -191,6 +191,7 @@ def test_mini_batches_that_do_not_divide_the_groups_name_the_key(base_model):
 # ---------------------------------------------------------------- placements
 
 
+@pytest.mark.slow
 def test_fsdp2_workers_take_the_same_updates_as_one_trainer(tiny_model_dir, base_model):
     """Two ranks split every mini-batch; both take every update, normalised over the whole mini-batch.
     (A child process, ``placement = "process"``, runs this same ``Trainer`` on the same ``RankBatch``.)"""
@@ -230,6 +231,7 @@ def test_fsdp2_workers_take_the_same_updates_as_one_trainer(tiny_model_dir, base
         workers.close()
 
 
+@pytest.mark.slow
 @pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_run_in_a_trainer_process_logs_each_pass(tmp_path):
     from rollflow import Orchestrator

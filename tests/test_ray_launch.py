@@ -68,6 +68,7 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster, tmp_path):
     """One run (actor start-up is the expensive part, so the checks share it), in order:
     1. each trainer rank and each server runs on the node the plan chose, with its own GPU (checked inside);
@@ -145,6 +146,7 @@ async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster,
     assert not [pid for pid in servers["server_pids"] if pid_alive(pid)]
 
 
+@pytest.mark.slow
 async def test_placement_not_granted_fails_within_the_timeout_with_the_diagnosis(ray_cluster, tmp_path):
     """The plan fits the cluster's totals, but another job holds the GPUs: Ray never grants the groups."""
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -277,6 +279,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 def test_a_driver_that_exits_is_interrupted_or_killed_leaves_nothing_behind(ray_cluster, tmp_path):
     """Three drivers at once (each a server and a trainer bundle on the CPU): one exits normally (servers only,
     as ``rollflow generate``), one gets Ctrl-C (the launcher's teardown ends its actors and placement groups),

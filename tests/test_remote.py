@@ -225,6 +225,7 @@ async def test_setup_external_proxy_with_and_without_servers(tmp_path, servers):
         assert await client.get_world_size() == 2
 
 
+@pytest.mark.slow
 async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
     from rollflow.inference.setup import get_inference_client
 
@@ -246,6 +247,7 @@ async def test_setup_starts_servers_and_router_and_stops_them(tmp_path):
     assert wait_dead([*started, *router], timeout_s=60) == []
 
 
+@pytest.mark.slow
 async def test_one_server_is_reached_without_a_router(tmp_path):
     from rollflow.inference.setup import get_inference_client
 

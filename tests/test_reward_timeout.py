@@ -232,6 +232,7 @@ def block(completion, item):
 """
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_run_promptly_while_a_sync_reward_blocks(tmp_path):
     marker = tmp_path / "reward-started"
     (tmp_path / "blockreward.py").write_text(BLOCKING_REWARD.format(marker=str(marker)))

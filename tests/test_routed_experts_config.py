@@ -68,6 +68,7 @@ async def test_a_dense_model_fails_at_start_naming_the_setting(tmp_path):
             pass
 
 
+@pytest.mark.slow
 @pytest.mark.http_only(reason="the http topology with routes on")
 async def test_servers_rollflow_starts_return_routes(tmp_path):
     from rollflow.inference.setup import get_inference_client

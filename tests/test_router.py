@@ -195,6 +195,7 @@ async def test_streaming_passes_through(http):
         await runner.cleanup()
 
 
+@pytest.mark.slow
 async def test_killed_server_is_taken_out_and_requests_keep_succeeding(servers, tmp_path):
     interval = 0.5
     async with ServerGroup("rollflow:tiny", 1, tmp_path, startup_timeout_s=120) as extra:

@@ -61,6 +61,7 @@ async def each_server(http, servers, path):
     return [(await call(http, "GET", f"{url}{path}"))[1] for url in servers.urls]
 
 
+@pytest.mark.slow
 async def test_state_calls_reach_every_worker_and_combine(client, router, servers, http):
     assert client.server_urls == [router.url]
     assert await client.get_world_size() == 2  # summed over the workers, not one server's 1

@@ -70,6 +70,7 @@ async def test_sessions_stick_to_one_server_and_spread(impl, inference_servers, 
         assert owners == {0, 1}, "every session landed on one server"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 async def test_a_killed_server_leaves_and_sessions_carry_on(impl, inference_servers, tmp_path):
     async with ServerGroup("rollflow:tiny", 1, tmp_path / "extra", startup_timeout_s=120) as extra:

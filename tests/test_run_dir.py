@@ -234,6 +234,7 @@ def rollflow_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_resume_says_when_nothing_is_left_and_keeps_every_config(tmp_path):
     quickstart = str(REPO_ROOT / "examples" / "quickstart.toml")
     small = [arg for override in SMALL for arg in ("--set", override)]
@@ -383,6 +384,7 @@ def test_a_directory_without_write_permission_is_named():
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["thread", "process"])
 def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_last_one(tmp_path, small_disk, placement):
     """The real CLI with output_dir on a disk that holds one checkpoint of the tiny model but not two."""

@@ -59,6 +59,7 @@ async def test_a_run_stops_at_the_first_step_after_its_directory_is_deleted(tmp_
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_cli_run_exits_1_naming_the_deleted_directory(tmp_path):
     quickstart = str(REPO_ROOT / "examples" / "quickstart.toml")
     small = [arg for override in SMALL for arg in ("--set", override)]

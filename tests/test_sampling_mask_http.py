@@ -91,6 +91,7 @@ async def test_rollflows_server_passes_the_logprob_check(inference_servers):
     await check_server_logprobs(inference_servers.urls[:1], 1.0)
 
 
+@pytest.mark.slow
 @module_loop
 async def test_a_server_with_raw_logprobs_is_rejected_naming_the_flag(tmp_path):
     """``rollflow serve --logprobs-mode raw_logprobs`` returns what vLLM returns without the flag."""

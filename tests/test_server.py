@@ -519,6 +519,7 @@ async def test_server_keeps_serving_after_bad_input(server, http):
 # ---------------------------------------------------------------------------- the CLI
 
 
+@pytest.mark.slow
 async def test_rollflow_serve_subprocess_port_0_and_sigterm():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     process = await asyncio.create_subprocess_exec(

@@ -151,6 +151,7 @@ def test_port_out_of_range_is_a_usage_error_naming_the_flag(argv):
     assert "--port" in result.stderr and "0-65535" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["serve", "proxy"])
 def test_an_unusable_model_path_is_blamed_not_the_port(command, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -94,6 +94,7 @@ async def test_cancelled_start_leaves_nothing(tmp_path):
     assert wait_dead(pids, timeout_s=60) == []
 
 
+@pytest.mark.slow
 async def test_failed_start_names_the_log_and_leaves_nothing(tmp_path):
     group = ServerGroup("/no/such/model", 1, tmp_path, startup_timeout_s=120)
     with pytest.raises(ServerStartError, match="exited with code") as info:
@@ -124,6 +125,7 @@ PARENT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parent_signal", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
 def test_no_orphans_when_the_parent_is_interrupted_or_killed(tmp_path, parent_signal):
     parent = subprocess.Popen(

@@ -60,6 +60,7 @@ async def sse_events(response: aiohttp.ClientResponse) -> list:
     return events
 
 
+@pytest.mark.slow
 async def test_completions_stream_is_incremental_and_equals_the_whole_answer(server, client):
     body = {"max_tokens": 1500, "seed": 3, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
     generated_before = server.engine.total_generated_tokens

@@ -81,6 +81,7 @@ async def test_openai_sdk_tool_episode(inference_client, tiny_chat):
     assert assert_parity(trace, policy.calls, ["\n\n"], _decode(tiny_chat)) > 0
 
 
+@pytest.mark.slow
 async def test_litellm_tool_episode(inference_client, tiny_chat):
     litellm = pytest.importorskip("litellm")
     script = {0: tool_call("add", a=4, b=1)}

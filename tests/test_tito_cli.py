@@ -35,6 +35,7 @@ def proxy_process(tmp_path):
         process.wait(timeout=20)
 
 
+@pytest.mark.slow
 def test_standalone_proxy_with_admin_endpoints(proxy_process):
     ready = proxy_process
     assert ready["event"] == "ready" and ready["url"].startswith("http://127.0.0.1:")
@@ -53,6 +54,7 @@ def test_standalone_proxy_with_admin_endpoints(proxy_process):
         assert sum(sample["loss_mask"]) == answer.json()["usage"]["completion_tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.http_only(reason="the proxy CLI over external servers")
 def test_standalone_proxy_uses_the_configs_inference_and_sampling(tmp_path, inference_servers):
     """With ``[inference]`` naming servers, the proxy starts a router over them (no engine of its own) and

@@ -30,6 +30,7 @@ async def router(inference_servers):
         yield router
 
 
+@pytest.mark.slow
 async def test_100_sessions_through_the_router_leave_no_pins(router, inference_servers, tiny_chat):
     client = RemoteInferenceClient(router.url, inference_servers.urls)
     try:

@@ -178,6 +178,7 @@ async def _branched_trace_bytes(chat, branches: int) -> tuple[int, int]:
     return used, tokens * 4 + sampled_tokens * 12 + text
 
 
+@pytest.mark.slow
 async def test_a_node_costs_its_data_and_a_few_dozen_bytes(tiny_chat):
     small, small_data = await _branched_trace_bytes(tiny_chat, 32)
     large, large_data = await _branched_trace_bytes(tiny_chat, 96)

@@ -54,6 +54,7 @@ async def post_chat(base_url: str, messages: list[dict], **fields) -> tuple[int,
 # ---------------------------------------------------------------------------------- sessions end to end
 
 
+@pytest.mark.slow
 async def test_sessions_on_workers_record_the_same_tree_as_in_process(inference_client, tiny_chat):
     """Two agents (the official openai client) on two workers: each session's turns are sampled by the run's
     engine, bridged in its worker, and its sealed trace comes back with exact tokens and the run's renderer."""
@@ -98,6 +99,7 @@ async def test_sessions_on_workers_record_the_same_tree_as_in_process(inference_
         assert len(first.logprobs) == len(first.completion_ids) > 0
 
 
+@pytest.mark.slow
 async def test_close_twice_returns_the_same_trace_and_ids_stay_taken(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer)
     async with workers_over(client, tiny_chat) as proxy:
@@ -136,6 +138,7 @@ class StreamSpy:
                 yield chunk
 
 
+@pytest.mark.slow
 async def test_streamed_turns_stream_across_the_link(inference_client, tiny_chat):
     """``stream: true`` through a worker: the run's client streams, the agent gets the reply in deltas, and
     the deltas add up to what the trace recorded."""
@@ -180,6 +183,7 @@ class SlowStream(ScriptedClient):
                 self.closed_early.set()
 
 
+@pytest.mark.slow
 async def test_an_agent_that_leaves_a_stream_ends_the_runs_stream(tiny_chat):
     client = SlowStream(tiny_chat.tokenizer)
     async with workers_over(client, tiny_chat) as proxy:
@@ -234,6 +238,7 @@ ENGINE_FAILURES = {  # session id: (what the run's client raises, the agent's st
 }
 
 
+@pytest.mark.slow
 async def test_engine_errors_reach_the_agent_as_in_process(tiny_chat):
     """The agent hears the status and code an in-process proxy would give it; failures that are not the
     request's own are recorded on the trace (which masks the trajectory)."""
@@ -272,6 +277,7 @@ async def test_failures_keep_their_family_across_the_link():
 # ------------------------------------------------------------------------------------ cancellation
 
 
+@pytest.mark.slow
 async def test_an_agent_that_disconnects_cancels_the_runs_generate(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer, delay_s=60)
     async with workers_over(client, tiny_chat) as proxy:
@@ -287,6 +293,7 @@ async def test_an_agent_that_disconnects_cancels_the_runs_generate(tiny_chat):
     assert trace.stats.turns == 0
 
 
+@pytest.mark.slow
 async def test_close_without_drain_cancels_requests_in_flight(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer, delay_s=60)
     async with workers_over(client, tiny_chat) as proxy:
@@ -307,6 +314,7 @@ async def test_close_without_drain_cancels_requests_in_flight(tiny_chat):
 # ------------------------------------------------------------------------------------- lost workers
 
 
+@pytest.mark.slow
 async def test_a_lost_worker_masks_its_sessions_and_is_replaced(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer)
     async with workers_over(client, tiny_chat) as proxy:
@@ -325,6 +333,7 @@ async def test_a_lost_worker_masks_its_sessions_and_is_replaced(tiny_chat):
         assert (await proxy.close_session(fresh)).stats.turns == 1
 
 
+@pytest.mark.slow
 async def test_a_worker_that_cannot_start_fails_start_with_its_exit_code(tiny_chat):
     proxy = workers_over(ScriptedClient(tiny_chat.tokenizer), tiny_chat, not_an_option=1)
     with pytest.raises(ProxyWorkerError, match=r"proxy worker 0 exited with code 1 before it listened"):
@@ -336,6 +345,7 @@ async def test_a_worker_that_cannot_start_fails_start_with_its_exit_code(tiny_ch
 # ------------------------------------------------------------------------------------------ bad input
 
 
+@pytest.mark.slow
 async def test_bad_arguments_and_session_ids_are_refused(tiny_chat):
     client = ScriptedClient(tiny_chat.tokenizer)
     with pytest.raises(ValueError, match="workers must be >= 1"):
@@ -433,6 +443,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_workers_exit_when_the_run_is_killed():
     """No orphans: a worker whose run dies (SIGKILL, no cleanup) sees its link close and exits."""
     import sys

@@ -71,6 +71,7 @@ def monkeypatch_module():
         yield patch
 
 
+@pytest.mark.slow
 def test_tensorboard_event_files_read_back(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -245,6 +246,7 @@ def history_steps(log_file) -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_same_wandb_and_mlflow_runs(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 

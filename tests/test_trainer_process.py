@@ -48,6 +48,7 @@ def alive(pid: int) -> bool:
         return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow
 def test_the_child_trains_exactly_as_the_trainer_in_this_process(tiny_model_dir):
     in_process = Trainer(
         AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), **spec(tiny_model_dir).trainer_kwargs()
@@ -78,6 +79,7 @@ def test_the_child_trains_exactly_as_the_trainer_in_this_process(tiny_model_dir)
     child.close()  # idempotent
 
 
+@pytest.mark.slow
 def test_checkpoints_save_and_load_through_the_child(trainer_process, tiny_model_dir, tmp_path):
     batch = pack_for_trainer(
         make_batch(AutoModelForCausalLM.from_pretrained(tiny_model_dir)), TrainerConfig()
@@ -118,6 +120,7 @@ def test_an_error_in_the_child_is_raised_here_and_the_child_serves_on(
     assert trainer_process.train_step(pack_for_trainer(make_batch(model), TrainerConfig())).updated
 
 
+@pytest.mark.slow
 def test_a_child_that_dies_fails_the_next_call_clearly(tiny_model_dir):
     child = TrainerProcess(spec(tiny_model_dir))
     os.kill(child.pid, signal.SIGKILL)
@@ -130,6 +133,7 @@ def test_a_child_that_dies_fails_the_next_call_clearly(tiny_model_dir):
     child.close()
 
 
+@pytest.mark.slow
 def test_a_trainer_that_cannot_be_built_fails_start_up_and_leaves_no_process(tmp_path):
     before = _children()
     with pytest.raises(Exception, match=str(tmp_path / "missing")) as raised:
@@ -145,6 +149,7 @@ def _children() -> set[int]:
     return {p.pid for p in multiprocessing.active_children()}
 
 
+@pytest.mark.slow
 @pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_fully_async_run_trains_in_the_child_and_resumes(tmp_path):
     config = small_config(

@@ -84,6 +84,7 @@ def test_an_engine_device_is_not_checked_for_servers_rollflow_does_not_start():
     check_devices(config)  # the external server's own machine decides
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_rollflow_run_with_a_cuda_trainer_fails_before_anything_starts(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -102,6 +103,7 @@ def test_rollflow_run_with_a_cuda_trainer_fails_before_anything_starts(tmp_path)
     assert not (tmp_path / "quickstart" / "logs").exists()  # no server, router or trainer process started
 
 
+@pytest.mark.slow
 @NO_CUDA
 def test_rollflow_serve_on_cuda_without_cuda_exits_with_a_config_error():
     result = subprocess.run(

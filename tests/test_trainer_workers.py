@@ -89,6 +89,7 @@ def workers_config(workers: TrainerWorkers) -> TrainerConfig:
     return TrainerConfig(micro_batch_size=3, num_workers=workers.world_size)
 
 
+@pytest.mark.slow
 def test_the_handles_satisfy_the_protocol(fsdp2_workers, base_model):
     assert isinstance(fsdp2_workers, TrainerHandle)
     assert isinstance(Trainer(copy.deepcopy(base_model), TrainerConfig()), TrainerHandle)
@@ -160,6 +161,7 @@ def fail_on_rank_1(rank, named_weights):
     return count_weights(rank, named_weights)
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_while_another_waits_in_a_collective_stops_the_group(fsdp2_workers, monkeypatch):
     """Last of the tests on the shared group: it ends it."""
     monkeypatch.setattr("rollflow.train.workers.ERROR_GRACE_S", 1.0)
@@ -172,6 +174,7 @@ def test_an_error_on_one_rank_while_another_waits_in_a_collective_stops_the_grou
         fsdp2_workers.push_weights(count_weights)
 
 
+@pytest.mark.slow
 def test_ddp_workers_train_as_one_trainer_and_a_dead_worker_ends_the_step(tiny_model_dir, base_model):
     workers = TrainerWorkers(spec(tiny_model_dir, num_workers=2, parallelism="ddp"))
     try:
@@ -198,6 +201,7 @@ def test_more_workers_than_gpus_is_an_error_before_any_process_starts():
     assert _check_devices(SimpleNamespace(device="cpu", num_workers=(os.cpu_count() or 1) + 1)) == "cpu"
 
 
+@pytest.mark.slow
 def test_a_worker_group_that_cannot_start_leaves_no_process(tmp_path):
     started = time.monotonic()
     before = set(_children())
@@ -214,6 +218,7 @@ def _children() -> list[int]:
         return [int(child) for child in children.read().split() if alive(int(child))]
 
 
+@pytest.mark.slow
 @pytest.mark.follows_mode  # the config takes $ROLLFLOW_INFERENCE_MODE
 async def test_a_run_resumes_on_another_number_of_workers_exactly_once_per_prompt(tmp_path):
     from rollflow import Orchestrator

@@ -97,6 +97,7 @@ def argmax_continuations(model_dir, named_weights) -> list[list[int]]:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["thread", "process", "fsdp2", "ddp"])
 async def test_pushes_from_the_trainer_reach_both_servers(
     placement, servers, trainers, tiny_model_dir, tmp_path
@@ -276,6 +277,7 @@ class FailOnce:
         return self.trainer.push_weights(call)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["thread", "process"])
 async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(placement, servers, trainers):
     trainer = trainers[placement]
@@ -308,6 +310,7 @@ async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(pla
         await client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("placement", "failing_rank"), [("fsdp2", 1), ("fsdp2", 0), ("ddp", 1)])
 async def test_a_failure_on_one_worker_mid_push_names_its_rank_within_the_timeout(
     placement, failing_rank, servers, trainers, tiny_model_dir
@@ -355,6 +358,7 @@ def count_weights(rank: int, named_weights: Any) -> int:
     return sum(1 for _ in named_weights)
 
 
+@pytest.mark.slow
 async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights(tiny_model_dir, tmp_path):
     """A server killed while the trainer pushes: without dropping, the barrier fails at once naming it (no
     retry against the same servers, which would block on the dead one); a client that drops unreachable
@@ -434,6 +438,7 @@ class DiesMidPush:
         return self.call(rank, dying())
 
 
+@pytest.mark.slow
 async def test_a_trainer_process_that_dies_mid_push_fails_the_barrier_and_the_servers_serve_on(
     servers, tiny_model_dir
 ):
@@ -471,6 +476,7 @@ async def test_a_trainer_process_that_dies_mid_push_fails_the_barrier_and_the_se
         trainer.close()
 
 
+@pytest.mark.slow
 async def test_a_run_with_a_trainer_process_pushes_from_the_child(tmp_path, monkeypatch):
     """http mode, 2 servers, ``trainer.placement = "process"``: every barrier is pushed by the child (the
     orchestrator never maps its weights) and the servers hold the last version."""

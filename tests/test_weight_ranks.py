@@ -92,6 +92,7 @@ def two_ranks():
     ranks.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["broadcast", "checkpoint"])
 async def test_two_ranks_gather_and_rank_0_sends(two_ranks, strategy):
     options = {"backend": "gloo", "bucket_size_mb": 100 / 2**20} if strategy == "broadcast" else {}

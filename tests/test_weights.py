@@ -267,6 +267,7 @@ class Holder:
         self.source = StaticWeights(lambda: self.weights)
 
 
+@pytest.mark.slow
 async def test_broadcast_gloo_round_trip_to_receiver_processes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -352,6 +353,7 @@ def rank_claimed(init_info: dict[str, Any], worker_rank: int) -> None:
     store.wait([f"rank/{int(init_info.get('rank_offset', 1)) + worker_rank}"], timeout)
 
 
+@pytest.mark.slow
 async def test_broadcast_receiver_rejects_a_rank_taken_twice() -> None:
     class SameRanks(ThreadClient):
         """Gives both servers the first server's payload (rank_offset not advanced)."""
@@ -373,6 +375,7 @@ async def test_broadcast_receiver_rejects_a_rank_taken_twice() -> None:
         )
 
 
+@pytest.mark.slow
 async def test_broadcast_hung_receiver_ends_in_a_timeout_error_naming_what_is_pending() -> None:
     timeout_s = 1.5
     # The servers accept /update_weights, then never receive: the push must end, not hang.
@@ -396,6 +399,7 @@ async def test_broadcast_hung_receiver_ends_in_a_timeout_error_naming_what_is_pe
         client.close()
 
 
+@pytest.mark.slow
 async def test_weight_transfer_reconnects_after_a_failed_push() -> None:
     from rollflow.weights import transport
 
@@ -419,6 +423,7 @@ async def test_weight_transfer_reconnects_after_a_failed_push() -> None:
     assert not transport._sessions
 
 
+@pytest.mark.slow
 async def test_broadcast_receiver_times_out_when_the_trainer_never_sends() -> None:
     timeout_s = 1.5
     client = ThreadClient(1)
@@ -441,6 +446,7 @@ async def test_broadcast_receiver_times_out_when_the_trainer_never_sends() -> No
         client.close()
 
 
+@pytest.mark.slow
 async def test_broadcast_setup_times_out_naming_the_servers_that_never_joined() -> None:
     started = time.perf_counter()
     with pytest.raises(
@@ -624,6 +630,7 @@ async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> 
         await client.close()
 
 
+@pytest.mark.slow
 async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() -> None:
     from rollflow.orchestrator.barrier import WeightBarrier, WeightSyncTimeoutError
 
@@ -654,6 +661,7 @@ async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() ->
         client.close()
 
 
+@pytest.mark.slow
 async def test_when_the_servers_blame_the_trainer_its_own_later_error_is_reported() -> None:
     """A worker group reports a rank's failure only after stopping the ranks it left stuck (seconds after the
     servers saw their peer go): the trainer's error, which names the rank, still wins over the servers' 502;

@@ -226,6 +226,7 @@ async def test_rollflow_receiver_accepts_an_init_info_without_backend_or_timeout
             receiver.close()
 
 
+@pytest.mark.slow
 def test_create_receiver_reads_vllm_ipc_init_info_as_ipc() -> None:
     if torch.cuda.is_available():
         pytest.skip("on a GPU the ipc receiver is built; this checks the CPU error names the backend")
