@@ -22,13 +22,15 @@ def _install(session: nox.Session, *extras: str) -> None:
 # The tests that follow the suite's inference mode (they take the inference_client fixture, or are marked
 # follows_mode); the http pass runs these. local_only / http_only tests pin their mode and run in `tests`.
 HTTP_PASS = "follows_mode and not gpu"
+# Two test processes, a file each at a time (README, "Development").
+PARALLEL = ("-n", "2", "--dist", "loadfile")
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     """The CPU test suite (everything not marked gpu) in the default inference mode: engines in process."""
     _install(session)
-    session.run("pytest", "-m", "not gpu", *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    session.run("pytest", "-m", "not gpu", *PARALLEL, *session.posargs, env={"HF_HUB_OFFLINE": "1"})
 
 
 @nox.session
@@ -36,7 +38,7 @@ def tests_http(session: nox.Session) -> None:
     """The mode-following tests in http mode: real `rollflow serve` servers behind a `rollflow router`."""
     _install(session)
     env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_INFERENCE_MODE": "http"}
-    session.run("pytest", "-m", HTTP_PASS, *session.posargs, env=env)
+    session.run("pytest", "-m", HTTP_PASS, *PARALLEL, *session.posargs, env=env)
 
 
 @nox.session

@@ -85,7 +85,7 @@ from .helpers.tito import tiny_chat  # noqa: E402, F401  (the tiny model's token
 
 ONE_MODE_MARKERS = ("local_only", "http_only")
 CLIENT_FIXTURES = frozenset({"inference_client", "inference_backend"})
-_TEST_KINDS = pytest.StashKey[dict[str, str]]()
+_KIND_PROPERTY = "inference_kind"
 
 
 def pytest_configure(config):
@@ -130,7 +130,6 @@ def pytest_collection_modifyitems(config, items):
     """Mark every test that takes ``inference_client`` as ``follows_mode``; check the one-mode markers (the
     closest wins, so a module marked ``http_only`` can hold a ``local_only`` test) and record each test's
     kind for the summary."""
-    kinds = config.stash.setdefault(_TEST_KINDS, {})
     for item in items:
         one_mode = next((m for m in item.iter_markers() if m.name in ONE_MODE_MARKERS), None)
         if one_mode is not None and not one_mode.kwargs.get("reason"):
@@ -141,22 +140,23 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid} follows the suite's inference mode (inference_client or follows_mode) but is "
                 f"marked {one_mode.name}: drop one, or build the one client it is about"
             )
+        kind = "follows_mode" if follows else one_mode.name if one_mode is not None else None
         if follows:
             item.add_marker(pytest.mark.follows_mode)
-            kinds[item.nodeid] = "follows_mode"
-        elif one_mode is not None:
-            kinds[item.nodeid] = one_mode.name
+        if kind is not None:
+            # In the report too: with pytest-xdist the summary is written where nothing was collected.
+            item.user_properties.append((_KIND_PROPERTY, kind))
 
 
 def pytest_terminal_summary(terminalreporter, config):
     """How many tests that drive inference ran, by kind, and the mode the mode-following ones ran in."""
     from .helpers.clients import suite_inference_mode
 
-    kinds = config.stash.get(_TEST_KINDS, {})
     ran = {"follows_mode": 0, "local_only": 0, "http_only": 0}
     for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
-        if report.when == "call" and report.nodeid in kinds:
-            ran[kinds[report.nodeid]] += 1
+        kind = dict(getattr(report, "user_properties", ())).get(_KIND_PROPERTY)
+        if report.when == "call" and kind is not None:
+            ran[kind] += 1
     terminalreporter.write_line(
         f"inference tests run: {ran['follows_mode']} mode-following (in {suite_inference_mode()} mode), "
         f"{ran['local_only']} local-only, {ran['http_only']} http-only"

@@ -23,6 +23,7 @@ EVAL = [
     "eval.num_prompts=3",
     "eval.samples=2",
     "eval.every=1",
+    "inference.router_port=0",  # runs in http mode start a router; tests run side by side
 ]
 
 

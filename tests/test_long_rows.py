@@ -51,6 +51,7 @@ def run_config(tmp_path: Path, data_path: Path, *overrides: str) -> RunConfig:
             "sampling.max_tokens=4",
             "orchestrator.prompts_per_step=6",
             "orchestrator.steps=1",
+            "inference.router_port=0",  # runs in http mode start a router; tests run side by side
             *overrides,
         ],
     )

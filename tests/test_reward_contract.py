@@ -192,6 +192,7 @@ def run_config(tmp_path: Path, *overrides: str):
             "orchestrator.prompts_per_step=2",
             "sampling.samples_per_prompt=2",
             "sampling.max_tokens=4",
+            "inference.router_port=0",  # runs in http mode start a router; tests run side by side
             *overrides,
         ],
     )

@@ -36,6 +36,7 @@ SMALL = [
     "sampling.samples_per_prompt=4",
     "sampling.max_tokens=4",
     "data.task='digit'",
+    "inference.router_port=0",  # runs in http mode start a router; tests run side by side
 ]
 
 

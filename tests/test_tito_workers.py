@@ -126,6 +126,7 @@ class StreamSpy:
     def __init__(self, inner):
         self.inner = inner
         self.calls = {"generate": 0, "generate_stream": 0}
+        self.chunks_with_tokens = 0  # an engine over HTTP may send several tokens in one chunk
 
     async def generate(self, request):
         self.calls["generate"] += 1
@@ -135,6 +136,7 @@ class StreamSpy:
         self.calls["generate_stream"] += 1
         async with contextlib.aclosing(self.inner.generate_stream(request)) as chunks:
             async for chunk in chunks:
+                self.chunks_with_tokens += bool(chunk.token_ids)
                 yield chunk
 
 
@@ -155,7 +157,10 @@ async def test_streamed_turns_stream_across_the_link(inference_client, tiny_chat
         await client.close()
         trace = await proxy.close_session(session)
     assert spy.calls == {"generate": 0, "generate_stream": 1}
-    assert len([d for d in deltas if d]) >= 2  # more than one piece reached the agent
+    # The reply reached the agent in pieces, as many as the engine's stream had (up to a stop string's
+    # hold-back, the proxy forwards each one; how the engine groups tokens into chunks is its own affair).
+    assert spy.chunks_with_tokens >= 1
+    assert len([d for d in deltas if d]) >= min(2, spy.chunks_with_tokens - 1)
     assert "".join(d or "" for d in deltas) == trace.turns[0].message["content"]
 
 

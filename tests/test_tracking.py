@@ -35,6 +35,7 @@ def run_config(tmp_path, *overrides: str):
             "sampling.samples_per_prompt=2",
             "sampling.max_tokens=4",
             "data.task='digit'",
+            "inference.router_port=0",  # runs in http mode start a router; tests run side by side
             *overrides,
         ],
     )

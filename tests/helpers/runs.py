@@ -12,6 +12,8 @@ SMALL = [
     "sampling.samples_per_prompt=4",
     "sampling.max_tokens=4",
     "data.task='digit'",
+    # A free port, not the default 8080: runs in http mode start a router, and tests run side by side.
+    "inference.router_port=0",
 ]
 
 
