@@ -19,29 +19,14 @@ import torch
 
 from rollflow import Orchestrator, load_config
 from rollflow.errors import NothingToTrainError
-from rollflow.messages import FinishReason, Sample
 from rollflow.rollout import rewards
 from rollflow.rollout.rewards import REWARD_ERROR, Rewarder, WeightedReward, reward_value
 from rollflow.rollout.tasks import TaskItem
 from rollflow.train.advantages import compute_advantages
 
+from .helpers.training import completion_samples
+
 ITEM = TaskItem(messages=[], metadata={"row": 4, "line": 6})
-
-
-def make_samples(count: int) -> list[Sample]:
-    return [
-        Sample(
-            prompt_index=0,
-            sample_index=index,
-            prompt_token_ids=[1],
-            completion_token_ids=[2],
-            logprobs=[0.0],
-            policy_versions=[0],
-            finish_reason=FinishReason.STOP,
-            completion_text=f"c{index}",
-        )
-        for index in range(count)
-    ]
 
 
 @pytest.mark.parametrize(
@@ -114,7 +99,7 @@ async def test_numpy_and_tensor_rewards_score_and_out_of_range_ones_are_masked(r
     monkeypatch.setattr(
         rewards.log, "warning", lambda event, **fields: logged.append({"event": event, **fields})
     )
-    samples = make_samples(6)
+    samples = completion_samples([f"c{index}" for index in range(6)])
     await Rewarder(reward_fn).score(samples, ITEM)
     assert [s.reward for s in samples] == [0.5, 1.0, 0.25, 0.0, 0.0, 0.0]
     assert [s.masked for s in samples] == [False, False, False, True, True, True]
@@ -137,7 +122,7 @@ async def async_exiting_reward(completion: str, item: TaskItem) -> float:
 
 @pytest.mark.parametrize("reward_fn", [exiting_reward, async_exiting_reward])
 async def test_system_exit_from_a_reward_masks_its_sample(reward_fn):
-    samples = make_samples(3)
+    samples = completion_samples([f"c{index}" for index in range(3)])
     await Rewarder(reward_fn).score(samples, ITEM)
     assert [s.masked for s in samples] == [False, True, False]
     assert samples[1].mask_reason == REWARD_ERROR
@@ -151,7 +136,7 @@ async def test_cancellation_is_not_a_reward_failure():
         await anyio.sleep(60)
         return 1.0
 
-    samples = make_samples(2)
+    samples = completion_samples([f"c{index}" for index in range(2)])
     with anyio.move_on_after(30) as outer:  # a generous deadline for the test itself
         async with anyio.create_task_group() as tg:
             tg.start_soon(Rewarder(waits).score, samples, ITEM)
@@ -163,7 +148,7 @@ async def test_cancellation_is_not_a_reward_failure():
 
 async def test_a_weighted_sum_beyond_float32_masks_the_sample():
     parts = [("big", lambda completion, item: 1e30, 1e10), ("ok", lambda completion, item: 1.0, 1.0)]
-    samples = make_samples(1)
+    samples = completion_samples([f"c{index}" for index in range(1)])
     metrics = await Rewarder(WeightedReward(parts), name="data.rewards").score(samples, ITEM)
     assert samples[0].masked and samples[0].mask_reason == REWARD_ERROR
     assert metrics == {}  # parts of a masked sample are not logged as scored

@@ -17,13 +17,13 @@ import pytest
 
 from rollflow import Orchestrator, load_config
 from rollflow.errors import CallbackTimeoutError, StuckCallbacksError
-from rollflow.messages import FinishReason, Sample
 from rollflow.rollout import rewards
 from rollflow.rollout.callbacks import CallbackRunner, abandoned_calls
 from rollflow.rollout.rewards import REWARD_TIMEOUT, Rewarder
 from rollflow.rollout.tasks import CaseTask, TaskItem, item_caller
 
 from .conftest import REPO_ROOT
+from .helpers.training import completion_samples
 from .helpers.waits import wait_until_sync
 
 ITEM = TaskItem(messages=[], metadata={"row": 2})
@@ -41,22 +41,6 @@ def _release_blocked_threads():
         lambda: abandoned_calls() <= before,
         lambda: f"this test's blocked reward calls return ({abandoned_calls() - before} still running)",
     )
-
-
-def make_samples(texts: list[str]) -> list[Sample]:
-    return [
-        Sample(
-            prompt_index=0,
-            sample_index=index,
-            prompt_token_ids=[1],
-            completion_token_ids=[2],
-            logprobs=[0.0],
-            policy_versions=[0],
-            finish_reason=FinishReason.STOP,
-            completion_text=text,
-        )
-        for index, text in enumerate(texts)
-    ]
 
 
 def blocking_reward(completion: str, item: TaskItem) -> float:
@@ -77,7 +61,7 @@ async def test_a_reward_past_its_timeout_masks_only_its_sample_and_is_logged(rew
     monkeypatch.setattr(
         rewards.log, "warning", lambda event, **fields: logged.append({"event": event, **fields})
     )
-    samples = make_samples(["a", "block", "b"])
+    samples = completion_samples(["a", "block", "b"])
     started = time.monotonic()
     await Rewarder(reward_fn, name="slow", timeout_s=0.3).score(samples, ITEM)
     assert time.monotonic() - started < 60  # the reward itself would take 120 s
@@ -100,7 +84,7 @@ async def test_cancelling_stops_waiting_for_a_blocked_sync_reward_at_once():
     rewarder = Rewarder(blocks, timeout_s=600)
     with anyio.move_on_after(30) as deadline:  # the test's own, generous deadline
         async with anyio.create_task_group() as tg:
-            tg.start_soon(rewarder.score, make_samples(["block"]), ITEM)
+            tg.start_soon(rewarder.score, completion_samples(["block"]), ITEM)
             while not threads:
                 await anyio.sleep(0.01)
             cancelled_at = time.monotonic()

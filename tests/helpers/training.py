@@ -125,3 +125,20 @@ def make_off_policy_trainer(model, off_policy: str, **config) -> Trainer:
     return PackingTrainer(
         model, TrainerConfig(**config), pad_token_id=model.config.pad_token_id, off_policy=off_policy
     )
+
+
+def completion_samples(texts: list[str]) -> list[Sample]:
+    """One-token samples of one prompt whose completions read ``texts``: what a reward function scores."""
+    return [
+        Sample(
+            prompt_index=0,
+            sample_index=index,
+            prompt_token_ids=[1],
+            completion_token_ids=[2],
+            logprobs=[0.0],
+            policy_versions=[0],
+            finish_reason=FinishReason.STOP,
+            completion_text=text,
+        )
+        for index, text in enumerate(texts)
+    ]
