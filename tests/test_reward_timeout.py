@@ -123,6 +123,29 @@ async def test_calls_still_stuck_past_max_stuck_stop_the_run_with_a_clear_error(
         await runner()
 
 
+async def test_a_call_cancelled_before_its_thread_starts_is_not_counted_as_stuck():
+    # Cancelled right after it was handed to a worker thread, most calls are dropped before they run
+    # (anyio skips a cancelled job): such a call holds no thread and must not count towards max_stuck,
+    # or a run cancelled often (timeouts on a busy machine) would stop with a false StuckCallbacksError.
+    ran = []
+    runner = CallbackRunner(
+        lambda: ran.append(1), name="reward 'quick'", timeout_s=60, timeout_key="data.reward_timeout_s"
+    )
+    for _ in range(200):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runner)
+            await anyio.sleep(0)
+            tg.cancel_scope.cancel()
+    # The calls that did start return at once; none is left counted.
+    await anyio.to_thread.run_sync(lambda: None)
+    deadline_at = time.monotonic() + 30
+    while runner.stuck and time.monotonic() < deadline_at:
+        await anyio.sleep(0.01)
+    assert runner.stuck == 0
+    assert len(ran) < 200  # most never ran: the test did exercise the cancelled-before-start case
+    assert await runner() is None and len(ran) >= 1
+
+
 class SlowTask:
     """A custom task whose ``item`` blocks at index 3."""
 

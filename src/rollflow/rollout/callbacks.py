@@ -65,13 +65,19 @@ def is_interruption(error: BaseException) -> bool:
 
 
 class _Call:
-    """State of one sync call, shared by the awaiting side and its thread (under ``_LOCK``)."""
+    """State of one sync call, shared by the awaiting side and its thread (under ``_LOCK``).
 
-    __slots__ = ("abandoned", "finished")
+    A call abandoned before its thread picked it up never runs (anyio drops a job whose future was
+    cancelled, and ``call`` skips one that was abandoned first), so only a started call counts as stuck.
+    """
+
+    __slots__ = ("abandoned", "counted", "finished", "started")
 
     def __init__(self) -> None:
+        self.started = False
         self.finished = False
         self.abandoned = False
+        self.counted = False  # abandoned while running: counted in the stuck totals until it returns
 
 
 _LOCK = threading.Lock()
@@ -168,12 +174,16 @@ class CallbackRunner:
 
         def call() -> Any:
             global _abandoned_running
+            with _LOCK:
+                if state.abandoned:  # given up on before this thread picked it up: never run it
+                    return None
+                state.started = True
             try:
                 return fn(*args)
             finally:
                 with _LOCK:
                     state.finished = True
-                    if state.abandoned:
+                    if state.counted:
                         self._stuck -= 1
                         _abandoned_running -= 1
 
@@ -195,7 +205,10 @@ class CallbackRunner:
     def _abandon(self, state: _Call) -> None:
         global _abandoned_running
         with _LOCK:
-            if not state.finished:
-                state.abandoned = True
+            if state.finished:
+                return
+            state.abandoned = True
+            if state.started:
+                state.counted = True
                 self._stuck += 1
                 _abandoned_running += 1
