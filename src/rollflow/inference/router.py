@@ -23,11 +23,18 @@ Routing:
 
 Failure handling:
 - Every ``health_check_interval_s`` each server must generate one token (``/inference/v1/generate``,
-  ``max_tokens`` 1). A refused connection marks it dead at once; a timeout counts as alive only if
-  ``/health`` still answers (a server paused in ``keep`` mode queues the probe). A 503 counts as alive (paused
-  in ``abort``/``wait`` mode) unless its error ``type`` is ``EngineDeadError``: the server answers but its
-  engine died, which is a dead server (so is a 500, vLLM's answer once its engine died). Dead servers leave the
-  hash ring, their sessions are re-placed on their next request, and they rejoin once a probe succeeds.
+  ``max_tokens`` 1). A refused connection marks it dead at once. A probe past ``health_check_timeout_s``
+  counts as alive while the server is paused (``/is_paused``: ``keep`` mode queues the probe) or while
+  requests through the router still finish or stream from it (busy, not stuck); otherwise its generation is
+  hung, and after ``HUNG_PROBES`` such probes in a row (its ``/health`` may still answer) it is taken out.
+  A 503 counts as alive (paused in ``abort``/``wait`` mode) unless its error ``type`` is ``EngineDeadError``:
+  the server answers but its engine died, which is a dead server (so is a 500, vLLM's answer once its engine
+  died). Dead servers leave the hash ring, their sessions are re-placed on their next request, and they
+  rejoin once a probe succeeds, unless they serve another policy version than the servers in rotation
+  (``/weight_info``: one that was down during a weight update); such a server stays out, ``stale``.
+- Taking a server out gives up the requests in flight to it (their connections are closed): one whose
+  answer had not started is retried on another server as below, a stream already under way breaks, rather
+  than every caller waiting ``request_timeout_s`` for a server that will not answer.
 - A proxied request answered by a dead engine (503 ``EngineDeadError``) takes that server out at once and is
   retried on another, so no session pinned to it sees the 503. Servers taken out for a dead engine are counted
   (``rollflow_router_dead_engines_total``). With every server's engine dead the router answers 503
@@ -145,6 +152,9 @@ _HEALTH_PROBE = msgspec.json.encode(
 
 
 _WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
+# Timed-out probes in a row, with the server neither paused nor making progress, that take it out as hung:
+# one could be a burst that filled the engine's batch; two, a health_check_timeout_s apart, are a stall.
+HUNG_PROBES = 2
 
 
 def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
@@ -208,12 +218,26 @@ def _is_engine_dead(status: int, body: bytes) -> bool:
 
 
 class _Worker:
-    __slots__ = ("engine_dead", "failures", "healthy", "outstanding", "requests", "sessions", "url")
+    __slots__ = (
+        "engine_dead",
+        "failures",
+        "healthy",
+        "hung_probes",
+        "last_progress",
+        "outstanding",
+        "requests",
+        "sessions",
+        "stale",
+        "url",
+    )
 
     def __init__(self, url: str):
         self.url = url
         self.healthy = True
         self.engine_dead = False  # taken out because the server said its engine died
+        self.stale: str | None = None  # kept out: the policy version it serves, unlike the others'
+        self.hung_probes = 0  # probes in a row that timed out with the server neither paused nor busy
+        self.last_progress = 0.0  # loop time a proxied answer last began, streamed or ended
         self.outstanding = 0
         self.requests = 0
         self.failures = 0  # proxied requests that failed on the connection
@@ -538,14 +562,60 @@ class InferenceRouter:
             worker.healthy = False
             self._forget_sessions_of(worker.url)
             self._rebuild_ring()
-            log.warning("worker taken out", worker=worker.url, reason=reason)
+            pool = self._pools.get(worker.url)
+            given_up = pool.abort(f"{worker.url} was taken out: {reason}") if pool is not None else 0
+            log.warning("worker taken out", worker=worker.url, reason=reason, requests_given_up=given_up)
+
+    async def _answered_probe(self, worker: _Worker) -> None:
+        """``worker`` answered a probe: back into rotation, unless it serves a stale policy version."""
+        if worker.healthy or worker.url not in self.workers:
+            return
+        stale = await self._stale_version(worker)
+        if stale is not None:
+            if worker.stale != stale:
+                log.warning("worker kept out", worker=worker.url, reason=stale)
+            worker.stale = stale
+            return
+        self._mark_alive(worker)
 
     def _mark_alive(self, worker: _Worker) -> None:
         if not worker.healthy and worker.url in self.workers:
             worker.healthy = True
             worker.engine_dead = False
+            worker.stale = None
             self._rebuild_ring()
             log.info("worker back in", worker=worker.url)
+
+    async def _stale_version(self, worker: _Worker) -> str | None:
+        """Why ``worker`` must stay out though it answers: it serves another policy version than the servers
+        in rotation (it was down while they took a weight update). None when it may rejoin: the same version,
+        no server in rotation to compare with, or a server that cannot say (no ``/weight_info``)."""
+        in_rotation = [w for w in self.workers.values() if w.healthy]
+        if not in_rotation:
+            return None
+        versions = await asyncio.gather(*(self._weight_version(w) for w in [worker, *in_rotation]))
+        own, others = versions[0], {v for v in versions[1:] if v is not None}
+        if own is None or not others or own in others:
+            return None
+        return (
+            f"it serves policy version {own} and the servers in rotation {', '.join(sorted(others))}: it was "
+            "down during a weight update; push weights to it again (restart it, or restart the run's "
+            "weight sync) to bring it back"
+        )
+
+    async def _weight_version(self, worker: _Worker) -> str | None:
+        """``/weight_info``'s ``weight_version`` of ``worker``, None when it cannot tell."""
+        assert self._client is not None
+        try:
+            async with self._client.get(
+                f"{worker.url}/weight_info", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
+            ) as response:
+                if response.status != 200:
+                    return None
+                version = (await response.json()).get("weight_version")
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
+        return None if version is None else str(version)
 
     def _ring_lookup(self, session_id: str, exclude: set[str]) -> _Worker | None:
         """A new session's server: the first on the ring walk from its hash, not excluded, below the load
@@ -721,12 +791,15 @@ class InferenceRouter:
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 upstream = await pool.request(request.method, request.path_qs, headers, body)
+                loop = asyncio.get_running_loop()
+                worker.last_progress = loop.time()
                 out_headers = [
                     (name, value) for name, value in upstream.headers if name.lower() not in _HOP_HEADERS
                 ]
                 out_headers.append((WORKER_HEADER, worker.url))
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
                     data = await upstream.read()
+                    worker.last_progress = loop.time()
                     if _is_engine_dead(upstream.status, data):
                         # Nothing reached the caller yet: take the server out and let the caller retry.
                         self._mark_dead(worker, "its engine died", engine_dead=True)
@@ -736,6 +809,7 @@ class InferenceRouter:
                 await response.prepare(request)
                 async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
                     async for chunk in chunks:
+                        worker.last_progress = loop.time()
                         await response.write(chunk)
                 await response.write_eof()
                 return response, None
@@ -794,6 +868,8 @@ class InferenceRouter:
         try:
             async with asyncio.timeout(self.request_timeout_s):
                 upstream = await pool.request(method, path_qs, headers, body)
+                loop = asyncio.get_running_loop()
+                worker.last_progress = loop.time()
                 head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, reason_phrase(upstream.status)))
                 for name, value in upstream.headers:
                     if name.lower() not in _STREAM_HOP_HEADERS:
@@ -801,6 +877,7 @@ class InferenceRouter:
                 head += _WORKER_HEADER_PREFIX + worker.url.encode() + b"\r\n"
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
                     data = await upstream.read()
+                    worker.last_progress = loop.time()
                     if _is_engine_dead(upstream.status, data):
                         # Nothing reached the caller yet: take the server out and let the caller retry.
                         self._mark_dead(worker, "its engine died", engine_dead=True)
@@ -815,6 +892,7 @@ class InferenceRouter:
                 async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
                     async for chunk in chunks:
                         if chunk:
+                            worker.last_progress = loop.time()
                             front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                             await front.drain()
                 front.write(b"0\r\n\r\n")
@@ -846,6 +924,7 @@ class InferenceRouter:
     async def _probe(self, worker: _Worker) -> None:
         """Ask ``worker`` for one token; mark it dead or alive from the answer."""
         assert self._client is not None
+        started = asyncio.get_running_loop().time()
         try:
             async with self._client.post(
                 f"{worker.url}/inference/v1/generate",
@@ -867,13 +946,59 @@ class InferenceRouter:
             self._mark_dead(worker, f"health probe could not connect: {error}")
             return
         except TimeoutError:
-            alive = await self._answers_health(worker)
+            reason = await self._why_hung(worker, since=started)
+            if reason is None:
+                await self._answered_probe(worker)
+            else:
+                self._mark_dead(worker, reason)
+            return
         except aiohttp.ClientError:
             alive = await self._answers_health(worker)
         if alive:
-            self._mark_alive(worker)
+            worker.hung_probes = 0
+            await self._answered_probe(worker)
         else:
             self._mark_dead(worker, "health probe failed")
+
+    async def _why_hung(self, worker: _Worker, *, since: float) -> str | None:
+        """After a probe that got no token within ``health_check_timeout_s``: why ``worker`` counts as hung,
+        or None while it is not (yet). Paused (``keep`` mode queues the probe) and busy (an answer through the
+        router began, streamed or ended since the probe was sent) are alive; a server that answers neither
+        ``/is_paused`` nor ``/health`` is dead; one that answers but makes no progress is hung at the
+        ``HUNG_PROBES``-th such probe in a row."""
+        if worker.last_progress >= since:
+            worker.hung_probes = 0
+            return None
+        paused = await self._is_paused(worker)
+        if paused:
+            worker.hung_probes = 0
+            return None
+        if paused is None and not await self._answers_health(worker):
+            return "health probe failed"
+        worker.hung_probes += 1
+        if worker.hung_probes < HUNG_PROBES:
+            return None
+        return (
+            f"its generation is hung: {worker.hung_probes} probes in a row got no token within "
+            f"health_check_timeout_s = {self.health_check_timeout_s:g} s, and it is not paused and finished "
+            "nothing meanwhile"
+        )
+
+    async def _is_paused(self, worker: _Worker) -> bool | None:
+        """``/is_paused`` of ``worker``: False when it has no such endpoint (it cannot be paused), None when it
+        did not answer."""
+        assert self._client is not None
+        try:
+            async with self._client.get(
+                f"{worker.url}/is_paused", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
+            ) as response:
+                if response.status == 404:
+                    return False
+                if response.status != 200:
+                    return None
+                return bool((await response.json()).get("is_paused"))
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            return None
 
     async def _answers_health(self, worker: _Worker) -> bool:
         """A slow probe may just be a busy or keep-paused server: does ``GET /health`` still answer 200?"""
@@ -959,12 +1084,14 @@ class InferenceRouter:
         return web.json_response({"status": "ok", "healthy_workers": healthy, "workers": len(self.workers)})
 
     def worker_table(self) -> list[dict[str, Any]]:
-        """One dict per server: url, healthy, engine_dead, outstanding, requests, failures, sessions."""
+        """One dict per server: url, healthy, engine_dead, stale (why it is kept out, or None), outstanding,
+        requests, failures, sessions."""
         return [
             {
                 "url": worker.url,
                 "healthy": worker.healthy,
                 "engine_dead": worker.engine_dead,
+                "stale": worker.stale,
                 "outstanding": worker.outstanding,
                 "requests": worker.requests,
                 "failures": worker.failures,

@@ -40,6 +40,7 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.closed = False
         self.error: BaseException | None = None
+        self.aborted: str | None = None  # why this side closed it mid-request (``UpstreamPool.abort``)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -70,6 +71,8 @@ class _Connection(asyncio.Protocol):
 
     async def _more(self) -> None:
         """Wait for more bytes; raises ``UpstreamError`` when the server closed the connection."""
+        if self.aborted is not None:
+            raise UpstreamError(f"the request was given up: {self.aborted}")
         if self.closed:
             raise UpstreamError(f"the server closed the connection{f': {self.error}' if self.error else ''}")
         if self._paused and self.transport is not None:
@@ -104,7 +107,7 @@ class _Connection(asyncio.Protocol):
     async def read_some(self) -> bytes:
         """What is buffered, waiting for something first; b"" once the server closed."""
         while not self.buffer:
-            if self.closed:
+            if self.closed and self.aborted is None:
                 return b""
             await self._more()
         return self._take(len(self.buffer))
@@ -225,6 +228,7 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()  # connections with a request on them (``abort`` closes them)
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -238,6 +242,7 @@ class UpstreamPool:
         return connection
 
     def _release(self, connection: _Connection, *, reusable: bool) -> None:
+        self._busy.discard(connection)
         if reusable and not connection.closed and not connection.buffer and len(self._idle) < self.max_idle:
             self._idle.append(connection)
         else:
@@ -281,6 +286,7 @@ class UpstreamPool:
         return await self._exchange(await self._connect(), head)
 
     async def _exchange(self, connection: _Connection, head: bytearray) -> UpstreamResponse:
+        self._busy.add(connection)
         try:
             assert connection.transport is not None
             connection.transport.write(head)
@@ -298,8 +304,22 @@ class UpstreamPool:
                 headers.append((name.decode("latin-1").strip(), value.decode("latin-1").strip()))
             return UpstreamResponse(self, connection, status, headers)
         except BaseException:
+            self._busy.discard(connection)
             connection.close()
             raise
+
+    def abort(self, reason: str) -> int:
+        """Close every connection, those with a request in flight too: their readers raise
+        ``UpstreamError`` naming ``reason`` (before the answer's head, a caller may retry elsewhere). For a
+        server taken out of rotation, whose answers would never come. Returns how many were in flight."""
+        busy = list(self._busy)
+        for connection in busy:
+            connection.aborted = reason
+            connection.close()
+            connection._wake()
+        self._busy.clear()
+        self.close()
+        return len(busy)
 
     def close(self) -> None:
         """Close the idle connections (those in use close when their answers are done)."""
