@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -67,3 +68,21 @@ def test_a_corrupt_hf_directory_is_a_clear_error(tmp_path):
     (tmp_path / "state.json").write_text(json.dumps({"step": 1, "policy_version": 1}))
     with pytest.raises(CheckpointError, match="no readable hf/model.safetensors"):
         load_policy_weights(tmp_path)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_checkpoint_files_get_the_mode_the_umask_allows(tiny_model_dir, tmp_path, umask):
+    # safetensors writes 0600 whatever the umask: another user (a server run under its own account) could
+    # not load the checkpoint's weights or its hf/ model.
+    from rollflow.orchestrator.checkpoint import OrchestratorState, save_checkpoint
+
+    trainer = PackingTrainer(load_causal_lm(tiny_model_dir), TrainerConfig(lr=1e-2), pad_token_id=0)
+    previous = os.umask(umask)
+    try:
+        checkpoint = save_checkpoint(tmp_path, OrchestratorState(step=1), trainer.save_checkpoint, keep=1)
+    finally:
+        os.umask(previous)
+    files = [path for path in checkpoint.rglob("*") if path.is_file()]
+    assert any(path.suffix == ".safetensors" for path in files) and (checkpoint / HF_DIR).is_dir()
+    modes = {path.relative_to(checkpoint).as_posix(): oct(path.stat().st_mode & 0o777) for path in files}
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes

@@ -87,6 +87,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         save_trainer(staging)
+        as_umask_allows(staging)
         state_path = staging / STATE_FILE
         try:
             state_path.write_bytes(msgspec.json.encode(state))
@@ -102,6 +103,28 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def as_umask_allows(directory: Path) -> None:
+    """Give every file under ``directory`` the mode a new file gets (``0o666`` less the umask). safetensors
+    writes its files 0600 whatever the umask, so a checkpoint's weights (and the ``hf/`` model beside them)
+    could not be loaded by another user, e.g. a server run under another account."""
+    mode = 0o666 & ~_umask()
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
 
 
 def _save_failure(run_dir: Path, staging: Path, error: Exception) -> str:

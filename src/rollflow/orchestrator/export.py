@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from rollflow.errors import CheckpointError, ConfigError, RollflowError
-from rollflow.orchestrator.checkpoint import STATE_FILE, list_checkpoints, load_state
+from rollflow.orchestrator.checkpoint import STATE_FILE, as_umask_allows, list_checkpoints, load_state
 
 log = structlog.get_logger(__name__)
 
@@ -99,7 +99,7 @@ def export_checkpoint(
     shutil.rmtree(staging, ignore_errors=True)
     try:
         save_hf_model(model, staging, tokenizer_dir=source)
-        _readable(staging)
+        as_umask_allows(staging)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -114,14 +114,6 @@ def export_checkpoint(
     }
     log.info("exported", **result)
     return result
-
-
-def _readable(directory: Path) -> None:
-    """Make the written files 0644: the weights come out private (0600) from their writer, and an exported
-    model is meant to be served and shared (``vllm serve`` as another user)."""
-    for path in directory.iterdir():
-        if path.is_file():
-            path.chmod(0o644)
 
 
 def _load(source: Path, dtype: str) -> Any:
