@@ -225,6 +225,34 @@ async def test_resume_of_a_directory_without_a_run_is_a_clear_error(tmp_path):
         await Orchestrator.start(small_config(tmp_path / "runs"), resume=True)
 
 
+async def test_a_notebook_cell_run_again_says_how_in_python_and_overwrite_starts_afresh(tmp_path):
+    config = small_config(tmp_path / "runs", "orchestrator.steps=2", "checkpoint.every=1")
+    async with Orchestrator(config) as orchestrator:
+        await orchestrator.run(steps=1)
+    run_dir = config.run_dir
+    # The same cell again: refused, in the embedded API's own terms too.
+    with pytest.raises(ConfigError) as info:
+        await Orchestrator.start(config)
+    assert "Orchestrator(config, resume=True)" in str(info.value)
+    assert "Orchestrator(config, overwrite=True)" in str(info.value)
+    with pytest.raises(ValueError, match="pass one"):
+        Orchestrator(config, resume=True, overwrite=True)
+    # overwrite=True: a fresh run from step 0; the old checkpoints, metrics and configs are gone.
+    (run_dir / "notes.txt").write_text("left by the user in the run directory")
+    async with Orchestrator(config, overwrite=True) as orchestrator:
+        assert orchestrator.state.step == 0
+        await orchestrator.run()
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2]
+    assert [p.name for p in config_history(run_dir)] == ["config.json"]
+    assert load_state(list_checkpoints(run_dir)[-1]).step == 2
+    assert not (run_dir / "notes.txt").exists()
+    # overwrite of a directory with nothing in it is a plain fresh run.
+    fresh = small_config(tmp_path / "other", "orchestrator.steps=1")
+    async with Orchestrator(fresh, overwrite=True) as orchestrator:
+        await orchestrator.run()
+    assert [m["step"] for m in read_jsonl(fresh.run_dir / "metrics.jsonl")] == [1]
+
+
 def rollflow_run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "rollflow", "run", "--no-progress", *args],

@@ -65,6 +65,7 @@ from rollflow.orchestrator.packing import pack_for_trainer
 from rollflow.orchestrator.run_dir import (
     CONFIG_FILE,
     RunLock,
+    clear_run_dir,
     latest_config,
     meaning_changes,
     write_resume_config,
@@ -114,6 +115,7 @@ class Orchestrator:
         config: RunConfig,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         force: bool = False,
         sinks: list[MetricsSink] | None = None,
         inference_client: Any = None,
@@ -122,15 +124,25 @@ class Orchestrator:
         config: the run config.
         resume: continue the run in ``config.run_dir`` from its last checkpoint (from step 0 when it was
             stopped before its first one).
+        overwrite: start afresh even when ``config.run_dir`` holds a run: its checkpoints, metrics and
+            recorded configs are deleted first (a notebook cell run again). Not with ``resume``.
         force: resume even when ``config`` changes what the run means (``run_dir.MEANING_KEYS``: model,
             task and data, samples per prompt, seeds).
+
+        Raises:
+            ValueError: both ``resume`` and ``overwrite``.
         sinks: extra metric sinks (each gets every step's metrics).
         inference_client: an ``InferenceClient`` to use instead of building one from ``config.inference``;
             the caller keeps ownership (it is not closed by ``stop``).
         """
+        if resume and overwrite:
+            raise ValueError(
+                "Orchestrator: resume=True continues the run, overwrite=True deletes it; pass one"
+            )
         self.config = config
         self._given_client = inference_client
         self.resume = resume
+        self.overwrite = overwrite
         self.force = force
         self.run_dir = config.run_dir
         # Held from setup to stop: one live run per run directory.
@@ -164,6 +176,7 @@ class Orchestrator:
         config: RunConfig,
         *,
         resume: bool = False,
+        overwrite: bool = False,
         force: bool = False,
         sinks: list[MetricsSink] | None = None,
         inference_client: Any = None,
@@ -172,13 +185,21 @@ class Orchestrator:
 
         Raises:
             RunDirectoryInUseError: another live run holds the run directory's lock.
-            ConfigError: the run directory already holds a run and ``resume`` is false, a resume changes
+            ConfigError: the run directory already holds a run and neither ``resume`` nor ``overwrite`` is
+                set (see ``__init__``), a resume changes
                 what the run means and ``force`` is false, or a config value cannot be used (unknown task,
                 renderer, reward).
             CheckpointError: ``resume`` is true but no run was started in the run directory.
             ModelNotFoundError: ``model.path`` does not resolve to a local model.
         """
-        orchestrator = cls(config, resume=resume, force=force, sinks=sinks, inference_client=inference_client)
+        orchestrator = cls(
+            config,
+            resume=resume,
+            overwrite=overwrite,
+            force=force,
+            sinks=sinks,
+            inference_client=inference_client,
+        )
         await orchestrator.setup()
         return orchestrator
 
@@ -300,7 +321,10 @@ class Orchestrator:
         has_metrics = (self.run_dir / METRICS_FILE).exists()
         config_json = to_json(self.config) + b"\n"
         if not self.resume:
-            if checkpoint is not None or has_metrics:
+            if (checkpoint is not None or has_metrics) and self.overwrite:
+                log.warning("overwriting the run", run_dir=str(self.run_dir))
+                clear_run_dir(self.run_dir)
+            elif checkpoint is not None or has_metrics:
                 hint = (
                     "resume it with"
                     if checkpoint is not None
@@ -308,7 +332,9 @@ class Orchestrator:
                 )
                 raise ConfigError(
                     f"run directory {self.run_dir} already holds a run: {hint} "
-                    f"`rollflow run --resume {self.run_dir}`, or pick another `name` (e.g. --set name=...)"
+                    f"`rollflow run --resume {self.run_dir}` (in Python: Orchestrator(config, resume=True)), "
+                    "start it over deleting its checkpoints and metrics (Orchestrator(config, overwrite=True)), "
+                    "or pick another `name` (e.g. --set name=...)"
                 )
             # Nothing was trained or recorded here (at most a run stopped during setup): start afresh.
             _write_file(self.run_dir / CONFIG_FILE, config_json)

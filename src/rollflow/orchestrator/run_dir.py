@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -293,3 +294,22 @@ def _lookup(data: Mapping[str, Any], dotted: str) -> Any:
             return None
         value = value.get(part)
     return value
+
+
+def clear_run_dir(run_dir: Path) -> None:
+    """Delete what a run left in ``run_dir`` (checkpoints, metrics, recorded configs, logs), all but its lock
+    file, which the caller holds.
+
+    Raises:
+        StorageError: an entry could not be deleted (the message names it).
+    """
+    for entry in Path(run_dir).iterdir():
+        if entry.name == LOCK_FILE:
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as error:
+            raise StorageError(describe_os_error(error, error.filename or entry)) from None
