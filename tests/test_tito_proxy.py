@@ -301,8 +301,13 @@ async def test_close_session_drains_then_cancels_stragglers(tiny_chat):
                 await asyncio.sleep(0.01)
         trace = await proxy.close_session(session, drain_timeout_s=0.1)
         assert trace.turns == [] and scripted.cancelled == 1
-        with pytest.raises(openai.ConflictError, match="closed during the request"):
+        with pytest.raises(openai.ConflictError, match="closed during the request") as caught:
             await call
+        # The agent is not shown the session's admin id.
+        assert session.session_id not in str(caught.value)
+        with pytest.raises(openai.ConflictError) as again:
+            await client.chat.completions.create(model=MODEL, messages=[_user("hi")])
+        assert session.session_id not in str(again.value)
 
 
 @pytest.mark.parametrize("enforce", [True, False])

@@ -165,8 +165,9 @@ class Session:
             TraceSealedError: the session is closed.
             RequestError: the request cannot be served (prompt too long: 400; engine unavailable: 503).
         """
+        # The agent reads these messages: they say "this session", never its id (the admin API's handle).
         if self.closed:
-            raise TraceSealedError(f"session {self.session_id!r} is closed")
+            raise TraceSealedError("this session is closed")
         self.last_active = time.monotonic()
         entry = None
         if request_key is not None and is_retry:
@@ -193,7 +194,7 @@ class Session:
             current = asyncio.current_task()
             if entry.task.cancelled() and current is not None and not current.cancelling():
                 # The turn was cancelled by close_session, not this caller: answer instead of vanishing.
-                raise TraceSealedError(f"session {self.session_id!r} was closed during the request") from None
+                raise TraceSealedError("this session was closed during the request") from None
             raise
         finally:
             entry.waiters -= 1

@@ -376,7 +376,7 @@ class Trace:
 
     def _check_open(self) -> None:
         if self.sealed:
-            raise TraceSealedError(f"session {self.session_id!r} is closed")
+            raise TraceSealedError("this session is closed")  # an agent may read it: no id
 
     def _prepare(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, renderer: TITORenderer
