@@ -40,6 +40,28 @@ def test_tiny_moe_is_a_deterministic_qwen3_moe_with_tinys_tokenizer(
     assert renderer.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
+@pytest.mark.parametrize(
+    ("name", "model_type"), [("rollflow:tiny-h32", "qwen3"), ("rollflow:tiny-moe-h32", "qwen3_moe")]
+)
+def test_h32_twins_have_heads_vllm_cpu_serves_and_tinys_tokenizer(tmp_path, monkeypatch, name, model_type):
+    # vLLM's CPU attention serves head sizes of 32 and up only: these twins are what it can serve.
+    monkeypatch.setenv("ROLLFLOW_CACHE_DIR", str(tmp_path))
+    built = resolve_model_path(name)
+    assert built.parent == tmp_path and resolve_model_path(name) == built  # built once, then cached
+    assert (built / "tokenizer.json").read_bytes() == (ensure_tiny_model() / "tokenizer.json").read_bytes()
+    model = load_causal_lm(built)
+    config = model.config
+    assert config.model_type == model_type
+    assert (config.head_dim, config.num_attention_heads, config.num_key_value_heads) == (32, 2, 1)
+    assert config.hidden_size == TINY_MOE_ARCHITECTURE["hidden_size"]
+    # The same size as its head_dim-16 original (q/k/v widths are equal; only the per-head norms grow).
+    original = load_causal_lm(ensure_tiny_model() if model_type == "qwen3" else ensure_tiny_moe_model())
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - sum(p.numel() for p in original.parameters())) <= 0.01 * count
+    renderer = create_chat_renderer(load_tokenizer(built), ModelConfig(path=name))
+    assert renderer.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+
+
 def test_tiny_tokenizer_has_the_qwen3_specials(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     for token in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"]:

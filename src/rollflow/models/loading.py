@@ -14,14 +14,23 @@ import structlog
 from rollflow.errors import ConfigError, ModelNotFoundError
 from rollflow.models.fast_tokenizer import copy_batch_encoding, with_fast_paths
 from rollflow.models.tiny import (
+    TINY_H32_MODEL_NAME,
     TINY_MODEL_NAME,
+    TINY_MOE_H32_MODEL_NAME,
     TINY_MOE_MODEL_NAME,
+    ensure_tiny_h32_model,
     ensure_tiny_model,
+    ensure_tiny_moe_h32_model,
     ensure_tiny_moe_model,
 )
 
-# The embedded models, built locally on first use; both use tiny's Qwen3-format tokenizer.
-EMBEDDED_MODELS = {TINY_MODEL_NAME: ensure_tiny_model, TINY_MOE_MODEL_NAME: ensure_tiny_moe_model}
+# The embedded models, built locally on first use; all use tiny's Qwen3-format tokenizer.
+EMBEDDED_MODELS = {
+    TINY_MODEL_NAME: ensure_tiny_model,
+    TINY_MOE_MODEL_NAME: ensure_tiny_moe_model,
+    TINY_H32_MODEL_NAME: ensure_tiny_h32_model,
+    TINY_MOE_H32_MODEL_NAME: ensure_tiny_moe_h32_model,
+}
 
 
 def _log() -> Any:

@@ -1,10 +1,16 @@
-"""The embedded models: the default ``rollflow:tiny`` and its mixture-of-experts sibling ``rollflow:tiny-moe``.
+"""The embedded models: the default ``rollflow:tiny``, its mixture-of-experts sibling ``rollflow:tiny-moe``, and
+their vLLM-servable twins ``rollflow:tiny-h32`` and ``rollflow:tiny-moe-h32``.
 
 A Qwen3-format byte-level BPE tokenizer trained in-process on generated text, and a tiny random-init
 ``Qwen3ForCausalLM`` (about 230k parameters). Both are built once, deterministically, into a user cache
 directory, so a CPU-only machine with no network can run the quickstart. ``rollflow:tiny-moe`` is a
 random-init ``Qwen3MoeForCausalLM`` of the same shape with the same tokenizer: every layer's MLP is 4 experts
 of which each token is routed to 2, so MoE routing (routed-expert replay) can be exercised on a CPU.
+
+The ``-h32`` twins have the same size, tokenizer and MLPs but 2 attention heads of 32 dimensions (1 KV head)
+instead of 4 of 16: vLLM's CPU attention serves head sizes of 32 and up only (head_dim 16 loads, then its
+engine core dies on the first request), so these are the models a CPU vLLM can serve. ``rollflow:tiny``
+itself stays as it is, so the figures measured on it (the quickstart's learning curve) hold.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ log = structlog.get_logger(__name__)
 
 TINY_MODEL_NAME = "rollflow:tiny"
 TINY_MOE_MODEL_NAME = "rollflow:tiny-moe"
+TINY_H32_MODEL_NAME = "rollflow:tiny-h32"
+TINY_MOE_H32_MODEL_NAME = "rollflow:tiny-moe-h32"
 # Bump when the corpus, the tokenizer recipe or the architecture changes: old caches are then ignored.
 TINY_BUILD_VERSION = 1
 TINY_MOE_BUILD_VERSION = 1
@@ -64,6 +72,10 @@ TINY_MOE_ARCHITECTURE = dict(
     decoder_sparse_step=1,
     mlp_only_layers=[],
 )
+# vLLM-servable attention (see the module docstring): same hidden size, heads of 32.
+H32_ATTENTION = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+TINY_H32_ARCHITECTURE = dict(TINY_ARCHITECTURE, **H32_ATTENTION)
+TINY_MOE_H32_ARCHITECTURE = dict(TINY_MOE_ARCHITECTURE, **H32_ATTENTION)
 # Router weights are drawn at this std instead of the init's 0.02, so router logits differ by whole units and
 # the top-2 choice does not flip between two forwards that differ only in float rounding.
 TINY_MOE_ROUTER_STD = 0.5
@@ -253,7 +265,9 @@ def build_tokenizer():
     return fast
 
 
-def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
+def build_model(
+    vocab_size: int, eos_token_id: int, pad_token_id: int, architecture: dict = TINY_ARCHITECTURE
+):
     """A random-init ``Qwen3ForCausalLM`` with the tiny architecture (seeded, so deterministic)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -263,7 +277,7 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **TINY_ARCHITECTURE,
+        **architecture,
     )
     with torch.random.fork_rng():
         torch.manual_seed(TINY_BUILD_VERSION)
@@ -271,7 +285,9 @@ def build_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
     return model
 
 
-def build_moe_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
+def build_moe_model(
+    vocab_size: int, eos_token_id: int, pad_token_id: int, architecture: dict = TINY_MOE_ARCHITECTURE
+):
     """A random-init ``Qwen3MoeForCausalLM`` with the tiny MoE architecture (seeded, so deterministic)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -281,7 +297,7 @@ def build_moe_model(vocab_size: int, eos_token_id: int, pad_token_id: int):
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         bos_token_id=None,
-        **TINY_MOE_ARCHITECTURE,
+        **architecture,
     )
     with torch.random.fork_rng():
         torch.manual_seed(TINY_MOE_BUILD_VERSION)
@@ -310,17 +326,43 @@ def ensure_tiny_moe_model() -> Path:
     return _ensure_built(cache_dir() / f"tiny-moe-v{TINY_MOE_BUILD_VERSION}", _write_tiny_moe)
 
 
+def ensure_tiny_h32_model() -> Path:
+    """Return the directory of ``rollflow:tiny-h32`` (tiny with heads of 32), building it on first use."""
+    return _ensure_built(cache_dir() / f"tiny-h32-v{TINY_BUILD_VERSION}", _write_tiny_h32)
+
+
+def ensure_tiny_moe_h32_model() -> Path:
+    """Return the directory of ``rollflow:tiny-moe-h32`` (tiny-moe with heads of 32), building it on first use."""
+    return _ensure_built(cache_dir() / f"tiny-moe-h32-v{TINY_MOE_BUILD_VERSION}", _write_tiny_moe_h32)
+
+
 def _write_tiny(staging: Path) -> None:
     tokenizer = build_tokenizer()
     _save(tokenizer, build_model(**_token_ids(tokenizer)), staging)
 
 
-def _write_tiny_moe(staging: Path) -> None:
+def _tiny_tokenizer():
+    """rollflow:tiny's tokenizer; loading the built one skips training it a second time."""
     from transformers import AutoTokenizer
 
-    # The same tokenizer as rollflow:tiny; loading the built one skips training it a second time.
-    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+def _write_tiny_moe(staging: Path) -> None:
+    tokenizer = _tiny_tokenizer()
     _save(tokenizer, build_moe_model(**_token_ids(tokenizer)), staging)
+
+
+def _write_tiny_h32(staging: Path) -> None:
+    tokenizer = _tiny_tokenizer()
+    _save(tokenizer, build_model(**_token_ids(tokenizer), architecture=TINY_H32_ARCHITECTURE), staging)
+
+
+def _write_tiny_moe_h32(staging: Path) -> None:
+    tokenizer = _tiny_tokenizer()
+    _save(
+        tokenizer, build_moe_model(**_token_ids(tokenizer), architecture=TINY_MOE_H32_ARCHITECTURE), staging
+    )
 
 
 def _token_ids(tokenizer) -> dict[str, int]:
