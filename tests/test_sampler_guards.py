@@ -231,3 +231,27 @@ async def test_a_row_of_non_finite_logits_fails_its_request_alone(engine):
     assert isinstance(outcomes[0], EngineError) and "non-finite logits" in str(outcomes[0])
     assert [o.token_ids for o in outcomes[1:]] == [expected.token_ids] * 3
     assert engine.num_failed_requests == 1 and not engine.is_dead
+
+
+def test_draws_follow_the_distribution_and_never_pick_a_cut_token():
+    # The CPU draw inverts each row's cumulative sum (torch.multinomial cost 40% of a full-batch step): its
+    # frequencies must be those of the distribution, and a token top-k cut (probability 0) never comes up.
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -3.0]])
+    params = [SamplingParams(temperature=1.0, top_k=4)]
+    draws = 40_000
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(6)
+    for _ in range(draws // 500):
+        batch = sample(logits.expand(500, -1), params * 500, [None] * 500, generator)
+        counts += torch.bincount(torch.tensor(batch.tokens), minlength=6)
+    kept = torch.tensor([True, True, True, False, True, False])  # the 4 largest logits
+    expected = torch.where(kept, logits[0], torch.tensor(float("-inf"))).softmax(-1) * draws
+    assert counts[~kept].sum() == 0
+    # Each kept token's count within 5 standard deviations of its expectation.
+    std = (expected * (1 - expected / draws)).sqrt()
+    assert ((counts - expected).abs()[kept] <= 5 * std[kept] + 1).all(), (counts, expected)
+    # Seeded rows draw from their own generator: the same seed gives the same tokens, whatever the batch.
+    seeded = [torch.Generator().manual_seed(7) for _ in range(2)]
+    alone = sample(logits, params, [seeded[0]], generator).tokens
+    beside = sample(logits.expand(3, -1), params * 3, [None, seeded[1], None], generator).tokens
+    assert alone == [beside[1]]
