@@ -79,7 +79,7 @@ _PARENT = textwrap.dedent(
         time.sleep(600)
 
     async def main():
-        command = await start_command([sys.executable, "-c", "import time; time.sleep(600)"])
+        command = await start_command([sys.executable, "-c", "import time; time.sleep(600)"], name="orphan")
         function = start_function(sleep_forever, (), name="rollflow-test-orphan")
         print(command.pid, function.pid, flush=True)
         await asyncio.sleep(600)
@@ -112,7 +112,7 @@ async def test_a_command_that_ignores_sigterm_is_killed_with_what_it_started(tmp
     )
     log_path = tmp_path / "command.log"
     child = await start_command(
-        [sys.executable, "-c", code], log_path=log_path, stdout=asyncio.subprocess.PIPE
+        [sys.executable, "-c", code], name="stubborn", log_path=log_path, stdout=asyncio.subprocess.PIPE
     )
     grandchild = int(await asyncio.wait_for(child.process.stdout.readline(), 60))
     await child.stop(0.5)

@@ -158,7 +158,10 @@ class CommandChild:
     """A command started by ``start_command``: its ``asyncio.subprocess.Process`` (``process``, for its pipes),
     the log file its output goes to (``log_file``, when it has one), and ``stop``."""
 
-    def __init__(self, process: asyncio.subprocess.Process, log_file: IO[bytes] | None, own_group: bool):
+    def __init__(
+        self, process: asyncio.subprocess.Process, log_file: IO[bytes] | None, own_group: bool, name: str
+    ):
+        self.name = name
         self.process = process
         self.log_file = log_file
         self.own_group = own_group
@@ -197,7 +200,7 @@ class CommandChild:
             try:
                 await asyncio.wait_for(self.process.wait(), max(grace_s, 0.01))
             except TimeoutError:
-                log.warning("child command ignored its stop; killing it", pid=self.process.pid)
+                log.warning("child process did not exit; killing it", name=self.name, pid=self.process.pid)
             self._signal(signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 await self.process.wait()
@@ -208,6 +211,7 @@ class CommandChild:
 async def start_command(
     argv: Sequence[str],
     *,
+    name: str,
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
     stdin: Any = asyncio.subprocess.DEVNULL,
@@ -221,6 +225,7 @@ async def start_command(
 
     Args:
         argv: the command line (``["/bin/sh", "-c", text]`` for a shell command).
+        name: what it is, for the log (``server-0``, ``proxy-worker-1``).
         env: its whole environment (default: this process's).
         log_path: a log file, opened for appending with the command line written first; it takes the output
             that ``stdout``/``stderr`` do not redirect. Without it the output goes where this process's goes.
@@ -250,4 +255,4 @@ async def start_command(
         if log_file is not None:
             log_file.close()
         raise
-    return CommandChild(process, log_file, own_group)
+    return CommandChild(process, log_file, own_group, name)
