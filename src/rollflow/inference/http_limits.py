@@ -1,9 +1,12 @@
 """``HttpLimits``: what rollflow's HTTP listeners tolerate from slow clients (enforced in
-``rollflow.inference.http``). Apart so that the command line can show the defaults without importing aiohttp."""
+``rollflow.inference.http``), and their ``--http-*`` flags both ways: the flags of a command rollflow starts
+(``limit_flags``) and the limits a parsed command line asks for (``limits_from_flags``). Apart so that the
+command line can show the defaults without importing aiohttp."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,4 +38,25 @@ class HttpLimits:
             raise ValueError(f"max_connections must be a positive integer, got {self.max_connections!r}")
 
 
-__all__ = ["HttpLimits"]
+def limit_flags(limits: HttpLimits) -> list[str]:
+    """The ``--http-*`` flags of ``rollflow serve`` and ``rollflow router`` for ``limits``."""
+    return [
+        "--http-header-timeout-s",
+        repr(limits.header_timeout_s),
+        "--http-body-timeout-s",
+        repr(limits.body_timeout_s),
+        "--http-max-connections",
+        str(limits.max_connections),
+    ]
+
+
+def limits_from_flags(args: Any) -> HttpLimits:
+    """The ``HttpLimits`` the parsed ``--http-*`` flags (an ``argparse.Namespace``) ask for."""
+    return HttpLimits(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        max_connections=args.http_max_connections,
+    )
+
+
+__all__ = ["HttpLimits", "limit_flags", "limits_from_flags"]
