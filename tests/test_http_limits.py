@@ -226,8 +226,8 @@ def test_bad_http_limit_keys_name_the_key(override: str):
 def test_http_limit_keys_reach_the_servers_and_router_rollflow_starts(tmp_path):
     from rollflow.cli import _parser
     from rollflow.config import load_config
-    from rollflow.inference.router_process import RouterProcess
-    from rollflow.inference.server_group import build_torch_server_command
+    from rollflow.launch.router_process import RouterProcess
+    from rollflow.launch.server_group import build_torch_server_command
 
     config = load_config(
         [],

@@ -1,6 +1,6 @@
 """``HttpLimits``: what rollflow's HTTP listeners tolerate from slow clients (enforced in
-``rollflow.inference.http``), and their ``--http-*`` flags both ways: the flags of a command rollflow starts
-(``limit_flags``) and the limits a parsed command line asks for (``limits_from_flags``). Apart so that the
+``rollflow.inference.http``), and the limits a parsed command line's ``--http-*`` flags ask for
+(``limits_from_flags``; ``rollflow.launch.server_group.http_limit_flags`` writes them). Apart so that the
 command line can show the defaults without importing aiohttp."""
 
 from __future__ import annotations
@@ -38,18 +38,6 @@ class HttpLimits:
             raise ValueError(f"max_connections must be a positive integer, got {self.max_connections!r}")
 
 
-def limit_flags(limits: HttpLimits) -> list[str]:
-    """The ``--http-*`` flags of ``rollflow serve`` and ``rollflow router`` for ``limits``."""
-    return [
-        "--http-header-timeout-s",
-        repr(limits.header_timeout_s),
-        "--http-body-timeout-s",
-        repr(limits.body_timeout_s),
-        "--http-max-connections",
-        str(limits.max_connections),
-    ]
-
-
 def limits_from_flags(args: Any) -> HttpLimits:
     """The ``HttpLimits`` the parsed ``--http-*`` flags (an ``argparse.Namespace``) ask for."""
     return HttpLimits(
@@ -59,4 +47,4 @@ def limits_from_flags(args: Any) -> HttpLimits:
     )
 
 
-__all__ = ["HttpLimits", "limit_flags", "limits_from_flags"]
+__all__ = ["HttpLimits", "limits_from_flags"]

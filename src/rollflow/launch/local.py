@@ -1,13 +1,13 @@
 """``LocalProcesses``: children of this process started together and never left behind.
 
-The local backend of the launch layer: the engine servers (``rollflow.inference.server_group.ServerGroup``)
-and the router (``rollflow.inference.router_process.RouterProcess``) are kinds of it, and so are the servers
+The local backend of the launch layer: the engine servers (``rollflow.launch.server_group.ServerGroup``)
+and the router (``rollflow.launch.router_process.RouterProcess``) are kinds of it, and so are the servers
 a Ray server launcher runs on its node (``rollflow.launch.ray_servers``). Each child runs in its own process
 group with its output in ``{log_dir}/{kind}-{i}.log`` and is ready when it prints a JSON ready line
 ``{"event": "ready", "url": …}`` (or, for a port chosen here, when ``GET /health`` answers 200). Teardown (on
 exit, exception, cancellation or Ctrl-C) sends SIGTERM to each process group, then SIGKILL after
-``stop_grace_s``. On Linux each child also gets SIGTERM from the kernel if its parent dies without cleaning up
-(``PR_SET_PDEATHSIG``), so even ``kill -9`` of the trainer leaves no server behind.
+``stop_grace_s``. Each is started through ``rollflow.processes``, so it also gets SIGTERM from the kernel if its
+parent dies without cleaning up (``PR_SET_PDEATHSIG``): even ``kill -9`` of the trainer leaves no server behind.
 """
 
 from __future__ import annotations

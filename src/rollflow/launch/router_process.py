@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rollflow.inference.http_limits import limit_flags
 from rollflow.launch.local import LocalProcesses
+from rollflow.launch.server_group import http_limit_flags
 
 
 class RouterProcess(LocalProcesses):
@@ -91,7 +91,7 @@ class RouterProcess(LocalProcesses):
         for url in self.server_urls:
             command += ["--server", url]
         if self.http_limits is not None:
-            command += limit_flags(self.http_limits)
+            command += http_limit_flags(self.http_limits)
         # Always set, so a key in this process's environment does not reach a router started without one.
         env = {"ROLLFLOW_API_KEY": self.api_key or ""}
         return command, env, None

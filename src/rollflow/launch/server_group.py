@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 import structlog
 
-from rollflow.inference.http_limits import limit_flags
 from rollflow.launch.local import LocalProcesses, ServerStartError, free_port
 
 log = structlog.get_logger(__name__)
@@ -30,6 +29,18 @@ __all__ = [
     "build_vllm_server_command",
     "free_port",
 ]
+
+
+def http_limit_flags(limits: Any) -> list[str]:
+    """The ``--http-*`` flags of ``rollflow serve`` and ``rollflow router`` for an ``HttpLimits``."""
+    return [
+        "--http-header-timeout-s",
+        repr(limits.header_timeout_s),
+        "--http-body-timeout-s",
+        repr(limits.body_timeout_s),
+        "--http-max-connections",
+        str(limits.max_connections),
+    ]
 
 
 def build_torch_server_command(
@@ -89,7 +100,7 @@ def build_torch_server_command(
     if return_routed_experts:
         command.append("--enable-return-routed-experts")
     if http_limits is not None:
-        command += limit_flags(http_limits)
+        command += http_limit_flags(http_limits)
     if device != "auto":
         command += ["--device", device]
     env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
