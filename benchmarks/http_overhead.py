@@ -95,7 +95,7 @@ async def main(args: argparse.Namespace) -> None:
     from rollflow.inference.engine.engine import TorchEngine
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router import InferenceRouter
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
     from rollflow.models.loading import load_causal_lm, resolve_model_path
 
     torch.set_num_threads(1)

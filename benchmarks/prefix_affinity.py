@@ -67,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
 
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router import InferenceRouter
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
 
     log_dir = tempfile.mkdtemp(prefix="rollflow-bench-")
     async with (

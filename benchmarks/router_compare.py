@@ -141,8 +141,8 @@ async def start_vllm_router(binary: str, urls: list[str]) -> tuple[str, asyncio.
 async def main(args: argparse.Namespace) -> None:
     import aiohttp
 
-    from rollflow.inference.router_process import VllmRouterProcess
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.router_process import VllmRouterProcess
+    from rollflow.launch.server_group import ServerGroup
 
     vllm_router = shutil.which("vllm-router") or shutil.which(
         "vllm-router", path=os.path.dirname(sys.executable)

@@ -334,7 +334,7 @@ async def open_engine(kind: str, chat, batch_size: int) -> AsyncIterator[tuple[A
             await engine.shutdown()
         return
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
 
     options = {"max_batch_size": batch_size, "max_model_len": 512}
     log_dir = tempfile.mkdtemp(prefix="rollflow-bench-")

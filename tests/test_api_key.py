@@ -14,7 +14,7 @@ from rollflow.config import build_config, resolve_api_key
 from rollflow.errors import ConfigError
 from rollflow.inference.remote import ControlPlaneError, RemoteInferenceClient, RemoteInferenceError
 from rollflow.inference.router import InferenceRouter
-from rollflow.inference.server_group import build_torch_server_command, build_vllm_server_command
+from rollflow.launch.server_group import build_torch_server_command, build_vllm_server_command
 from rollflow.messages import GenerateRequest, SamplingParams
 
 KEY = "s3cret-key"

@@ -101,7 +101,7 @@ async def test_keep_barrier_continues_frozen_requests_on_the_new_weights(where, 
     from contextlib import AsyncExitStack
 
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
 
     # The tiny model only stops on stop tokens, so every request runs its full budget (~0.3 ms per token).
     request = GenerateRequest([5, 17, 42, 99, 3], SamplingParams(max_tokens=1500, temperature=0.0))

@@ -124,12 +124,12 @@ async def test_the_quickstart_task_as_a_file_trains_like_the_built_in_task(tmp_p
 
 
 async def test_generate_reads_a_dataset_and_reports_each_reward(tmp_path):
-    from rollflow.orchestrator.generate import generate
+    from rollflow.orchestrator.offline import generate_samples
 
     path = write_jsonl(tmp_path / "case.jsonl", case_rows(3))
     config = config_for(tmp_path, path, reward="data.rewards=[{fn='case'}, {fn='exact', weight=0.0}]")
     output = tmp_path / "samples.jsonl"
-    summary = await generate(config, num_prompts=3, output=output)
+    summary = await generate_samples(config, num_prompts=3, output=output)
     assert summary["num_samples"] == 6
     assert summary["reward/case"] == pytest.approx(summary["reward_mean"])  # exact has weight 0
     assert "reward/exact" in summary and not any(key.startswith("reward_sum/") for key in summary)

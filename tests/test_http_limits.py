@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
+from rollflow.inference.http_limits import limits_from_flags
 from tests.helpers.tito import MODEL, ScriptedClient
 from tests.helpers.waits import wait_until
 
@@ -223,10 +224,10 @@ def test_bad_http_limit_keys_name_the_key(override: str):
 
 
 def test_http_limit_keys_reach_the_servers_and_router_rollflow_starts(tmp_path):
-    from rollflow.cli import _parser, http_limits_from_args
+    from rollflow.cli import _parser
     from rollflow.config import load_config
-    from rollflow.inference.router_process import RouterProcess
-    from rollflow.inference.server_group import build_torch_server_command
+    from rollflow.launch.router_process import RouterProcess
+    from rollflow.launch.server_group import build_torch_server_command
 
     config = load_config(
         [],
@@ -245,7 +246,7 @@ def test_http_limit_keys_reach_the_servers_and_router_rollflow_starts(tmp_path):
         command = argv[argv.index("rollflow") + 1 :]
         if command[0] == "serve":
             command = [*command, "--model", "rollflow:tiny"]
-        assert http_limits_from_args(_parser().parse_args(command)) == limits
+        assert limits_from_flags(_parser().parse_args(command)) == limits
 
 
 @pytest.mark.parametrize(

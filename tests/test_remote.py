@@ -12,7 +12,7 @@ import pytest_asyncio
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.remote import ControlPlaneError, RemoteInferenceClient, RemoteInferenceError
 from rollflow.inference.router import InferenceRouter
-from rollflow.inference.server_group import free_port
+from rollflow.launch.server_group import free_port
 from rollflow.messages import FinishReason, GenerateRequest, SamplingParams
 
 from .helpers.servers import server_metric
@@ -304,7 +304,7 @@ async def test_http_layer_imports_no_heavy_frameworks():
 
     code = (
         "import sys\nimport rollflow.inference.remote, rollflow.inference.router, rollflow.inference.setup, "
-        "rollflow.inference.server_group\nprint(' '.join(m for m in ('torch', 'transformers', 'vllm', 'ray') "
+        "rollflow.launch.server_group\nprint(' '.join(m for m in ('torch', 'transformers', 'vllm', 'ray') "
         "if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

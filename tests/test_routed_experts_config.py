@@ -7,7 +7,7 @@ import pytest
 
 from rollflow.config import INFERENCE_MODE_ENV, build_config, load_config
 from rollflow.errors import ConfigError, EngineError
-from rollflow.inference.server_group import build_torch_server_command, build_vllm_server_command
+from rollflow.launch.server_group import build_torch_server_command, build_vllm_server_command
 from rollflow.messages import GenerateRequest, SamplingParams
 
 REQUEST = GenerateRequest([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0))

@@ -18,7 +18,7 @@ from aiohttp import web
 from rollflow.errors import error_code
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
-from rollflow.inference.server_group import ServerGroup, free_port
+from rollflow.launch.server_group import ServerGroup, free_port
 from rollflow.messages import GenerateRequest, SamplingParams
 
 from .helpers.waits import wait_until

@@ -11,7 +11,7 @@ import torch
 from rollflow.errors import error_code
 from rollflow.inference.remote import ControlPlaneError, RemoteInferenceClient
 from rollflow.inference.router import InferenceRouter
-from rollflow.inference.server_group import free_port
+from rollflow.launch.server_group import free_port
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.weights import StaticWeights, connect_sender, create_strategy
 

@@ -16,8 +16,8 @@ import pytest
 
 from rollflow.errors import InferenceError, MissingExtraError
 from rollflow.inference.remote import RemoteInferenceClient
-from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
-from rollflow.inference.server_group import ServerGroup
+from rollflow.launch.router_process import RouterProcess, VllmRouterProcess
+from rollflow.launch.server_group import ServerGroup
 from rollflow.messages import GenerateRequest, SamplingParams
 
 from .helpers.servers import server_metric

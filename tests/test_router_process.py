@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from rollflow.inference.router_process import RouterProcess
-from rollflow.inference.server_group import ServerStartError
+from rollflow.launch.router_process import RouterProcess
+from rollflow.launch.server_group import ServerStartError
 
 
 def test_needs_servers_and_keeps_the_key_off_the_command_line(tmp_path):

@@ -14,8 +14,8 @@ import pytest_asyncio
 from aiohttp import web
 
 from rollflow.inference.router import InferenceRouter
-from rollflow.inference.server_group import free_port
 from rollflow.inference.session_ids import MAX_SESSION_ID_BYTES
+from rollflow.launch.server_group import free_port
 
 from .helpers.raw_http import exchange
 

@@ -14,7 +14,7 @@ from rollflow.errors import ConfigError
 from rollflow.inference.client import collect_stream
 from rollflow.inference.logprob_check import check_server_logprobs, logprob_problem
 from rollflow.inference.remote import RemoteInferenceClient, RemoteInferenceError, _kept_counts
-from rollflow.inference.server_group import ServerGroup
+from rollflow.launch.server_group import ServerGroup
 from rollflow.messages import GenerateRequest, SamplingParams
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

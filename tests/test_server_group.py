@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from rollflow.errors import RollflowError
-from rollflow.inference.server_group import (
+from rollflow.launch.server_group import (
     ServerGroup,
     ServerStartError,
     build_torch_server_command,
@@ -113,7 +113,7 @@ async def test_startup_timeout_kills_the_servers(tmp_path):
 PARENT = textwrap.dedent(
     """
     import asyncio, sys
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
 
     async def main():
         async with ServerGroup("rollflow:tiny", 1, sys.argv[1], startup_timeout_s=120) as group:

@@ -10,8 +10,8 @@ import pytest
 from rollflow.config import INFERENCE_MODE_ENV, load_config
 from rollflow.errors import ConfigError
 from rollflow.inference.gpus import server_gpu_env, visible_cuda_devices
-from rollflow.inference.server_group import ServerGroup, build_torch_server_command, build_vllm_server_command
 from rollflow.inference.setup import server_env, server_options
+from rollflow.launch.server_group import ServerGroup, build_torch_server_command, build_vllm_server_command
 
 HTTP = ["inference.mode='http'"]
 

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.inference.router import InferenceRouter
-from rollflow.inference.server_group import free_port
+from rollflow.launch.server_group import free_port
 from rollflow.tito import TITOProxy
 from tests.helpers.tito import MODEL, ScriptedClient, assert_parity
 from tests.helpers.waits import wait_until

@@ -282,7 +282,7 @@ def test_an_empty_model_filled_from_a_state_dict_equals_the_loaded_one(which, re
 
 
 def test_servers_rollflow_starts_get_the_engine_device():
-    from rollflow.inference.server_group import build_torch_server_command
+    from rollflow.launch.server_group import build_torch_server_command
 
     command, _ = build_torch_server_command("rollflow:tiny", device="cuda")
     assert command[command.index("--device") + 1] == "cuda"

@@ -9,8 +9,8 @@ import contextlib
 import pytest
 from aiohttp import web
 
-from rollflow.inference.server_group import free_port
 from rollflow.inference.upstream import UpstreamError, UpstreamPool
+from rollflow.launch.server_group import free_port
 
 from .helpers.waits import wait_until
 

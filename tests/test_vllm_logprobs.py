@@ -30,7 +30,7 @@ async def test_vllm_logprobs_equal_the_trainers_and_raw_mode_is_rejected(
     from rollflow.errors import ConfigError
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
     from rollflow.messages import FinishReason, GenerateRequest, Sample, SamplingParams
     from rollflow.models.loading import load_causal_lm, resolve_model_path
     from rollflow.train.trainer import Trainer, build_micro_batch

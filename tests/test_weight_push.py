@@ -363,7 +363,7 @@ async def test_a_server_that_dies_mid_push_is_named_and_the_rest_get_the_weights
     """A server killed while the trainer pushes: without dropping, the barrier fails at once naming it (no
     retry against the same servers, which would block on the dead one); a client that drops unreachable
     servers (as runs use) carries on with the survivor."""
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
     from rollflow.models.loading import load_causal_lm
     from rollflow.weights import StaticWeights
 

@@ -52,7 +52,7 @@ class TwoRanks:
     """A worker-group handle: ``push_weights`` runs the call on both ranks at once, returns rank 0's result."""
 
     def __init__(self) -> None:
-        from rollflow.inference.server_group import free_port
+        from rollflow.launch.server_group import free_port
 
         context = multiprocessing.get_context("spawn")
         port = free_port()

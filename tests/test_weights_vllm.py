@@ -249,7 +249,7 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
 
     require_vllm()
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.server_group import ServerGroup
+    from rollflow.launch.server_group import ServerGroup
     from rollflow.messages import GenerateRequest, SamplingParams
     from rollflow.models.loading import load_causal_lm, resolve_model_path
 

@@ -1,4 +1,5 @@
-"""``rollflow`` command line. The only place that configures logging.
+"""``rollflow`` command line: parses the arguments, configures logging, dispatches to each command's entry
+point (``main`` beside its component) and turns its errors into exit statuses.
 
 Exit status: 0 done, 1 runtime failure, 2 bad config or arguments (or a run directory in use), 130
 interrupted (Ctrl-C), 143 terminated (SIGTERM: ``rollflow run`` and ``generate`` stop as on Ctrl-C).
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -18,6 +18,7 @@ import structlog
 
 from rollflow import eventloop
 from rollflow.errors import ConfigError, RollflowError, RunDirectoryInUseError
+from rollflow.logs import configure_logging
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -48,40 +49,6 @@ class _Termination:
     @classmethod
     def exit_status(cls) -> int:
         return EXIT_TERMINATED if cls.received else EXIT_INTERRUPTED
-
-
-class _CurrentStderr:
-    """Writes to ``sys.stderr`` as it is at each line, not as it was when logging was configured: a notebook
-    or a test harness may swap (and close) the stream in between."""
-
-    def write(self, text: str) -> int:
-        return sys.stderr.write(text)
-
-    def flush(self) -> None:
-        sys.stderr.flush()
-
-
-def configure_logging(level: str, *, cache: bool = True) -> None:
-    """Console rendering on a terminal, one JSON object per line otherwise; both on stderr. ``cache``: each
-    logger keeps this configuration from its first use on (cheaper; a process that reconfigures structlog
-    later, such as a test suite, passes False)."""
-    renderer = (
-        structlog.dev.ConsoleRenderer(colors=True)
-        if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
-        cache_logger_on_first_use=cache,
-    )
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -162,17 +129,6 @@ def _add_http_limits(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=defaults.max_connections,
         help=f"connections served at once; more get 503 (default {defaults.max_connections})",
-    )
-
-
-def http_limits_from_args(args: argparse.Namespace):
-    """The ``HttpLimits`` the ``--http-*`` flags ask for."""
-    from rollflow.inference.http_limits import HttpLimits
-
-    return HttpLimits(
-        header_timeout_s=args.http_header_timeout_s,
-        body_timeout_s=args.http_body_timeout_s,
-        max_connections=args.http_max_connections,
     )
 
 
@@ -384,7 +340,7 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from rollflow.config import load_config
-    from rollflow.orchestrator.generate import evaluate_offline
+    from rollflow.orchestrator.offline import evaluate_offline
 
     config = load_config(args.configs, args.overrides)
     try:
@@ -399,13 +355,13 @@ def _generate(args: argparse.Namespace) -> int:
     import json
 
     from rollflow.config import load_config
-    from rollflow.orchestrator.generate import generate
+    from rollflow.orchestrator.offline import generate_samples
 
     config = load_config(args.configs, args.overrides)
     num_prompts = config.orchestrator.prompts_per_step if args.num_prompts is None else args.num_prompts
     try:
         summary = eventloop.run(
-            generate(config, num_prompts=num_prompts, output=args.output, checkpoint=args.checkpoint)
+            generate_samples(config, num_prompts=num_prompts, output=args.output, checkpoint=args.checkpoint)
         )
     except KeyboardInterrupt:
         return _Termination.exit_status()
@@ -506,81 +462,28 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import json
-
-    from rollflow.inference.http import raise_open_file_limit
-    from rollflow.inference.router import InferenceRouter, serve_router
+    from rollflow.inference.router_main import main as router_main
 
     try:
-        router = InferenceRouter(
-            args.servers,
-            host=args.host,
-            port=args.port,
-            health_check_interval_s=args.health_check_interval_s,
-            request_timeout_s=args.request_timeout_s,
-            balance_factor=args.balance_factor,
-            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
-            http_limits=http_limits_from_args(args),
-        )
-    except ValueError as error:
-        raise ConfigError(f"rollflow router: {error}") from None
-
-    def ready(url: str) -> None:
-        eventloop.tune_gc_for_serving()  # set up: what is alive now stays out of GC passes
-        sys.stdout.write(json.dumps({"event": "ready", "url": url}) + "\n")
-        sys.stdout.flush()
-
-    raise_open_file_limit()
-    try:
-        eventloop.run(serve_router(router, ready))
+        return router_main(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except OSError as error:
         sys.stderr.write(f"error: rollflow router could not listen on {args.host}:{args.port}: {error}\n")
         return EXIT_FAILURE
-    return 0
 
 
 def _proxy(args: argparse.Namespace) -> int:
-    """Admin endpoints take the bearer token from ROLLFLOW_ADMIN_TOKEN, or a generated one that the ready
-    line prints."""
-    import json
-    import os
-    import secrets
-
-    from rollflow.config import load_config
     from rollflow.errors import ModelNotFoundError
-    from rollflow.inference.http import raise_open_file_limit
-    from rollflow.orchestrator.builders import serve_proxy
+    from rollflow.orchestrator.proxy_main import main as proxy_main
 
-    config = load_config(args.configs, args.overrides)
-    token = os.environ.get("ROLLFLOW_ADMIN_TOKEN") or None
-    generated = token is None
-    token = token or secrets.token_urlsafe(24)
-
-    def ready(proxy) -> None:
-        eventloop.tune_gc_for_serving()  # model and tokenizer loaded: keep them out of GC passes
-        line = {"event": "ready", "url": proxy.base_url, "model": proxy.model_name}
-        if generated:
-            line["admin_token"] = token
-        sys.stdout.write(json.dumps(line) + "\n")
-        sys.stdout.flush()
-
-    raise_open_file_limit()
     try:
-        eventloop.run(serve_proxy(config, host=args.host, port=args.port, admin_token=token, ready=ready))
+        return proxy_main(args)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except ModelNotFoundError as error:  # an OSError too: not the port's fault
         configs = " ".join(map(str, args.configs))
         raise ConfigError(f"rollflow proxy {configs}: model.path: {error}") from None
-    except OSError as error:
-        agent = config.agent
-        host = args.host or (agent.host if agent is not None else "127.0.0.1")
-        port = args.port if args.port is not None else (agent.port if agent is not None else 0)
-        sys.stderr.write(f"error: rollflow proxy could not listen on {host}:{port}: {error}\n")
-        return EXIT_FAILURE
-    return 0
 
 
 def _trace(args: argparse.Namespace) -> int:

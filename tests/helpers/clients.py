@@ -104,7 +104,7 @@ class HttpBackend:
     mode = "http"
 
     def __init__(self, servers: Any, log_dir: Path):
-        from rollflow.inference.router_process import RouterProcess
+        from rollflow.launch.router_process import RouterProcess
 
         self.servers = servers
         self.router = RouterProcess(servers.urls, log_dir, health_check_interval_s=0.5)

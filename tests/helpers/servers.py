@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rollflow.inference.server_group import ServerGroup
+from rollflow.launch.server_group import ServerGroup
 
 
 async def server_metric(urls: list[str], name: str) -> float:

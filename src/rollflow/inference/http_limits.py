@@ -1,9 +1,12 @@
 """``HttpLimits``: what rollflow's HTTP listeners tolerate from slow clients (enforced in
-``rollflow.inference.http``). Apart so that the command line can show the defaults without importing aiohttp."""
+``rollflow.inference.http``), and the limits a parsed command line's ``--http-*`` flags ask for
+(``limits_from_flags``; ``rollflow.launch.server_group.http_limit_flags`` writes them). Apart so that the
+command line can show the defaults without importing aiohttp."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,4 +38,13 @@ class HttpLimits:
             raise ValueError(f"max_connections must be a positive integer, got {self.max_connections!r}")
 
 
-__all__ = ["HttpLimits"]
+def limits_from_flags(args: Any) -> HttpLimits:
+    """The ``HttpLimits`` the parsed ``--http-*`` flags (an ``argparse.Namespace``) ask for."""
+    return HttpLimits(
+        header_timeout_s=args.http_header_timeout_s,
+        body_timeout_s=args.http_body_timeout_s,
+        max_connections=args.http_max_connections,
+    )
+
+
+__all__ = ["HttpLimits", "limits_from_flags"]

@@ -137,8 +137,8 @@ async def get_inference_client(
     from rollflow.config import resolve_api_key
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
-    from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
     from rollflow.launch.launcher import open_launcher
+    from rollflow.launch.router_process import RouterProcess, VllmRouterProcess
 
     inference = config.inference
     if inference.mode == "local":

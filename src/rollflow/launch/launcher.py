@@ -59,7 +59,7 @@ class LocalLauncher:
     async def servers(
         self, model: str, num_servers: int, log_dir: Path, **options: Any
     ) -> AsyncIterator[list[str]]:
-        from rollflow.inference.server_group import ServerGroup
+        from rollflow.launch.server_group import ServerGroup
 
         async with ServerGroup(model, num_servers, log_dir, **options) as group:
             yield group.urls

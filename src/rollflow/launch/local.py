@@ -1,40 +1,35 @@
 """``LocalProcesses``: children of this process started together and never left behind.
 
-The local backend of the launch layer: the engine servers (``rollflow.inference.server_group.ServerGroup``)
-and the router (``rollflow.inference.router_process.RouterProcess``) are kinds of it, and so are the servers
+The local backend of the launch layer: the engine servers (``rollflow.launch.server_group.ServerGroup``)
+and the router (``rollflow.launch.router_process.RouterProcess``) are kinds of it, and so are the servers
 a Ray server launcher runs on its node (``rollflow.launch.ray_servers``). Each child runs in its own process
 group with its output in ``{log_dir}/{kind}-{i}.log`` and is ready when it prints a JSON ready line
 ``{"event": "ready", "url": …}`` (or, for a port chosen here, when ``GET /health`` answers 200). Teardown (on
 exit, exception, cancellation or Ctrl-C) sends SIGTERM to each process group, then SIGKILL after
-``stop_grace_s``. On Linux each child also gets SIGTERM from the kernel if its parent dies without cleaning up
-(``PR_SET_PDEATHSIG``), so even ``kill -9`` of the trainer leaves no server behind.
+``stop_grace_s``. Each is started through ``rollflow.processes``, so it also gets SIGTERM from the kernel if its
+parent dies without cleaning up (``PR_SET_PDEATHSIG``): even ``kill -9`` of the trainer leaves no server behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import json
 import os
-import signal
 import socket
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import IO, Self
+from typing import Self
 
 import aiohttp
 import anyio
 import structlog
 
 from rollflow.errors import RollflowError
+from rollflow.processes import CommandChild, start_command
 
 log = structlog.get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RollflowError):
@@ -50,26 +45,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _prepare_child(parent_pid: int, niceness: int) -> None:
-    """Runs in the child between fork and exec: lower its priority by ``niceness`` (every thread it starts
-    inherits it), and ask the kernel for SIGTERM when the parent dies."""
-    if niceness:
-        os.nice(niceness)
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-
 class _Child:
-    __slots__ = ("index", "log_file", "log_path", "process", "pump", "url")
+    __slots__ = ("child", "index", "log_path", "pump", "url")
 
     def __init__(self, index: int, log_path: Path):
         self.index = index
         self.log_path = log_path
-        self.log_file: IO[bytes] | None = None
-        self.process: asyncio.subprocess.Process | None = None
+        self.child: CommandChild | None = None
         self.pump: asyncio.Task[None] | None = None
         self.url: str | None = None
 
@@ -129,7 +111,7 @@ class LocalProcesses:
     @property
     def pids(self) -> list[int]:
         """Process ids of the processes (each leads its own process group)."""
-        return [server.process.pid for server in self._servers if server.process is not None]
+        return [server.child.pid for server in self._servers if server.child is not None]
 
     async def __aenter__(self) -> Self:
         await self.start()
@@ -172,27 +154,24 @@ class LocalProcesses:
         command, process_env, port = self._command(server.index)
         own = self.process_env[server.index] if self.process_env is not None else {}
         env = {**os.environ, **self.env, **own, **process_env}
-        server.log_file = open(server.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        server.log_file.write(f"$ {' '.join(command)}\n".encode())
-        server.log_file.flush()
-        server.process = await asyncio.create_subprocess_exec(
-            *command,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=server.log_file,
+        # stdout is read for the ready line (and copied to the log); stderr goes straight to the log.
+        server.child = await start_command(
+            command,
+            name=f"{self.kind}-{server.index}",
             env=env,
-            start_new_session=True,  # its own process group: teardown signals the server and its children
-            preexec_fn=functools.partial(_prepare_child, os.getpid(), self.niceness),
+            log_path=server.log_path,
+            stdout=asyncio.subprocess.PIPE,
+            niceness=self.niceness,
         )
         ready: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        server.pump = asyncio.create_task(self._pump_stdout(server, ready))
+        server.pump = asyncio.create_task(self._pump_stdout(server.child, ready))
         if port is None:
-            wait_exit = asyncio.ensure_future(server.process.wait())
+            wait_exit = asyncio.ensure_future(server.child.wait())
             done, _ = await asyncio.wait({ready, wait_exit}, return_when=asyncio.FIRST_COMPLETED)
             wait_exit.cancel()
             if ready not in done:
                 raise ServerStartError(
-                    f"{self.kind} {server.index} exited with code {server.process.returncode} before it was ready"
+                    f"{self.kind} {server.index} exited with code {server.child.returncode} before it was ready"
                     + self._log_tail(server)
                 )
             server.url = ready.result()
@@ -200,13 +179,14 @@ class LocalProcesses:
             await self._wait_healthy(server, f"http://{self.host}:{port}")
             server.url = f"http://{self.host}:{port}"
 
-    async def _pump_stdout(self, server: _Child, ready: asyncio.Future[str]) -> None:
+    @staticmethod
+    async def _pump_stdout(child: CommandChild, ready: asyncio.Future[str]) -> None:
         """Copy the server's stdout to its log, resolving ``ready`` on the first ready line."""
-        assert server.process is not None and server.process.stdout is not None
-        while line := await server.process.stdout.readline():
-            if server.log_file is not None and not server.log_file.closed:
-                server.log_file.write(line)
-                server.log_file.flush()
+        assert child.process.stdout is not None and child.log_file is not None
+        while line := await child.process.stdout.readline():
+            if not child.log_file.closed:
+                child.log_file.write(line)
+                child.log_file.flush()
             if not ready.done() and line.startswith(b"{"):
                 with contextlib.suppress(ValueError):
                     event = json.loads(line)
@@ -214,12 +194,12 @@ class LocalProcesses:
                         ready.set_result(str(event["url"]).rstrip("/"))
 
     async def _wait_healthy(self, server: _Child, url: str) -> None:
-        assert server.process is not None
+        assert server.child is not None
         async with aiohttp.ClientSession() as session:
             while True:
-                if server.process.returncode is not None:
+                if server.child.returncode is not None:
                     raise ServerStartError(
-                        f"{self.kind} {server.index} exited with code {server.process.returncode} before it "
+                        f"{self.kind} {server.index} exited with code {server.child.returncode} before it "
                         "was ready" + self._log_tail(server)
                     )
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -244,31 +224,17 @@ class LocalProcesses:
 
     async def stop(self) -> None:
         """SIGTERM every server's process group, SIGKILL what is left after ``stop_grace_s``. Idempotent."""
-        servers = [server for server in self._servers if server.process is not None]
-        for server in servers:
-            _signal_group(server.process, signal.SIGTERM)  # type: ignore[arg-type]
+        children = [server.child for server in self._servers if server.child is not None]
+        for child in children:
+            child.terminate()
         deadline = time.monotonic() + self.stop_grace_s
-        for server in servers:
-            process = server.process
-            assert process is not None
-            try:
-                await asyncio.wait_for(process.wait(), max(deadline - time.monotonic(), 0.01))
-            except TimeoutError:
-                log.warning(f"{self.kind} ignored SIGTERM; killing it", pid=process.pid, index=server.index)
-            # SIGKILL the group even after a clean exit: children the server left behind die with it.
-            _signal_group(process, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                await process.wait()
+        # All were asked at once; each then gets what is left of the one deadline.
+        await asyncio.gather(
+            *(child.stop(deadline - time.monotonic(), terminate=False) for child in children)
+        )
         for server in self._servers:
             if server.pump is not None:
                 server.pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await server.pump
-            if server.log_file is not None:
-                server.log_file.close()
         self._servers = []
-
-
-def _signal_group(process: asyncio.subprocess.Process, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)

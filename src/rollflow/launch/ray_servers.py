@@ -54,7 +54,7 @@ class ServerLauncher:
         """Start the node's servers; their URLs in slot order."""
         import ray
 
-        from rollflow.inference.server_group import ServerGroup
+        from rollflow.launch.server_group import ServerGroup
 
         address = ray.util.get_node_ip_address()
         gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()]

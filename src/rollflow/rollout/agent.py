@@ -31,7 +31,6 @@ import copy
 import inspect
 import os
 import secrets
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -43,6 +42,7 @@ import structlog
 from rollflow.errors import AgentError, ConfigError
 from rollflow.imports import import_object
 from rollflow.messages import FinishReason, RolloutRequest, Sample, ScoredGroup
+from rollflow.processes import start_command
 from rollflow.rollout.callbacks import is_interruption
 from rollflow.rollout.generator import sample_seed
 from rollflow.rollout.rewards import reward_value
@@ -107,24 +107,23 @@ class CommandAgent:
             "OPENAI_API_KEY": DUMMY_API_KEY,
             "OPENAI_MODEL": task.model,
         }
-        pipes = dict(
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        # Its own process group, so a timeout kills whatever the command started too; it dies with this
+        # process. A string runs in the shell (`/bin/sh -c`), as it did from asyncio's shell subprocess.
+        argv = ["/bin/sh", "-c", self.command] if isinstance(self.command, str) else self.command
+        child = await start_command(
+            argv,
+            name="agent",
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
         )
-        # Its own session (process group), so a timeout kills whatever the command started too.
-        if isinstance(self.command, str):
-            process = await asyncio.create_subprocess_shell(
-                self.command, env=env, start_new_session=True, **pipes
-            )
-        else:
-            process = await asyncio.create_subprocess_exec(
-                *self.command, env=env, start_new_session=True, **pipes
-            )
         try:
-            stdout, stderr = await process.communicate(msgspec.json.encode(task))
+            stdout, stderr = await child.process.communicate(msgspec.json.encode(task))
         except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._kill(process)
+            await child.stop(self.kill_grace_s)  # shielded from the cancellation it may be part of
             raise
+        process = child.process
         err = stderr.decode(errors="replace")[-_STDERR_TAIL:].strip()
         if process.returncode != 0:
             raise AgentError(f"command exited with status {process.returncode}; stderr: {err or '(empty)'}")
@@ -136,15 +135,6 @@ class CommandAgent:
             raise AgentError(
                 f"the last line of stdout must be the reward as a number, got {last[:200]!r}"
             ) from None
-
-    async def _kill(self, process: asyncio.subprocess.Process) -> None:
-        for sig, wait_s in ((signal.SIGTERM, self.kill_grace_s), (signal.SIGKILL, None)):
-            if process.returncode is not None:
-                return
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, sig)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(process.wait(), wait_s)
 
 
 def resolve_agent(

@@ -4,7 +4,7 @@ run's reward.
 The orchestrator evaluates between steps, on the engines that generate for training: evaluation requests
 carry ids of their own (``eval-…``), go through no staleness schedule and are never trained, so the run's
 staleness accounting does not see them; no weight update happens while they run, so every evaluation sample
-is of one policy version. ``rollflow eval`` (``rollflow.orchestrator.generate.evaluate_offline``) does the same on a checkpoint's
+is of one policy version. ``rollflow eval`` (``rollflow.orchestrator.offline.evaluate_offline``) does the same on a checkpoint's
 weights.
 
 Metrics: ``eval/greedy/reward_mean`` and ``eval/greedy/accuracy`` (reward >= ``eval.pass_threshold``);
@@ -111,7 +111,7 @@ class Evaluator:
 
     async def evaluate(self, policy_version: int) -> dict[str, float]:
         """Generate and score every held-out prompt with each configured kind; the ``eval/*`` metrics."""
-        from rollflow.rollout.generate import generate_groups
+        from rollflow.rollout.prompt_groups import generate_groups
 
         started = time.perf_counter()
         metrics: dict[str, float] = {"eval/num_prompts": float(self.num_prompts), "eval/reward_errors": 0.0}

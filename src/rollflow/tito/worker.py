@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from rollflow.errors import InferenceUnavailableError, RequestError
+from rollflow.logs import configure_logging
 from rollflow.messages import (
     GenerateChunk,
     GenerateOutput,
@@ -171,7 +172,6 @@ async def serve(fd: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rollflow.cli import configure_logging
     from rollflow.eventloop import run
 
     args = sys.argv[1:] if argv is None else argv

@@ -56,6 +56,7 @@ from rollflow.messages import (
     WorkerSetup,
     WorkerStream,
 )
+from rollflow.processes import CommandChild, start_command
 from rollflow.tito.proxy import DEFAULT_MAX_SESSIONS, claim_session_id, remember_closed, too_many_sessions
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.trace import Trace
@@ -183,7 +184,7 @@ class _Worker:
     def __init__(self, index: int, client: Any):
         self.index = index
         self.client = client
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: CommandChild | None = None
         self.link: Link | None = None
         self.base_url = ""
         self.sessions = 0
@@ -196,13 +197,13 @@ class _Worker:
     async def start(self, setup: WorkerSetup, timeout_s: float) -> None:
         ours, theirs = socket.socketpair()
         try:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "rollflow.tito.worker",
-                str(theirs.fileno()),
+            # Its output goes where this process's does; it stays in this process group, as before the
+            # process layer (a terminal's Ctrl-C reaches it too, and it closes its sessions and exits).
+            self.process = await start_command(
+                [sys.executable, "-m", "rollflow.tito.worker", str(theirs.fileno())],
+                name=f"proxy-worker-{self.index}",
                 pass_fds=(theirs.fileno(),),
-                stdin=asyncio.subprocess.DEVNULL,
+                own_group=False,
             )
         finally:
             theirs.close()
@@ -317,13 +318,8 @@ class _Worker:
         self._lose(self.gone or f"proxy worker {self.index} was stopped")
         if self.link is not None:
             self.link.close()
-        if self.process is not None and self.process.returncode is None:
-            try:
-                await asyncio.wait_for(self.process.wait(), timeout_s)
-            except TimeoutError:
-                log.warning("proxy worker did not exit; killing it", worker=self.index)
-                self.process.kill()
-                await self.process.wait()
+        if self.process is not None:
+            await self.process.stop(timeout_s, terminate=False)  # closing the link was the request to exit
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -19,9 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing
-import signal
 import threading
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -30,10 +28,11 @@ from typing import Any
 
 import structlog
 
-from rollflow.children import start_child
 from rollflow.config import TrainerConfig
 from rollflow.errors import RollflowError
 from rollflow.messages import PackedBatch, StepResult
+from rollflow.processes import start_function, stop_functions
+from rollflow.train.serving import serve_trainer_calls
 
 log = structlog.get_logger(__name__)
 
@@ -85,7 +84,7 @@ class TrainerProcess:
 
     def __init__(self, spec: TrainerSpec):
         self._conn, child_conn = multiprocessing.Pipe()
-        self._process = start_child(_serve, (child_conn, spec), name="rollflow-trainer")
+        self._process = start_function(_serve, (child_conn, spec), name="rollflow-trainer")
         child_conn.close()
         self._lock = threading.Lock()
         # Before multiprocessing's own exit handler (atexit runs last-registered first), which would
@@ -135,11 +134,7 @@ class TrainerProcess:
         if self._process.exitcode is None and self._process.pid is not None:
             with contextlib.suppress(OSError, ValueError):  # the child is already gone
                 self._conn.send(("close",))
-            self._process.join(CLOSE_TIMEOUT_S)
-            if self._process.exitcode is None:
-                log.warning("trainer process did not exit; killing it", pid=self._process.pid)
-                self._process.kill()
-                self._process.join()
+            stop_functions([self._process], CLOSE_TIMEOUT_S)
         self._conn.close()
         atexit.unregister(self.close)
 
@@ -178,36 +173,8 @@ class TrainerProcess:
 
 
 def _serve(conn: Connection, spec: TrainerSpec) -> None:
-    """The child: build the trainer, share its weights, then run calls until ``close`` or the pipe closes."""
-    # Ctrl-C in a terminal, and SIGTERM from `timeout`, systemd or Slurm, reach the whole process group; the
-    # parent finishes the call in progress and then decides when the trainer ends.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        trainer = _build(spec)
-    except Exception as error:
-        conn.send(error_reply(error))
-        return
-    conn.send(("ok", None, ""))
-    while True:
-        try:
-            method, *args = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if method == "close":
-            return
-        try:
-            if method == "share_weights":
-                trainer.model.share_memory()  # in place: the optimizer keeps the same parameters
-                reply: tuple[str, Any, str] = ("ok", dict(trainer.named_weights()), "")
-            else:
-                reply = ("ok", getattr(trainer, method)(*args), "")
-        except Exception as error:
-            reply = error_reply(error)
-        try:
-            conn.send(reply)
-        except OSError:
-            return  # the parent is gone
+    """The child: build the trainer, then run calls until ``close`` or the pipe closes."""
+    serve_trainer_calls(conn, lambda: _build(spec), _answer, stand_in=TrainerProcessError)
 
 
 def _build(spec: TrainerSpec) -> Any:
@@ -217,16 +184,8 @@ def _build(spec: TrainerSpec) -> Any:
     return Trainer(load_causal_lm(spec.model_dir), **spec.trainer_kwargs())
 
 
-def error_reply(
-    error: Exception, stand_in: type[RollflowError] = TrainerProcessError
-) -> tuple[str, Exception, str]:
-    """A child's reply for ``error``: the exception itself when it pickles (so the parent raises the same
-    type), else a ``stand_in`` naming it; with the child's traceback."""
-    import pickle
-
-    details = traceback.format_exc()
-    try:
-        pickle.loads(pickle.dumps(error))
-    except Exception:
-        error = stand_in(f"{type(error).__name__}: {error}")
-    return ("error", error, details)
+def _answer(trainer: Any, method: str, args: list[Any]) -> Any:
+    if method == "share_weights":
+        trainer.model.share_memory()  # in place: the optimizer keeps the same parameters
+        return dict(trainer.named_weights())
+    return getattr(trainer, method)(*args)

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import select
-import signal
 import sys
 import threading
 import time
@@ -32,10 +30,11 @@ from typing import Any
 
 import structlog
 
-from rollflow.children import start_child
 from rollflow.errors import ConfigError, RollflowError
+from rollflow.processes import start_function, stop_functions
 from rollflow.train.handle import RankGroup
-from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec, error_reply
+from rollflow.train.process import STARTUP_TIMEOUT_S, TrainerSpec
+from rollflow.train.serving import serve_trainer_calls
 
 log = structlog.get_logger(__name__)
 
@@ -84,9 +83,9 @@ class TrainerWorkers(RankGroup):
         try:
             for rank in range(self.world_size):
                 conn, child_conn = multiprocessing.Pipe()
-                process = start_child(
+                process = start_function(
                     _serve_rank,
-                    (child_conn, spec, rank, self.world_size, device, threads, os.getpid()),
+                    (child_conn, spec, rank, self.world_size, device, threads),
                     name=f"rollflow-trainer-{rank}",
                 )
                 child_conn.close()
@@ -114,9 +113,7 @@ class TrainerWorkers(RankGroup):
                 if worker.process.exitcode is None:
                     with contextlib.suppress(OSError, ValueError):
                         worker.conn.send(("close",))
-            deadline = time.monotonic() + CLOSE_TIMEOUT_S
-            for worker in self._workers:
-                worker.process.join(max(deadline - time.monotonic(), 0.0))
+            stop_functions([worker.process for worker in self._workers], CLOSE_TIMEOUT_S)
             self._stop()
 
     # ---------------------------------------------------------------- calls
@@ -198,12 +195,8 @@ class TrainerWorkers(RankGroup):
 
     def _stop(self) -> None:
         """Kill every worker still running and reap them all."""
+        stop_functions([worker.process for worker in self._workers], 0.0)
         for worker in self._workers:
-            if worker.process.exitcode is None and worker.process.pid is not None:
-                worker.process.kill()
-        for worker in self._workers:
-            if worker.process.pid is not None:
-                worker.process.join()
             worker.conn.close()
 
 
@@ -236,36 +229,24 @@ def _check_devices(config: Any) -> str:
 
 
 def _serve_rank(
-    conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int, parent: int
+    conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int
 ) -> None:
-    # Ctrl-C in a terminal, and SIGTERM from `timeout`, systemd or Slurm, reach the whole process group; the
-    # parent finishes the step in progress (a checkpoint-safe stop) and then decides when the workers end.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    try:
-        trainer = _start_rank(conn, spec, rank, world_size, device, threads)
-    except Exception as error:
-        conn.send(error_reply(error, TrainerWorkerError))
-        return
-    conn.send(("ok", None, ""))
-    while True:
-        try:
-            method, *args = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if method == "close":
-            leave_group()
-            # Nothing is left to flush but the standard streams; the interpreter's own teardown (torch's
-            # and transformers' modules) would take seconds on a busy machine.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        try:
-            reply: tuple[str, Any, str] = ("ok", run_call(trainer, method, args), "")
-        except Exception as error:
-            reply = error_reply(error, TrainerWorkerError)
-        conn.send(reply)
+    serve_trainer_calls(
+        conn,
+        lambda: _start_rank(conn, spec, rank, world_size, device, threads),
+        run_call,
+        stand_in=TrainerWorkerError,
+        on_close=_leave_now,
+    )
+
+
+def _leave_now() -> None:
+    leave_group()
+    # Nothing is left to flush but the standard streams; the interpreter's own teardown (torch's and
+    # transformers' modules) would take seconds on a busy machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start_rank(conn: Connection, spec: TrainerSpec, rank: int, world_size: int, device: str, threads: int):
@@ -403,29 +384,3 @@ def leave_group() -> None:
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _exit_with_parent(parent: int) -> None:
-    """A worker outlives its parent only by a second: one stuck in a collective never reads its pipe's end.
-    The parent is watched by pid (a pidfd where the OS has them, which a reused pid cannot fool): a worker
-    started from a fork server is not the parent's child."""
-    try:
-        handle = os.pidfd_open(parent)
-    except (AttributeError, OSError):
-        handle = None
-    if handle is not None:
-        select.select([handle], [], [])  # readable once the process has exited
-    else:
-        while _alive(parent):
-            time.sleep(1.0)
-    os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

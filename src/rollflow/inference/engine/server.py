@@ -86,6 +86,7 @@ from rollflow.inference.http import (
     raise_open_file_limit,
     warn_if_exposed,
 )
+from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
 from rollflow.weights.receiver import init_timeout_s
@@ -1017,8 +1018,6 @@ def main(args: Any) -> int:
         sys.stdout.write(json.dumps(event) + "\n")
         sys.stdout.flush()
 
-    from rollflow.cli import http_limits_from_args
-
     raise_open_file_limit()
     eventloop.run(
         serve(
@@ -1030,7 +1029,7 @@ def main(args: Any) -> int:
             served_model_name=args.served_model_name,
             api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
             return_routed_experts=args.enable_return_routed_experts,
-            http_limits=http_limits_from_args(args),
+            http_limits=limits_from_flags(args),
             device=args.device,
             logprobs_mode=args.logprobs_mode,
             ready=ready,

@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rollflow.inference.server_group import http_limit_flags
 from rollflow.launch.local import LocalProcesses
+from rollflow.launch.server_group import http_limit_flags
 
 
 class RouterProcess(LocalProcesses):

@@ -21,7 +21,7 @@ import msgspec
 
 from rollflow.config import EvalConfig, RunConfig
 from rollflow.orchestrator.builders import load_chat, open_generator, push_policy
-from rollflow.rollout.generate import generate_groups
+from rollflow.rollout.prompt_groups import generate_groups
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -32,7 +32,7 @@ def _enc_hook(value: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
-async def generate(
+async def generate_samples(
     config: RunConfig,
     *,
     num_prompts: int,

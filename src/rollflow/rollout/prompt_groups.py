@@ -1,5 +1,5 @@
 """Groups for the first N prompts of a task from any generator, in prompt order (``rollflow generate``,
-``rollflow eval`` and the run's evaluations use it; ``rollflow.orchestrator.generate`` wires the commands)."""
+``rollflow eval`` and the run's evaluations use it; ``rollflow.orchestrator.offline`` wires the commands)."""
 
 from __future__ import annotations
 
