@@ -177,6 +177,8 @@ def http_limits_from_args(args: argparse.Namespace):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from rollflow.config.server_spec import add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for language models.")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
@@ -220,18 +222,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=_port, default=8000, help="port to bind; 0 picks a free one (default 8000)"
     )
-    serve.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=64,
-        help="KV-cache slots: requests decoded together (default 64)",
-    )
-    serve.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt plus output tokens per request (default: the model's, at most 2048)",
-    )
+    add_serve_arguments(serve)  # the options rollflow sets on the servers it starts (``ServerSpec``)
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: --model)"
     )
@@ -240,17 +231,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="bearer token every endpoint but /health and /metrics requires (default: $ROLLFLOW_API_KEY, "
         "else none)",
-    )
-    serve.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the engine runs: auto (CUDA when torch sees a GPU, else CPU), cpu or cuda (default auto)",
-    )
-    serve.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
     )
     serve.add_argument(
         "--logprobs-mode",
@@ -508,6 +488,7 @@ def _run(args: argparse.Namespace) -> int:
 def _router(args: argparse.Namespace) -> int:
     import json
 
+    from rollflow.config import api_key_or_env
     from rollflow.inference.http import raise_open_file_limit
     from rollflow.inference.router import InferenceRouter, serve_router
 
@@ -519,7 +500,7 @@ def _router(args: argparse.Namespace) -> int:
             health_check_interval_s=args.health_check_interval_s,
             request_timeout_s=args.request_timeout_s,
             balance_factor=args.balance_factor,
-            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
+            api_key=api_key_or_env(args.api_key),
             http_limits=http_limits_from_args(args),
         )
     except ValueError as error:

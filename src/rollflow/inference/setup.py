@@ -63,26 +63,16 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
 
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
-    rollflow starts (``ServerGroup(server_options=…)``)."""
+    rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
+    ``inference.server_args``."""
+    from rollflow.config.server_spec import ServerSpec
+
     inference = config.inference
-    options: dict[str, object] = {
-        "max_model_len": inference.max_model_len,
+    return {
+        "spec": ServerSpec.from_inference(inference),
         "api_key": api_key,
-        "tensor_parallel_size": inference.tensor_parallel_size,
-        "dtype": inference.dtype,
         "extra_args": list(inference.server_args),
     }
-    if inference.engine == "torch":
-        options["max_batch_size"] = inference.max_batch_size
-        options["http_limits"] = inference.http_limits()
-        options["device"] = inference.device
-    else:
-        options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
-        if inference.gpu_memory_utilization is not None:
-            options["gpu_memory_utilization"] = inference.gpu_memory_utilization
-    if inference.return_routed_experts:
-        options["return_routed_experts"] = True
-    return options
 
 
 def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict[str, str]]:
