@@ -35,6 +35,7 @@ from rollflow.config.loading import (
 from rollflow.config.logging import LoggingConfig
 from rollflow.config.model import ModelConfig
 from rollflow.config.orchestrator import CheckpointConfig, OrchestratorConfig
+from rollflow.config.resolve import resolve_config, starts_router
 from rollflow.config.run import RunConfig
 from rollflow.config.sampling import SamplingConfig
 from rollflow.config.server_spec import ServerSpec
@@ -70,7 +71,9 @@ __all__ = [
     "read_toml",
     "read_toml_or_json",
     "resolve_api_key",
+    "resolve_config",
     "resolve_file_paths",
+    "starts_router",
     "to_dict",
     "to_json",
 ]

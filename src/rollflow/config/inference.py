@@ -119,6 +119,17 @@ class InferenceConfig(Section):
     and ``--enable-return-routed-experts`` on the servers rollflow starts (``rollflow serve`` or ``vllm serve``).
     A dense model with this on fails at start-up."""
 
+    @property
+    def kind(self) -> Literal["local", "managed", "external"]:
+        """Which of the three inference topologies this is, resolved from the keys users write: ``local``
+        (engines in this process, ``mode = "local"``), ``managed`` (``http`` mode over servers rollflow
+        starts) or ``external`` (``http`` mode with ``external_proxy_url`` or ``external_server_urls``).
+        Not a tagged union of three sections: ``mode`` is ``http`` for both of the latter, and which one
+        it is follows from the URLs being set, so a tag would be a key users do not write today."""
+        if self.mode == "local":
+            return "local"
+        return "external" if self.external_proxy_url is not None or self.external_server_urls else "managed"
+
     def http_limits(self):
         """``rollflow.inference.http_limits.HttpLimits`` of the ``http_*`` keys."""
         from rollflow.inference.http_limits import HttpLimits
@@ -181,8 +192,7 @@ def server_option_errors(inference: InferenceConfig) -> list[str]:
     """The options of the servers rollflow starts: what the chosen engine can take, and only for servers it
     starts."""
     errors = []
-    external = inference.external_proxy_url is not None or bool(inference.external_server_urls)
-    if external and inference.mode == "http":
+    if inference.kind == "external":
         for key, is_set in (
             ("inference.tensor_parallel_size", inference.tensor_parallel_size != 1),
             ("inference.gpu_memory_utilization", inference.gpu_memory_utilization is not None),

@@ -150,10 +150,11 @@ class TrainerConfig(Section):
     every token at its full weight."""
 
     def resolved_off_policy(self, orchestrator_mode: str) -> Literal["none", "tis", "decoupled"]:
-        """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes."""
-        if self.off_policy != "auto":
-            return self.off_policy
-        return "none" if orchestrator_mode == "sync" else "tis"
+        """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes
+        (``rollflow.config.resolve``)."""
+        from rollflow.config.resolve import off_policy_for
+
+        return off_policy_for(self.off_policy, orchestrator_mode)
 
 
 def trainer_errors(config: RunConfig) -> list[str]:

@@ -33,9 +33,10 @@ class WeightSyncConfig(Section):
     trainer holds them (the engines cast on load)."""
 
     def resolved_strategy(self, inference_mode: str) -> str:
-        if self.strategy != "auto":
-            return self.strategy
-        return "local" if inference_mode == "local" else "broadcast"
+        """``strategy`` with ``auto`` resolved for ``inference.mode`` (``rollflow.config.resolve``)."""
+        from rollflow.config.resolve import strategy_for
+
+        return strategy_for(self.strategy, inference_mode)
 
     def strategy_options(
         self, strategy: str, engine: str = "torch", rank0_address: str = "127.0.0.1"

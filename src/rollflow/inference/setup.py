@@ -124,12 +124,13 @@ async def get_inference_client(
         ConfigError: a server reports logprobs the trainer does not recompute (``inference.check_logprobs``).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
     """
-    from rollflow.config import resolve_api_key
+    from rollflow.config import resolve_api_key, resolve_config, starts_router
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.inference.router_process import RouterProcess, VllmRouterProcess
     from rollflow.launch.launcher import open_launcher
 
+    config = resolve_config(config)
     inference = config.inference
     if inference.mode == "local":
         local = await anyio.to_thread.run_sync(_build_local_client, config)
@@ -164,7 +165,7 @@ async def get_inference_client(
                     **group_options,
                 )
             )
-        if proxy_url is None and inference.router == "auto" and len(server_urls) == 1:
+        if proxy_url is None and not starts_router(inference):
             # One server: a router would only add a hop, a process and their CPU. The server is both planes.
             proxy_url = server_urls[0]
         if proxy_url is None:
