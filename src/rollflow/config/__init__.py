@@ -21,7 +21,6 @@ from rollflow.config.inference import API_KEY_ENV, InferenceConfig, api_key_or_e
 from rollflow.config.loading import (
     CODE_SPEC_KEYS,
     FILE_PATH_KEYS,
-    INFERENCE_MODE_ENV,
     build_config,
     deep_merge,
     load_config,
@@ -33,6 +32,7 @@ from rollflow.config.loading import (
     to_json,
 )
 from rollflow.config.logging import LoggingConfig
+from rollflow.config.mode_override import INFERENCE_MODE_ENV
 from rollflow.config.model import ModelConfig
 from rollflow.config.orchestrator import CheckpointConfig, OrchestratorConfig
 from rollflow.config.resolve import resolve_config, starts_router

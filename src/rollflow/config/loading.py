@@ -11,13 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import structlog
 
+from rollflow.config.mode_override import apply_mode_override
 from rollflow.config.run import RunConfig, cross_field_errors
 from rollflow.errors import ConfigError
-
-log = structlog.get_logger(__name__)
-
 
 _UNKNOWN_FIELD = re.compile(r"Object contains unknown field `(?P<field>[^`]+)`(?: - at `\$(?P<path>[^`]*)`)?")
 _AT_PATH = re.compile(r" - at `\$(?P<path>[^`]*)`$")
@@ -99,26 +96,6 @@ def read_toml_or_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _apply_env_overrides(data: dict[str, Any]) -> dict[str, Any]:
-    """``ROLLFLOW_INFERENCE_MODE`` overrides ``inference.mode`` (so one test suite runs in either mode)."""
-    mode = os.environ.get(INFERENCE_MODE_ENV)
-    if not mode:
-        return data
-    if mode not in ("local", "http"):
-        raise ConfigError(f"environment variable {INFERENCE_MODE_ENV}={mode!r} must be 'local' or 'http'")
-    inference = data.get("inference")
-    inference = dict(inference) if isinstance(inference, Mapping) else {}
-    configured = inference.get("mode")
-    if configured is not None and configured != mode:
-        log.warning(
-            f"{INFERENCE_MODE_ENV}={mode} overrides inference.mode = {configured!r} of the config; unset "
-            f"{INFERENCE_MODE_ENV} to use the config's",
-            env=mode,
-            config=configured,
-        )
-    return {**data, "inference": {**inference, "mode": mode}}
-
-
 def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
     """Validate a merged config dict into a RunConfig; ``ROLLFLOW_INFERENCE_MODE``, when set, overrides
     ``inference.mode``.
@@ -127,7 +104,7 @@ def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
         ConfigError: an unknown key, a wrong type or value, a broken cross-field rule, or a bad
             ``ROLLFLOW_INFERENCE_MODE``.
     """
-    data = _apply_env_overrides(dict(data))
+    data = apply_mode_override(dict(data))
     try:
         config = msgspec.convert(data, RunConfig)
     except msgspec.ValidationError as error:
@@ -137,7 +114,6 @@ def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
     return config
 
 
-INFERENCE_MODE_ENV = "ROLLFLOW_INFERENCE_MODE"
 #: Config keys whose values name a file or directory. ``load_config`` resolves them relative to the file
 #: that sets them.
 FILE_PATH_KEYS: tuple[tuple[str, ...], ...] = (("data", "path"), ("eval", "path"))
