@@ -1,4 +1,4 @@
-"""``rollflow config --explain``: the reference is generated from config.py's field docs."""
+"""``rollflow config --explain``: the reference is generated from the field docs of the rollflow.config modules."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rollflow import config as config_module
-from rollflow.config import load_config
+from rollflow.config import load_config, mode_override
 from rollflow.errors import ConfigError
 
 from .conftest import REPO_ROOT
@@ -131,7 +130,7 @@ def test_an_inference_mode_from_the_environment_against_the_config_is_logged(tmp
         def warning(self, event, **fields):
             warnings.append((event, fields))
 
-    monkeypatch.setattr(config_module, "log", Recorder())
+    monkeypatch.setattr(mode_override, "log", Recorder())
     path = write(tmp_path / "http.toml", '[inference]\nmode = "http"\n')
     monkeypatch.setenv("ROLLFLOW_INFERENCE_MODE", "local")
     assert load_config(path).inference.mode == "local"

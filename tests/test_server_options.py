@@ -171,3 +171,31 @@ async def test_each_server_process_starts_with_its_own_environment(tmp_path):
         assert group.urls == ["http://echo/3", "http://echo/5"]
     with pytest.raises(ValueError, match="process_env has 1 entries for 2 processes"):
         _EnvEcho("m", 2, tmp_path, process_env=env[:1])
+
+
+def test_one_spec_gives_the_command_lines_the_serve_flags_and_the_refused_server_args():
+    import argparse
+
+    from rollflow.config import ServerSpec
+    from rollflow.config.server_spec import add_serve_arguments, managed_flags
+
+    config = load_config(overrides=[*HTTP, "inference.max_batch_size=8", "inference.device='cpu'"])
+    spec = ServerSpec.from_inference(config.inference)
+    torch_argv = spec.argv("torch")
+    assert flag(torch_argv, "--max-batch-size") == "8" and flag(torch_argv, "--device") == "cpu"
+    assert "--tensor-parallel-size" not in torch_argv  # no such torch flag
+    assert flag(spec.argv("vllm"), "--max-num-seqs") == "8" and "--device" not in spec.argv("vllm")
+    # rollflow serve parses what the spec writes, back to the spec's values.
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    parser.add_argument("--http-header-timeout-s", type=float, dest="http_header_timeout_s")
+    parser.add_argument("--http-body-timeout-s", type=float, dest="http_body_timeout_s")
+    parser.add_argument("--http-max-connections", type=int, dest="http_max_connections")
+    parsed = vars(parser.parse_args(torch_argv))
+    assert {name: parsed[name] for name in parsed} == {name: getattr(spec, name) for name in parsed}
+    flags = managed_flags()
+    assert flags["--max-num-seqs"] == flags["--max-batch-size"] == "inference.max_batch_size"
+    assert flags["-tp"] == "inference.tensor_parallel_size" and flags["--port"] == ""
+    assert flags["--enable-sleep-mode"] == "inference.colocate"
+    assert ServerSpec(tensor_parallel_size=2).engine_refusals("vllm") == []
+    assert [name for name, _, _ in ServerSpec(dtype="float16").engine_refusals("torch")] == ["dtype"]

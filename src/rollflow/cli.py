@@ -133,6 +133,8 @@ def _add_http_limits(parser: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from rollflow.config.server_spec import add_serve_arguments
+
     parser = argparse.ArgumentParser(prog="rollflow", description="RL post-training for language models.")
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity"
@@ -176,18 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=_port, default=8000, help="port to bind; 0 picks a free one (default 8000)"
     )
-    serve.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=64,
-        help="KV-cache slots: requests decoded together (default 64)",
-    )
-    serve.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt plus output tokens per request (default: the model's, at most 2048)",
-    )
+    add_serve_arguments(serve)  # the options rollflow sets on the servers it starts (``ServerSpec``)
     serve.add_argument(
         "--served-model-name", default=None, help="the model name clients send (default: --model)"
     )
@@ -196,17 +187,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="bearer token every endpoint but /health and /metrics requires (default: $ROLLFLOW_API_KEY, "
         "else none)",
-    )
-    serve.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="where the engine runs: auto (CUDA when torch sees a GPU, else CPU), cpu or cuda (default auto)",
-    )
-    serve.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
     )
     serve.add_argument(
         "--logprobs-mode",

@@ -1,15 +1,18 @@
-"""``rollflow config --explain [KEY]``: the config reference, generated from ``config.py``'s own field docs.
+"""``rollflow config --explain [KEY]``: the config reference, generated from the config sections' own field docs.
 
 Each field of a config section is documented by the string literal that follows its declaration; they are
-read from the module's source (``ast``), so the reference can never drift from the code.
+read from the source of every module of ``rollflow.config`` (``ast``), so the reference can never drift from
+the code.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
+import importlib
 import inspect
 import json
+import pkgutil
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,8 +33,15 @@ class KeyDoc:
 
 
 def _field_docs() -> dict[str, dict[str, str]]:
-    """Class name -> field name -> the docstring after the field."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """Class name -> field name -> the docstring after the field, over the modules of ``rollflow.config``."""
+    docs: dict[str, dict[str, str]] = {}
+    for module in pkgutil.iter_modules(config_module.__path__, f"{config_module.__name__}."):
+        docs.update(_module_field_docs(importlib.import_module(module.name)))
+    return docs
+
+
+def _module_field_docs(module: Any) -> dict[str, dict[str, str]]:
+    tree = ast.parse(inspect.getsource(module))
     docs: dict[str, dict[str, str]] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):

@@ -4,11 +4,11 @@ SIGTERM or SIGINT, with one JSON ready line on stdout once it listens (what ``Ro
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
 from rollflow import eventloop
+from rollflow.config import api_key_or_env
 from rollflow.errors import ConfigError
 from rollflow.inference.http_limits import limits_from_flags
 
@@ -32,7 +32,7 @@ def main(args: Any) -> int:
             health_check_interval_s=args.health_check_interval_s,
             request_timeout_s=args.request_timeout_s,
             balance_factor=args.balance_factor,
-            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
+            api_key=api_key_or_env(args.api_key),
             http_limits=limits_from_flags(args),
         )
     except ValueError as error:

@@ -63,26 +63,16 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
 
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
-    rollflow starts (``ServerGroup(server_options=…)``)."""
+    rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
+    ``inference.server_args``."""
+    from rollflow.config.server_spec import ServerSpec
+
     inference = config.inference
-    options: dict[str, object] = {
-        "max_model_len": inference.max_model_len,
+    return {
+        "spec": ServerSpec.from_inference(inference),
         "api_key": api_key,
-        "tensor_parallel_size": inference.tensor_parallel_size,
-        "dtype": inference.dtype,
         "extra_args": list(inference.server_args),
     }
-    if inference.engine == "torch":
-        options["max_batch_size"] = inference.max_batch_size
-        options["http_limits"] = inference.http_limits()
-        options["device"] = inference.device
-    else:
-        options.update(max_num_seqs=inference.max_batch_size, colocate=inference.colocate)
-        if inference.gpu_memory_utilization is not None:
-            options["gpu_memory_utilization"] = inference.gpu_memory_utilization
-    if inference.return_routed_experts:
-        options["return_routed_experts"] = True
-    return options
 
 
 def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict[str, str]]:
@@ -134,12 +124,13 @@ async def get_inference_client(
         ConfigError: a server reports logprobs the trainer does not recompute (``inference.check_logprobs``).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
     """
-    from rollflow.config import resolve_api_key
+    from rollflow.config import resolve_api_key, resolve_config, starts_router
     from rollflow.inference.logprob_check import check_server_logprobs
     from rollflow.inference.remote import RemoteInferenceClient
     from rollflow.launch.launcher import open_launcher
     from rollflow.launch.router_process import RouterProcess, VllmRouterProcess
 
+    config = resolve_config(config)
     inference = config.inference
     if inference.mode == "local":
         local = await anyio.to_thread.run_sync(_build_local_client, config)
@@ -174,7 +165,7 @@ async def get_inference_client(
                     **group_options,
                 )
             )
-        if proxy_url is None and inference.router == "auto" and len(server_urls) == 1:
+        if proxy_url is None and not starts_router(inference):
             # One server: a router would only add a hop, a process and their CPU. The server is both planes.
             proxy_url = server_urls[0]
         if proxy_url is None:

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from rollflow.config.inference import API_KEY_ENV
 from rollflow.launch.local import LocalProcesses
 from rollflow.launch.server_group import http_limit_flags
 
@@ -93,7 +94,7 @@ class RouterProcess(LocalProcesses):
         if self.http_limits is not None:
             command += http_limit_flags(self.http_limits)
         # Always set, so a key in this process's environment does not reach a router started without one.
-        env = {"ROLLFLOW_API_KEY": self.api_key or ""}
+        env = {API_KEY_ENV: self.api_key or ""}
         return command, env, None
 
 

@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 import structlog
 
+from rollflow.config.inference import API_KEY_ENV
+from rollflow.config.server_spec import ServerSpec
 from rollflow.launch.local import LocalProcesses, ServerStartError, free_port
 
 log = structlog.get_logger(__name__)
@@ -58,9 +60,11 @@ def build_torch_server_command(
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
     extra_args: Sequence[str] = (),
+    spec: ServerSpec | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Command line of one rollflow torch engine server (``python -m rollflow serve``); ``http_limits``
-    (``HttpLimits``) become its ``--http-*`` flags, ``extra_args`` (``inference.server_args``) go last.
+    """Command line of one rollflow torch engine server (``python -m rollflow serve``): its options are
+    ``spec`` (``rollflow.config.server_spec``; unset: one of the keyword options, ``http_limits`` an
+    ``HttpLimits``), ``extra_args`` (``inference.server_args``) go last.
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment. The API key
@@ -70,15 +74,18 @@ def build_torch_server_command(
         ValueError: options the torch engine cannot honour: ``tensor_parallel_size`` above 1 (it runs on one
             device), a ``dtype`` other than auto or float32 (it computes in float32).
     """
-    if tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size = {tensor_parallel_size}: rollflow's torch engine runs each server on one "
-            "device; use vLLM (inference.engine = 'vllm') for tensor parallelism, or more servers"
+    if spec is None:
+        spec = _spec_of(
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            return_routed_experts=return_routed_experts,
+            http_limits=http_limits,
+            device=device,
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
         )
-    if dtype not in ("auto", "float32"):
-        raise ValueError(
-            f"dtype = {dtype!r}: rollflow's torch engine computes in float32; use 'auto' or 'float32', or vLLM"
-        )
+    for name, value, why in spec.engine_refusals("torch"):
+        raise ValueError(f"{name} = {value!r}: {why}; or use vLLM (inference.engine = 'vllm')")
     command = [
         sys.executable,
         "-m",
@@ -91,20 +98,22 @@ def build_torch_server_command(
         "--port",
         str(port),
     ]
-    if max_batch_size is not None:
-        command += ["--max-batch-size", str(max_batch_size)]
-    if max_model_len is not None:
-        command += ["--max-model-len", str(max_model_len)]
     if served_model_name is not None:
         command += ["--served-model-name", served_model_name]
-    if return_routed_experts:
-        command.append("--enable-return-routed-experts")
-    if http_limits is not None:
-        command += http_limit_flags(http_limits)
-    if device != "auto":
-        command += ["--device", device]
-    env = {} if api_key is None else {"ROLLFLOW_API_KEY": api_key}
+    command += spec.argv("torch")
+    env = {} if api_key is None else {API_KEY_ENV: api_key}
     return [*command, *extra_args], env
+
+
+def _spec_of(*, http_limits: Any = None, **options: Any) -> ServerSpec:
+    """A ``ServerSpec`` of the command builders' keyword options."""
+    if http_limits is not None:
+        options.update(
+            http_header_timeout_s=http_limits.header_timeout_s,
+            http_body_timeout_s=http_limits.body_timeout_s,
+            http_max_connections=http_limits.max_connections,
+        )
+    return ServerSpec(**options)
 
 
 def build_vllm_server_command(
@@ -125,11 +134,13 @@ def build_vllm_server_command(
     return_routed_experts: bool = False,
     device: str = "auto",
     extra_args: Sequence[str] = (),
+    spec: ServerSpec | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.
 
-    ``tensor_parallel_size``, ``gpu_memory_utilization`` and ``dtype`` (``auto``: vLLM's own choice, no flag)
-    become their flags; ``extra_args`` (``inference.server_args``) go last.
+    Its options are ``spec`` (``rollflow.config.server_spec``; unset: one of the keyword options, where
+    ``max_num_seqs`` is the spec's ``max_batch_size``); a ``dtype`` of ``auto`` is vLLM's own choice (no
+    flag); ``extra_args`` (``inference.server_args``) go last.
 
     - ``VLLM_SERVER_DEV_MODE=1`` registers the control plane (pause, sleep, weight transfer, world size).
     - ``--enable-scale-out`` registers ``/inference/v1/generate`` (off by default in 0.33).
@@ -143,7 +154,18 @@ def build_vllm_server_command(
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment.
     """
-    backend = weight_transfer_backend or ("ipc" if colocate else "nccl")
+    if spec is None:
+        spec = _spec_of(
+            tensor_parallel_size=tensor_parallel_size,
+            colocate=colocate,
+            max_model_len=max_model_len,
+            max_batch_size=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            return_routed_experts=return_routed_experts,
+            device=device,
+        )
+    backend = weight_transfer_backend or ("ipc" if spec.colocate else "nccl")
     command = [
         "vllm",
         "serve",
@@ -154,27 +176,15 @@ def build_vllm_server_command(
         str(port),
         "--served-model-name",
         served_model_name or model,
-        "--tensor-parallel-size",
-        str(tensor_parallel_size),
         "--data-parallel-size",
         str(data_parallel_size),
         "--weight-transfer-config",
         json.dumps({"backend": backend}),
+        *spec.argv("vllm"),  # flag and value pairs first (--tensor-parallel-size always), then bare flags
         "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
     ]
-    command += ["--logprobs-mode", "processed_logprobs"]
-    if colocate:
-        command.append("--enable-sleep-mode")
-    if max_model_len is not None:
-        command += ["--max-model-len", str(max_model_len)]
-    if max_num_seqs is not None:
-        command += ["--max-num-seqs", str(max_num_seqs)]
-    if gpu_memory_utilization is not None:
-        command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    if dtype != "auto":
-        command += ["--dtype", dtype]
-    if return_routed_experts:
-        command.append("--enable-return-routed-experts")
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key  # not ``--api-key``: the command line is visible to every user

@@ -53,9 +53,10 @@ def load_chat(config: RunConfig, model_dir: str | Path | None = None) -> tuple[A
 def build_barrier(config: RunConfig, client: Any, rank0_address: str = "127.0.0.1") -> WeightBarrier:
     """The weight barrier of ``config.weight_sync`` over ``client``; ``rank0_address`` (the trainer rank 0's
     node) is where ``weight_sync.master_address = "auto"`` points. Its owner closes it."""
+    from rollflow.config import resolve_config
     from rollflow.orchestrator.barrier import WeightBarrier
 
-    return WeightBarrier.from_config(config, client, rank0_address)
+    return WeightBarrier.from_config(resolve_config(config), client, rank0_address)
 
 
 def proxy_options(

@@ -49,7 +49,6 @@ import asyncio
 import collections
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -1018,6 +1017,8 @@ def main(args: Any) -> int:
         sys.stdout.write(json.dumps(event) + "\n")
         sys.stdout.flush()
 
+    from rollflow.config import api_key_or_env
+
     raise_open_file_limit()
     eventloop.run(
         serve(
@@ -1027,8 +1028,8 @@ def main(args: Any) -> int:
             max_batch_size=args.max_batch_size,
             max_model_len=args.max_model_len,
             served_model_name=args.served_model_name,
-            api_key=args.api_key or os.environ.get("ROLLFLOW_API_KEY") or None,
-            return_routed_experts=args.enable_return_routed_experts,
+            api_key=api_key_or_env(args.api_key),
+            return_routed_experts=args.return_routed_experts,
             http_limits=limits_from_flags(args),
             device=args.device,
             logprobs_mode=args.logprobs_mode,

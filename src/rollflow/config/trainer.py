@@ -1,0 +1,220 @@
+"""``[trainer]``: the optimizer, the loss and where training steps run."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from rollflow.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, Section
+
+if TYPE_CHECKING:
+    from rollflow.config.run import RunConfig
+
+
+class TrainerConfig(Section):
+    lr: PositiveFloat = 1e-3
+    """Peak AdamW learning rate (finite, > 0); see ``lr_schedule``. Like every number in the config, inf and nan
+    are refused."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate over the run's ``orchestrator.steps`` training steps, after ``warmup_steps`` of linear
+    warm-up from 0 (transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
+    ``cosine`` follows half a cosine to 0. Saved in checkpoints, so a resumed run continues it."""
+    warmup_steps: NonNegative = 0
+    """Training steps of linear warm-up from 0 to ``lr`` (a step's ``ppo_epochs * mini_batches`` optimizer
+    updates share its rate)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trainer's model, gradients and optimizer state live. ``auto``: CUDA when torch sees a GPU,
+    else the CPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype of the forward and backward. Weights, gradients and AdamW state stay float32 (master
+    weights) either way; ``bfloat16`` runs the forward under ``torch.autocast(bfloat16)`` (matmuls in bf16,
+    softmax and norms in float32). ``auto``: bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are
+    slow and the engine/trainer logprob mismatch would grow)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them (Hugging Face
+    ``gradient_checkpointing_enable``): about a layer's activations instead of all of them, for ~1/3 more
+    compute."""
+    weight_decay: NonNegativeFloat = 0.0
+    """AdamW's decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW's moving-average decays, each in [0, 1)."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradients are clipped to this total norm (finite, > 0)."""
+    micro_batch_size: Positive = 64
+    """Most samples per forward/backward pass; gradients accumulate over a step's micro-batches."""
+    micro_batch_tokens: Positive | None = None
+    """Token budget of one forward/backward pass: samples of similar length are grouped (longest first) so
+    that rows × longest row stays within it, instead of padding every sample to the step's longest. Unset:
+    only ``micro_batch_size`` limits a micro-batch. Must hold the longest sample the run can produce
+    (``inference.max_model_len``, or ``agent.max_seq_len`` for agents)."""
+    num_workers: Positive = 1
+    """Data-parallel trainer processes (one torch.distributed group: gloo on CPU, NCCL on GPU, one GPU each);
+    the step's samples are split across them by tokens. More than 1 always runs them as processes of their
+    own (``placement`` applies to a single trainer)."""
+    parallelism: Literal["fsdp2", "ddp"] = "fsdp2"
+    """How ``num_workers > 1`` share the model. ``fsdp2``: parameters, gradients and optimizer state sharded
+    (``fully_shard`` per decoder layer and the root). ``ddp``: every worker holds the whole model, gradients
+    are summed across workers once per step."""
+    logprob_chunk_tokens: NonNegative = 1024
+    """Token positions whose vocabulary-sized logits are computed at once, in the forward and again in the
+    backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
+    never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
+    logits in one piece (the plain ``lm_head``), e.g. to compare."""
+    sampling_mask: Literal["replay", "ignore"] = "replay"
+    """What the trainer does with the sampler's top-k/top-p truncation (``sampling.top_k > 0`` or
+    ``sampling.top_p < 1``, or an agent's own values); without truncation both are the same. ``replay``: the
+    engine records each token's kept set (one int, ``Sample.kept_counts``) and the trainer's logprobs, entropy
+    and KL are those of the softmax renormalised over that set, i.e. of the policy that sampled (entropy is
+    then the sampler's; ``rollflow.train.losses``); tokens outside the set get no gradient, so what the model
+    does without truncation is not trained. ``ignore``: train the full softmax at the temperature, as if
+    nothing were cut (the ratio's anchor is moved onto it; entropy is the full softmax's). Servers rollflow does not start must return processed logprobs (vLLM:
+    ``--logprobs-mode processed_logprobs``; ``inference.check_logprobs``). vLLM records no kept sets: the
+    client fills in ``top_k`` for a top-k-only request, but tokens a vLLM top-p cut are trained on the full
+    softmax against a renormalised behaviour logprob (their mismatch shows in ``logprob_mismatch``)."""
+    advantage: Literal["grpo", "rloo", "grpo_no_std"] = "grpo"
+    """``grpo``: (r - mean) / std within the group; ``grpo_no_std``: r - mean (Dr. GRPO's advantage);
+    ``rloo``: leave-one-out mean."""
+    ppo_epochs: Positive = 1
+    """Passes over each step's batch (PPO's epochs; verl ``ppo_epochs``, TRL ``num_iterations``). Each pass
+    takes ``mini_batches`` optimizer updates, so a step takes ``ppo_epochs * mini_batches``. 1 (with
+    ``mini_batches = 1``): one update per step, on-policy, where the PPO ratio stays at 1 (up to stale
+    samples and engine mismatch) and ``clip_low`` / ``clip_high`` hardly ever act. The ratio is always taken
+    against logprobs fixed at the start of the step (see ``off_policy``), so from the second update on it
+    measures how far the updates moved the policy and the clip bounds that. The learning-rate schedule
+    counts steps, not updates; per-pass metrics are logged as ``ppo_epoch_N/*`` when this is above 1."""
+    mini_batches: Positive = 1
+    """Optimizer updates per pass over the step's batch: its prompt groups, in batch order, are split into
+    this many mini-batches of whole groups (a group's samples are never split across updates; each
+    mini-batch is then split across ``num_workers`` ranks and into micro-batches). Must divide
+    ``orchestrator.prompts_per_step``. Each update normalises its loss over its own mini-batch (all ranks)
+    per ``loss_agg``; 1 trains the whole step at once."""
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"] = "token_mean"
+    """How each update's per-token losses become one number (``rollflow.train.aggregation``), over the
+    update's mini-batch on all ranks. ``token_mean``: the sum over every loss token divided by their count,
+    so every token weighs the same and long completions weigh more (DAPO, Yu et al. 2025).
+    ``seq_mean_token_mean``: each sequence's token mean, then the mean over sequences (the original GRPO,
+    Shao et al. 2024): a token of a short completion weighs more than one of a long completion.
+    ``seq_mean_token_sum``: each sequence's token sum, then the mean over sequences. ``constant``: each
+    sequence's token sum divided by ``constant_norm``, then the mean over sequences: Dr. GRPO (Liu et al.
+    2025), whose code divides by a fixed MAX_TOKENS rather than by any length, so no length biases the
+    gradient. Metrics (clip fraction, ratio, KL, entropy) stay token means whatever this is."""
+    constant_norm: PositiveFloat | None = None
+    """``loss_agg = "constant"`` only (required there): the constant each sequence's token sum is divided
+    by; Dr. GRPO uses the generation budget, ``sampling.max_tokens``."""
+    clip_low: NonNegativeFloat = 0.2
+    """Lower side of the PPO ratio clip range (see ``clip_high``)."""
+    clip_high: NonNegativeFloat = 0.2
+    """PPO ratio clip range: [1 - clip_low, 1 + clip_high]; ``clip_high > clip_low`` is DAPO's clip-higher.
+    It only acts when the ratio moves away from 1: from the second update of a step on (``ppo_epochs`` or
+    ``mini_batches`` above 1), or, with ``off_policy = "none"``, on tokens whose behaviour logprob differs
+    from the trainer's (stale samples of the async modes, engine/trainer mismatch). With ``tis`` or
+    ``decoupled`` and one update per step the ratio is exactly 1 and the clip never binds."""
+    kl_coef: NonNegativeFloat = 0.0
+    """Weight of the KL penalty to the initial (reference) policy (estimated per ``kl_estimator``, applied
+    per ``kl_in``); 0 disables it and the reference model. The reference is a frozen copy of the initial
+    weights (no gradients, no optimizer state, not checkpointed) that doubles the parameter memory: per
+    worker with ``num_workers > 1`` (sharded like the policy under ``fsdp2``, a whole replica under ``ddp``)."""
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_k3"] = "k3"
+    """Per-token estimate of KL(policy || reference) from the sampled token's logprobs, with
+    ``log_ratio = log pi - log pi_ref`` (Schulman's estimators): ``k1``: ``log_ratio`` (unbiased, can be
+    negative); ``k2``: ``log_ratio ** 2 / 2``; ``k3``: ``exp(-log_ratio) + log_ratio - 1`` (unbiased, never
+    negative, the GRPO paper's); ``low_var_k3``: k3 with ``log_ratio`` clamped to [-20, 20] and the result
+    to [-10, 10], as verl's ``low_var_kl``, so one very unlikely token cannot dominate. Only with
+    ``kl_coef > 0``."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes. ``loss``: ``kl_coef * KL`` is added to each token's loss (GRPO), with
+    the gradient of the estimator, at the current weights of every update. ``reward``: before the
+    advantages, each sample's reward loses ``kl_coef`` times the sum of its tokens' KL, measured with the
+    weights at the start of the step (verl's ``use_kl_in_reward``); the advantages are then recomputed per
+    group (``advantage``), so the penalty acts through them, and the loss has no KL term. ``reward``
+    needs ``kl_coef > 0``."""
+    num_threads: Positive | None = None
+    """Torch threads of a training step; unset keeps torch's count. When generation shares the cores
+    (async modes on one machine), fewer threads than cores lets the two overlap instead of contending."""
+    placement: Literal["thread", "process"] = "thread"
+    """Where training steps run. ``thread``: a worker thread of the orchestrator's process. ``process``: a
+    child process of its own (``rollflow.train.process``), so a step never waits for the interpreter lock
+    the event loop holds while it handles generation; worth it in the overlapped modes when the step's
+    Python overhead matters (small models, CPU). It adds the child's start-up (importing torch and loading
+    the model) to the run's; its weights are shared with the orchestrator through shared memory. The child
+    is spawned, so a script that starts a run must guard its entry point (``if __name__ == "__main__":``)."""
+    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
+    """Correction for tokens sampled by an older policy (``rollflow.train.off_policy``). ``none``: PPO-clip
+    directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the trainer's own weights
+    at the start of the step, each token weighted by ``min(pi_trainer / pi_behaviour, tis_cap)``.
+    ``decoupled``: the same objective with the weight uncapped, or with tokens above ``decoupled_cap``
+    left out (AReaL's decoupled PPO). ``auto``: ``none`` in ``sync`` mode, ``tis`` in the async modes."""
+    tis_cap: PositiveFloat = 2.0
+    """``tis``: the truncation C of the importance weight (>= 1, so on-policy tokens keep weight 1)."""
+    decoupled_cap: PositiveFloat | None = None
+    """``decoupled``: tokens whose importance weight exceeds it are left out of the loss (> 1); unset keeps
+    every token at its full weight."""
+
+    def resolved_off_policy(self, orchestrator_mode: str) -> Literal["none", "tis", "decoupled"]:
+        """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes
+        (``rollflow.config.resolve``)."""
+        from rollflow.config.resolve import off_policy_for
+
+        return off_policy_for(self.off_policy, orchestrator_mode)
+
+
+def trainer_errors(config: RunConfig) -> list[str]:
+    trainer = config.trainer
+    errors = []
+    if trainer.micro_batch_tokens is not None:
+        if config.agent is not None and config.agent.max_seq_len is not None:
+            longest, key = config.agent.max_seq_len, "agent.max_seq_len"
+        else:
+            longest, key = config.inference.max_model_len, "inference.max_model_len"
+        if trainer.micro_batch_tokens < longest:
+            errors.append(
+                f"trainer.micro_batch_tokens = {trainer.micro_batch_tokens} is smaller than the longest sample "
+                f"the run can produce ({key} = {longest}): no micro-batch could hold it; raise "
+                f"trainer.micro_batch_tokens to at least {longest} or lower {key}"
+            )
+    prompts = config.orchestrator.prompts_per_step
+    if prompts % trainer.mini_batches:
+        errors.append(
+            f"trainer.mini_batches = {trainer.mini_batches} does not divide orchestrator.prompts_per_step = "
+            f"{prompts}: mini-batches are whole prompt groups ({prompts} % {trainer.mini_batches} = "
+            f"{prompts % trainer.mini_batches}); pick a divisor of {prompts}"
+        )
+    if trainer.loss_agg == "constant" and trainer.constant_norm is None:
+        errors.append(
+            "trainer.loss_agg = 'constant' divides each sequence's token sum by trainer.constant_norm, which is "
+            "unset; set it (Dr. GRPO uses the generation budget, sampling.max_tokens)"
+        )
+    if trainer.loss_agg != "constant" and trainer.constant_norm is not None:
+        errors.append(
+            f"trainer.constant_norm = {trainer.constant_norm} only applies to trainer.loss_agg = 'constant' "
+            f"(got {trainer.loss_agg!r}); unset it or set trainer.loss_agg = 'constant'"
+        )
+    if trainer.kl_in == "reward" and trainer.kl_coef == 0:
+        errors.append(
+            "trainer.kl_in = 'reward' with trainer.kl_coef = 0 puts no penalty in the reward; set "
+            "trainer.kl_coef > 0 (e.g. 0.001) or leave trainer.kl_in = 'loss'"
+        )
+    return errors
+
+
+def off_policy_errors(config: RunConfig) -> list[str]:
+    trainer = config.trainer
+    off_policy = trainer.resolved_off_policy(config.orchestrator.mode)
+    errors = []
+    if trainer.tis_cap < 1:
+        errors.append(
+            f"trainer.tis_cap = {trainer.tis_cap} is below 1: it would down-weight on-policy tokens too "
+            "(their weight is 1); use a cap >= 1 (2.0 is usual)"
+        )
+    if trainer.decoupled_cap is not None:
+        if trainer.decoupled_cap <= 1:
+            errors.append(
+                f"trainer.decoupled_cap = {trainer.decoupled_cap} must be > 1: tokens above it are left out, "
+                "and on-policy tokens have weight 1"
+            )
+        if off_policy != "decoupled":
+            errors.append(
+                f"trainer.decoupled_cap is set but trainer.off_policy = {trainer.off_policy!r} resolves to "
+                f"{off_policy!r} for orchestrator.mode = {config.orchestrator.mode!r}; it only applies to "
+                "off_policy = 'decoupled' (for 'tis' set trainer.tis_cap)"
+            )
+    return errors

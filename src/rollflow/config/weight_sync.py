@@ -1,0 +1,91 @@
+"""``[weight_sync]``: how new weights reach the inference engines."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from rollflow.config.base import PositiveFloat, Section
+
+if TYPE_CHECKING:
+    from rollflow.config.run import RunConfig
+
+
+class WeightSyncConfig(Section):
+    strategy: Literal["auto", "local", "broadcast", "checkpoint", "cuda_ipc"] = "auto"
+    """How new weights reach the engines. ``auto``: ``local`` (in-process copy) in local mode, ``broadcast``
+    (torch.distributed: gloo on CPU, NCCL on GPU) in http mode. ``checkpoint``: safetensors through
+    ``checkpoint_dir`` or over HTTP. ``cuda_ipc``: colocated GPUs."""
+    timeout_s: PositiveFloat = 300.0
+    """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
+    bucket_size_mb: PositiveFloat = 256.0
+    """Size of the packed buffers a broadcast sends (broadcast and cuda_ipc)."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """Broadcast backend; unset picks NCCL when CUDA is available, else gloo."""
+    master_address: str = "auto"
+    """Address trainer rank 0 binds its rendezvous on (broadcast store, checkpoint HTTP server), which the
+    inference servers connect to; ``0.0.0.0`` binds every interface and advertises the trainer host's address.
+    ``auto``: 127.0.0.1 with ``cluster.backend = "local"``, the address of trainer rank 0's node on Ray."""
+    checkpoint_dir: str | None = None
+    """Directory shared with the servers for the checkpoint strategy; unset sends the file over HTTP."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """What the trainer casts floating weights to before they travel (broadcast, checkpoint, cuda_ipc): the
+    inference engines' dtype halves the bytes of an fp32 trainer feeding bf16 engines. ``auto``: as the
+    trainer holds them (the engines cast on load)."""
+
+    def resolved_strategy(self, inference_mode: str) -> str:
+        """``strategy`` with ``auto`` resolved for ``inference.mode`` (``rollflow.config.resolve``)."""
+        from rollflow.config.resolve import strategy_for
+
+        return strategy_for(self.strategy, inference_mode)
+
+    def strategy_options(
+        self, strategy: str, engine: str = "torch", rank0_address: str = "127.0.0.1"
+    ) -> dict[str, Any]:
+        """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``, sending to
+        servers of kind ``engine`` (``inference.engine``: vLLM takes only its own payload keys);
+        ``rank0_address`` (trainer rank 0's node) stands for ``master_address = "auto"``."""
+        master_address = rank0_address if self.master_address == "auto" else self.master_address
+        if strategy == "broadcast":
+            return dict(
+                bucket_size_mb=self.bucket_size_mb,
+                backend=self.backend,
+                master_address=master_address,
+                timeout_s=self.timeout_s,
+                engine=engine,
+                dtype=self.dtype,
+            )
+        if strategy == "checkpoint":
+            return dict(
+                checkpoint_dir=self.checkpoint_dir,
+                host=master_address,
+                timeout_s=self.timeout_s,
+                dtype=self.dtype,
+            )
+        if strategy == "cuda_ipc":
+            return dict(
+                bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine, dtype=self.dtype
+            )
+        return {}
+
+
+def weight_sync_errors(config: RunConfig) -> list[str]:
+    """The strategy against the inference mode and engine it must reach."""
+    errors = []
+    strategy = config.weight_sync.resolved_strategy(config.inference.mode)
+    if (strategy == "local") != (config.inference.mode == "local"):
+        errors.append(
+            f"weight_sync.strategy = {config.weight_sync.strategy!r} does not fit inference.mode = "
+            f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
+            "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
+        )
+    if config.inference.engine == "vllm" and strategy == "checkpoint":
+        errors.append(
+            "weight_sync.strategy = 'checkpoint' cannot reach vLLM servers (inference.engine = 'vllm'), which "
+            "receive weights by NCCL or CUDA IPC; use 'broadcast' (or 'auto') or 'cuda_ipc'"
+        )
+    if config.inference.engine == "vllm" and strategy == "broadcast" and config.weight_sync.backend == "gloo":
+        errors.append(
+            "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
+            "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
+        )
+    return errors
