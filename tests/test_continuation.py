@@ -100,8 +100,10 @@ async def test_single_turn_samples_survive_an_abort_pause(tiny_model_dir, partia
     async def reward(sample, item):
         return 1.0
 
+    # Seed 4: both samples run to max_tokens uninterrupted (600 tokens each), so both are in flight when the
+    # pause comes; with a seed whose sample ends after a few tokens the test would race that sample's end.
     generator = SingleTurnGenerator(
-        client, renderer, Rewarder(reward), sampling, seed=1, partial_rollouts=partial_rollouts
+        client, renderer, Rewarder(reward), sampling, seed=4, partial_rollouts=partial_rollouts
     )
     try:
         request = RolloutRequest(0, [{"role": "user", "content": "count"}], answer=None, num_samples=2)
