@@ -42,14 +42,19 @@ class WeightBarrier:
     ) -> WeightBarrier:
         """The barrier a run uses: ``weight_sync``'s strategy (resolved for the inference mode and engine);
         ``rank0_address``, the trainer rank 0's node, is ``weight_sync.master_address = "auto"``."""
-        from rollflow.weights import WeightTransfer, create_strategy
+        from rollflow.weights import WeightTransfer, strategy_from_config
 
         sync = config.weight_sync
         strategy = sync.resolved_strategy(config.inference.mode)
         if config.inference.colocate and sync.strategy == "auto" and _colocated_on_cuda(config):
             strategy = "cuda_ipc"  # trainer and servers share the GPU: hand the buffers over, no copy
-        options = sync.strategy_options(strategy, config.inference.engine, rank0_address)
-        return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
+        master_address = rank0_address if sync.master_address == "auto" else sync.master_address
+        transfer = WeightTransfer(
+            strategy_from_config(
+                strategy, sync, engine=config.inference.engine, master_address=master_address
+            )
+        )
+        return cls(client, transfer, timeout_s=sync.timeout_s)
 
     async def update(self, trainer: Any, policy_version: int, pause_mode: PauseMode) -> dict[str, float]:
         """Have ``trainer`` (a handle with ``push_weights``, e.g. ``Trainer``, ``TrainerProcess``,

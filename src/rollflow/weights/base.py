@@ -34,7 +34,7 @@ import inspect
 import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import anyio
 import structlog
@@ -45,11 +45,15 @@ from rollflow.errors import (
     WeightTransferError,
     WeightTransferTimeoutError,
 )
+from rollflow.weights.registry import strategy_names
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
 
 log = structlog.get_logger(__name__)
 
-#: Strategy names accepted by ``create_strategy`` (and proposed for ``weight_sync.strategy``).
-STRATEGIES: tuple[str, ...] = ("local", "broadcast", "checkpoint", "cuda_ipc")
+#: Strategy names accepted by ``create_strategy`` (those registered in ``rollflow.weights.registry``).
+STRATEGIES: tuple[str, ...] = strategy_names()
 
 #: The receiver backends an ``init_info["backend"]`` may name.
 RECEIVER_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "checkpoint", "ipc")
@@ -235,36 +239,16 @@ class WeightTransferStrategy(abc.ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        """This strategy's keyword options from the ``weight_sync`` section ``sync``, for servers of kind
+        ``engine`` (``inference.engine``), with ``master_address`` resolved from ``"auto"``. None by default."""
+        return {}
+
     @abc.abstractmethod
     def create_sender(self, inference_world_size: int) -> WeightSender:
         """A control half for ``inference_world_size`` workers in all (ask the servers with
         ``client.get_world_size()``; never take it from config)."""
-
-
-def create_strategy(name: str, **options: Any) -> WeightTransferStrategy:
-    """Build the strategy called ``name`` (one of ``STRATEGIES``) with its keyword options.
-
-    Raises:
-        ValueError: an unknown strategy name, or a bad option value.
-        TypeError: an option the strategy does not take.
-    """
-    if name == "local":
-        from rollflow.weights.local import LocalStrategy
-
-        return LocalStrategy(**options)
-    if name == "broadcast":
-        from rollflow.weights.broadcast import BroadcastStrategy
-
-        return BroadcastStrategy(**options)
-    if name == "checkpoint":
-        from rollflow.weights.checkpoint import CheckpointStrategy
-
-        return CheckpointStrategy(**options)
-    if name == "cuda_ipc":
-        from rollflow.weights.cuda_ipc import CudaIpcStrategy
-
-        return CudaIpcStrategy(**options)
-    raise ValueError(f"unknown weight transfer strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
 
 
 def check_transfer_dtype(dtype: str) -> str:

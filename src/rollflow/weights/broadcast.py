@@ -29,7 +29,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -59,6 +59,9 @@ from rollflow.weights.packing import (
     specs_from_info,
     unpack,
 )
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
 
 log = structlog.get_logger(__name__)
 
@@ -297,6 +300,17 @@ class BroadcastStrategy(WeightTransferStrategy):
         self.timeout_s = timeout_s
         self.engine = engine
         self.dtype = check_transfer_dtype(dtype)
+
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            bucket_size_mb=sync.bucket_size_mb,
+            backend=sync.backend,
+            master_address=master_address,
+            timeout_s=sync.timeout_s,
+            engine=engine,
+            dtype=sync.dtype,
+        )
 
     def create_sender(self, inference_world_size: int) -> WeightSender:
         if inference_world_size < 1:

@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
@@ -46,6 +46,9 @@ from rollflow.weights.base import (
     init_servers,
     new_transfer_id,
 )
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
 
 log = structlog.get_logger(__name__)
 
@@ -121,6 +124,15 @@ class CheckpointStrategy(WeightTransferStrategy):
         self.host = host
         self.timeout_s = timeout_s
         self.dtype = check_transfer_dtype(dtype)
+
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            checkpoint_dir=sync.checkpoint_dir,
+            host=master_address,
+            timeout_s=sync.timeout_s,
+            dtype=sync.dtype,
+        )
 
     def create_sender(self, inference_world_size: int) -> CheckpointSender:
         # Every server reads the same file, so the number of workers does not change the payload.

@@ -22,10 +22,13 @@ import io
 import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
 
 from rollflow.weights.base import (
     InvalidTransferInfoError,
@@ -93,6 +96,12 @@ class CudaIpcStrategy(WeightTransferStrategy):
         self.timeout_s = timeout_s
         self.engine = engine
         self.dtype = check_transfer_dtype(dtype)
+
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            bucket_size_mb=sync.bucket_size_mb, timeout_s=sync.timeout_s, engine=engine, dtype=sync.dtype
+        )
 
     def init_info(self) -> dict[str, Any]:
         """What every server gets: the world size plays no part (colocated workers map the same buffers)."""
