@@ -25,9 +25,8 @@ from rollflow.weights.base import (
     WeightTransfer,
     WeightTransferStrategy,
     connect_sender,
-    init_info_for_servers,
-    server_init_infos,
 )
+from rollflow.weights.ranks import init_info_for_servers, per_server_init_infos
 from rollflow.weights.registry import create_strategy, register_strategy, strategy_from_config
 
 __all__ = [
@@ -46,7 +45,7 @@ __all__ = [
     "connect_sender",
     "create_strategy",
     "init_info_for_servers",
+    "per_server_init_infos",
     "register_strategy",
-    "server_init_infos",
     "strategy_from_config",
 ]
