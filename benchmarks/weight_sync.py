@@ -27,8 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from rollflow.inference.control import WorldSize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,19 +90,21 @@ class ReceiverProcess:
         if not await self.process.stdout.readline():
             raise RuntimeError("the receiver process died; see its stderr above")
 
-    async def get_world_size(self) -> int:
-        return 1
+    server_urls = ("receiver://0",)
 
-    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
-        await self._call({"op": "init", "init_info": init_info})
+    async def world_size(self) -> WorldSize:
+        return WorldSize(total_workers=1, workers_per_server=1, num_servers=1, server_urls=self.server_urls)
+
+    async def init_weight_transfer(self, init_infos: Sequence[dict[str, Any]]) -> None:
+        await self._call({"op": "init", "init_info": dict(init_infos[0])})
 
     async def start_weight_update(self) -> None:
         pass
 
-    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
         await self._call({"op": "update", "update_info": update_info})
 
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+    async def finish_weight_update(self, policy_version: int | None = None) -> None:
         pass
 
     async def close(self) -> None:

@@ -165,7 +165,7 @@ async def test_each_phase_is_bounded_and_named(client, monkeypatch):
     async def hung_pause(mode):
         await anyio.sleep_forever()
 
-    monkeypatch.setattr(client, "pause", hung_pause)
+    monkeypatch.setattr(client.control, "pause", hung_pause)
     barrier = WeightBarrier(client, RecordingTransfer(), timeout_s=0.5)
     started = time.monotonic()
     with pytest.raises(

@@ -17,7 +17,9 @@ SRC = Path(__file__).resolve().parent.parent / "src"
     [
         "rollflow, rollflow.config",
         "rollflow.messages, rollflow.channels, rollflow.errors",
-        "rollflow.inference.client",
+        "rollflow.inference.client, rollflow.inference.control, rollflow.inference.remote",
+        "rollflow.weights, rollflow.weights.registry, rollflow.weights.ranks, rollflow.weights.rounds",
+        "rollflow.weights.local",
         "rollflow.orchestrator, rollflow.cli",
         "rollflow.launch.plan, rollflow.launch.ray_cluster, rollflow.launch.launcher",
         "rollflow.launch.ray_launcher, rollflow.launch.ray_trainer, rollflow.launch.ray_servers",

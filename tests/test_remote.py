@@ -75,7 +75,7 @@ async def test_bad_request_is_an_error_naming_the_url(client):
 
 async def test_world_size_is_summed_and_cached(client):
     assert await client.get_world_size() == 2
-    assert await client.get_world_size_per_server() == 1
+    assert (await client.control.world_size()).workers_per_server == 1
     client.server_urls.append("http://127.0.0.1:1")  # a second query would fail: the answer is cached
     assert await client.get_world_size() == 2
     client.server_urls.pop()
@@ -121,10 +121,10 @@ async def test_pause_abort_returns_partial_tokens(client, servers):
 
 
 async def test_control_plane_calls_reach_every_server(client):
-    await client.sleep(level=1)
+    await client.control.sleep(level=1)
     assert await client.is_sleeping()
-    await client.wake_up(["weights", "kv_cache"])
-    await client.wake_up()
+    await client.control.wake_up(["weights", "kv_cache"])
+    await client.control.wake_up()
     assert not await client.is_sleeping()
     await client.reset_prefix_cache()
     assert await client.abort() >= 0
@@ -134,7 +134,7 @@ async def test_control_plane_calls_reach_every_server(client):
 
 async def test_control_plane_errors_name_each_server(client):
     with pytest.raises(ControlPlaneError) as info:
-        await client.update_named_weights({"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]})
+        await client.control.update_weights({"names": ["nope"], "dtype_names": ["float32"], "shapes": [[1]]})
     assert set(info.value.failures) == set(client.server_urls)
     for url in client.server_urls:
         assert url in str(info.value)

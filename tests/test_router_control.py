@@ -75,10 +75,10 @@ async def test_state_calls_reach_every_worker_and_combine(client, router, server
     assert [b["is_paused"] for b in await each_server(http, servers, "/is_paused")] == [False, False]
     assert not await client.is_paused()
 
-    await client.sleep(level=1)
+    await client.control.sleep(level=1)
     assert [b["is_sleeping"] for b in await each_server(http, servers, "/is_sleeping")] == [True, True]
     assert await client.is_sleeping()
-    await client.wake_up()
+    await client.control.wake_up()
     assert not await client.is_sleeping()
 
     await client.reset_prefix_cache()
@@ -105,12 +105,12 @@ async def test_broadcast_through_the_router_gives_each_worker_its_ranks(
                 parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
         strategy = create_strategy("broadcast", backend="gloo", bucket_size_mb=0.25, timeout_s=60)
         source = StaticWeights(lambda: model.state_dict().items())
-        sender = await connect_sender(strategy, client, source)
+        sender = await connect_sender(strategy, client.control, source)
         try:
             assert sender.init_info["world_size"] == 3
             await client.pause("keep")
             try:
-                await sender.push(client, source, policy_version=5)
+                await sender.push(client.control, source, policy_version=5)
             finally:
                 await client.resume()
         finally:

@@ -219,21 +219,23 @@ async def test_non_finite_weights_are_refused_by_name_through_the_real_update_pa
     strategy = create_strategy("checkpoint", checkpoint_dir=tmp_path / "ckpt", timeout_s=60)
     async with client:
         poisoned_source = StaticWeights(poisoned.items)
-        sender = await connect_sender(strategy, client, poisoned_source)
+        sender = await connect_sender(strategy, client.control, poisoned_source)
         try:
             with pytest.raises(
                 Exception, match=r"400.*inf or NaN.*self_attn\.q_proj\.weight, model\.norm\.weight"
             ) as info:
-                await sender.push(client, poisoned_source, policy_version=1)
+                await sender.push(client.control, poisoned_source, policy_version=1)
             assert all(s.url in str(info.value) for s in servers)  # both refused, each named
         finally:
             sender.close()
         assert {s.engine.policy_version for s in servers} == {0}
         assert (await greedy(http, router.url))[0] == before[0]
         source = StaticWeights(state.items)
-        sender = await connect_sender(strategy, client, source)  # what the trainer does after a failed push
+        sender = await connect_sender(
+            strategy, client.control, source
+        )  # what the trainer does after a failed push
         try:
-            await sender.push(client, source, policy_version=1)
+            await sender.push(client.control, source, policy_version=1)
         finally:
             sender.close()
     assert {s.engine.policy_version for s in servers} == {1}

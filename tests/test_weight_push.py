@@ -165,7 +165,7 @@ class RecordsRank:
     def __call__(self, rank: int, named_weights: Any) -> Any:
         import json
 
-        from rollflow.weights import transport
+        from rollflow.weights.trainer import sessions as transport
 
         iterated = []
 
@@ -290,7 +290,7 @@ async def test_a_trainer_side_failure_names_the_rank_and_the_servers_recover(pla
         await barrier.update(trainer, base + 1, "keep")  # connected
         started = time.perf_counter()
         with pytest.raises(WeightTransferError, match=r"trainer rank 0: .*gathering layer 2 failed"):
-            await transfer.push(client, failing, base + 2)  # no retry here, unlike the barrier
+            await transfer.push(client.control, failing, base + 2)  # no retry here, unlike the barrier
         assert time.perf_counter() - started < TIMEOUT_S
         assert not failing.fail
         # The servers were left mid-update; the next push reconnects and lands the version everywhere.
@@ -335,7 +335,7 @@ async def test_a_failure_on_one_worker_mid_push_names_its_rank_within_the_timeou
         with pytest.raises(
             WeightTransferError, match=rf"trainer rank {failing_rank}: .*gathering layer 2 failed"
         ) as raised:
-            await transfer.push(client, failing, base + 2)
+            await transfer.push(client.control, failing, base + 2)
         assert time.perf_counter() - started < TIMEOUT_S
         assert any(f"raised in trainer worker rank {failing_rank}" in note for note in raised.value.__notes__)
         assert not failing.fail

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from rollflow.inference.control import WorldSize
 from rollflow.weights import (
     InvalidTransferInfoError,
     StaticWeights,
@@ -26,7 +27,7 @@ from rollflow.weights import (
 from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
 from rollflow.weights.receiver import create_receiver
 
-from .helpers.weights import ThreadClient, assert_same_weights
+from .helpers.weights import ThreadClient, assert_same_weights, fake_world
 
 # How much later than its timeout a bounded wait may end: generous, for a loaded machine.
 LATE_S = 10.0
@@ -212,13 +213,10 @@ class ProcessClient:
     def server_urls(self) -> list[str]:
         return [f"fake://server{i}" for i in range(self.num_servers)]
 
-    async def get_world_size(self) -> int:
-        return self.num_servers
+    async def world_size(self) -> WorldSize:
+        return fake_world(self.num_servers, self.server_urls)
 
-    async def get_world_size_per_server(self) -> int:
-        return 1
-
-    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         payloads = init_info if isinstance(init_info, list) else [init_info] * self.num_servers
         await asyncio.gather(
             *[
@@ -230,7 +228,7 @@ class ProcessClient:
     async def start_weight_update(self) -> None:
         pass
 
-    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
         self.updates += 1
         await asyncio.gather(
             *[
@@ -239,7 +237,7 @@ class ProcessClient:
             ]
         )
 
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+    async def finish_weight_update(self, policy_version: int | None = None) -> None:
         pass
 
     def received_path(self, server: int) -> Path:
@@ -358,7 +356,7 @@ async def test_broadcast_receiver_rejects_a_rank_taken_twice() -> None:
     class SameRanks(ThreadClient):
         """Gives both servers the first server's payload (rank_offset not advanced)."""
 
-        async def init_weight_update_communicator(self, init_info: Any) -> None:
+        async def init_weight_transfer(self, init_info: Any) -> None:
             info = init_info[0] if isinstance(init_info, list) else init_info
             first = asyncio.create_task(asyncio.to_thread(create_receiver, info, 0))
             await asyncio.to_thread(rank_claimed, info, 0)  # the first holds its rank before the second asks
@@ -401,7 +399,7 @@ async def test_broadcast_hung_receiver_ends_in_a_timeout_error_naming_what_is_pe
 
 @pytest.mark.slow
 async def test_weight_transfer_reconnects_after_a_failed_push() -> None:
-    from rollflow.weights import transport
+    from rollflow.weights.trainer import sessions as transport
 
     client = ThreadClient(1, hang_update=True)
     transfer = WeightTransfer(create_strategy("broadcast", backend="gloo", timeout_s=1))
@@ -579,8 +577,8 @@ async def test_local_strategy_loads_weights_into_in_process_engines(tiny_model_d
     # lm_head.weight is tied to the embeddings: leave it out, or it would overwrite them.
     new_weights = {name: torch.randn_like(t) for name, t in state.items() if name != "lm_head.weight"}
     source = StaticWeights(new_weights.items)
-    sender = await connect_sender(create_strategy("local"), client, source)
-    await sender.push(client, source, policy_version=3)
+    sender = await connect_sender(create_strategy("local"), client.control, source)
+    await sender.push(client.control, source, policy_version=3)
     assert all(torch.equal(state[name], tensor) for name, tensor in new_weights.items())
     await client.close()
 
@@ -635,6 +633,12 @@ async def test_the_barrier_timeout_names_the_servers_and_rank_still_pending() ->
     from rollflow.orchestrator.barrier import WeightBarrier, WeightSyncTimeoutError
 
     class PausableClient(ThreadClient):
+        """A data-plane client whose control plane is itself."""
+
+        @property
+        def control(self) -> PausableClient:
+            return self
+
         async def pause(self, mode: str) -> None:
             pass
 
@@ -671,7 +675,8 @@ async def test_when_the_servers_blame_the_trainer_its_own_later_error_is_reporte
     import anyio
 
     from rollflow.inference.remote import ControlPlaneError, RemoteInferenceError
-    from rollflow.weights.base import SERVER_ERROR_GRACE_S, run_with_servers
+    from rollflow.weights.base import SERVER_ERROR_GRACE_S
+    from rollflow.weights.rounds import run_with_servers
 
     url = "http://127.0.0.1:1"
     peer_gone = ControlPlaneError(

@@ -14,6 +14,7 @@ import torch
 
 from rollflow.config import build_config
 from rollflow.errors import ConfigError, MissingExtraError
+from rollflow.inference.control import WorldSize
 from rollflow.weights import StaticWeights, connect_sender, create_strategy, init_info_for_servers
 from rollflow.weights.cuda_ipc import ipc_update_info
 from rollflow.weights.packing import specs_of
@@ -24,6 +25,8 @@ from rollflow.weights.vllm_nccl import (
     VllmNcclSender,
     VllmTrainerApi,
 )
+
+from .helpers.weights import fake_world
 
 # vLLM 0.33's dataclasses, field for field (nccl_engine.py / ipc_engine.py); any other key is rejected there.
 VLLM_INIT_KEYS = {
@@ -55,23 +58,20 @@ class RecordingClient:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
 
-    async def get_world_size(self) -> int:
-        return 2
+    async def world_size(self) -> WorldSize:
+        return fake_world(2, self.server_urls)
 
-    async def get_world_size_per_server(self) -> int:
-        return 1
-
-    async def init_weight_update_communicator(self, init_info: Any) -> None:
+    async def init_weight_transfer(self, init_info: Any) -> None:
         self.calls.append(("init", init_info))
 
     async def start_weight_update(self) -> None:
         self.calls.append(("start", None))
 
-    async def update_named_weights(self, update_info: Any) -> None:
+    async def update_weights(self, update_info: Any) -> None:
         self.calls.append(("update", update_info))
 
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
-        self.calls.append(("finish", weight_version))
+    async def finish_weight_update(self, policy_version: int | None = None) -> None:
+        self.calls.append(("finish", policy_version))
 
 
 def fake_api(sent: list[Any]) -> VllmTrainerApi:
@@ -201,14 +201,14 @@ async def test_rollflow_receiver_accepts_an_init_info_without_backend_or_timeout
     class OneServer(RecordingClient):
         server_urls = ("http://a",)
 
-        async def get_world_size(self) -> int:
-            return 1
+        async def world_size(self) -> WorldSize:
+            return fake_world(1, self.server_urls)
 
-        async def init_weight_update_communicator(self, init_info: Any) -> None:
-            stripped = {k: v for k, v in init_info.items() if k not in ("backend", "timeout_s")}
+        async def init_weight_transfer(self, init_info: Any) -> None:
+            stripped = {k: v for k, v in init_info[0].items() if k not in ("backend", "timeout_s")}
             receivers.append(await asyncio.to_thread(create_receiver, stripped, 0))
 
-        async def update_named_weights(self, update_info: Any) -> None:
+        async def update_weights(self, update_info: Any) -> None:
             received.extend(await asyncio.to_thread(receivers[0].receive, update_info))
 
     sent = weights()
@@ -264,12 +264,12 @@ async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
         state = load_causal_lm(resolve_model_path(model)).state_dict()
         source = StaticWeights(state.items)
         sender = await connect_sender(
-            create_strategy("broadcast", engine="vllm", timeout_s=300), client, source
+            create_strategy("broadcast", engine="vllm", timeout_s=300), client.control, source
         )
         try:
             for version in (1, 2):
                 await client.pause("keep")
-                await sender.push(client, source, policy_version=version)
+                await sender.push(client.control, source, policy_version=version)
                 await client.resume()
         finally:
             sender.close()

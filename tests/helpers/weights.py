@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rollflow.inference.control import WorldSize
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.weights.receiver import create_receiver
@@ -40,13 +42,10 @@ class ThreadClient:
     def server_urls(self) -> list[str]:
         return [f"fake://server{i}" for i in range(self.num_servers)]
 
-    async def get_world_size(self) -> int:
-        return self.num_servers
+    async def world_size(self) -> WorldSize:
+        return fake_world(self.num_servers, self.server_urls)
 
-    async def get_world_size_per_server(self) -> int:
-        return 1
-
-    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> None:
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         if not self.join:
             await asyncio.sleep(3600)
         payloads = init_info if isinstance(init_info, list) else [init_info] * self.num_servers
@@ -57,14 +56,14 @@ class ThreadClient:
     async def start_weight_update(self) -> None:
         pass
 
-    async def update_named_weights(self, update_info: dict[str, Any]) -> None:
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
         if self.hang_update:
             await asyncio.sleep(3600)
         self.received = list(
             await asyncio.gather(*[asyncio.to_thread(r.receive, update_info) for r in self.receivers])
         )
 
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
+    async def finish_weight_update(self, policy_version: int | None = None) -> None:
         pass
 
     def close(self) -> None:
@@ -79,3 +78,14 @@ async def server_outputs(url: str) -> tuple[list[list[int]], set[int]]:
     finally:
         await client.close()
     return [o.token_ids for o in outputs], {v for o in outputs for v in o.policy_versions}
+
+
+def fake_world(total_workers: int, server_urls: Sequence[str]) -> WorldSize:
+    """The world size a fake control plane reports: one worker per server (or ``total_workers`` in one)."""
+    servers = max(1, len(server_urls))
+    return WorldSize(
+        total_workers=total_workers,
+        workers_per_server=max(1, total_workers // servers),
+        num_servers=servers,
+        server_urls=tuple(server_urls),
+    )

@@ -6,7 +6,7 @@ values that engine accepts. Everything else is derived from the fields:
 
 - ``ServerSpec.from_inference``: the spec of ``[inference]`` (each field is the ``inference`` key of its name);
 - ``argv(engine)``: the flags of the option values, for the command builders of
-  ``rollflow.inference.server_group``;
+  ``rollflow.launch.server_group``;
 - ``add_serve_arguments``: the flags ``rollflow serve`` parses;
 - ``managed_flags()`` and ``engine_refusals``: the validation of ``inference.server_args`` and of what the
   chosen engine cannot do.

@@ -44,28 +44,10 @@ class WeightSyncConfig(Section):
         """Keyword options of ``rollflow.weights.create_strategy`` for the (resolved) ``strategy``, sending to
         servers of kind ``engine`` (``inference.engine``: vLLM takes only its own payload keys);
         ``rank0_address`` (trainer rank 0's node) stands for ``master_address = "auto"``."""
+        from rollflow.weights.registry import strategy_options
+
         master_address = rank0_address if self.master_address == "auto" else self.master_address
-        if strategy == "broadcast":
-            return dict(
-                bucket_size_mb=self.bucket_size_mb,
-                backend=self.backend,
-                master_address=master_address,
-                timeout_s=self.timeout_s,
-                engine=engine,
-                dtype=self.dtype,
-            )
-        if strategy == "checkpoint":
-            return dict(
-                checkpoint_dir=self.checkpoint_dir,
-                host=master_address,
-                timeout_s=self.timeout_s,
-                dtype=self.dtype,
-            )
-        if strategy == "cuda_ipc":
-            return dict(
-                bucket_size_mb=self.bucket_size_mb, timeout_s=self.timeout_s, engine=engine, dtype=self.dtype
-            )
-        return {}
+        return strategy_options(strategy, self, engine=engine, master_address=master_address)
 
 
 def weight_sync_errors(config: RunConfig) -> list[str]:

@@ -8,17 +8,18 @@ they hold. This module must not import torch at module scope.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from rollflow.errors import InferenceUnavailableError
+from rollflow.inference.control import PAUSE_MODES, ControlPlane, InProcessControlPlane, PauseMode
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, join_kept_counts
 
 if TYPE_CHECKING:
     from rollflow.inference.engine.engine import TorchEngine
 
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "wait", "keep")
+__all__ = ["PAUSE_MODES", "InferenceClient", "LocalInferenceClient", "LogprobsMode", "PauseMode"]
+
 # vLLM's ``--logprobs-mode`` values a torch engine serves: ``processed_logprobs`` (after temperature and
 # top-k/top-p, what the trainer recomputes) and ``raw_logprobs`` (vLLM's default, before both).
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
@@ -32,9 +33,14 @@ class InferenceClient(Protocol):
     partial tokens; ``wait`` lets them finish; ``keep`` freezes them and continues them after ``resume``.
     While paused, new ``generate`` calls wait for ``resume`` (HTTP servers answer 503 instead).
 
-    Moving weights is not part of this protocol: each client has its own transfer calls, and the strategies
-    in ``rollflow.weights`` (in-process copy, broadcast, checkpoint, CUDA IPC) drive them.
+    Everything besides generation (sleep, world size, the weight-update lifecycle) is the client's
+    ``control`` plane (``rollflow.inference.control.ControlPlane``), which the weight barrier, colocation and
+    the strategies in ``rollflow.weights`` drive; ``pause``, ``resume`` and ``get_world_size`` here are
+    shorthands of it.
     """
+
+    #: The engines' control plane: every control call reaches every engine.
+    control: ControlPlane
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Sample a completion for ``request.prompt_token_ids``."""
@@ -75,6 +81,7 @@ class LocalInferenceClient:
         if not engines:
             raise ValueError("LocalInferenceClient needs at least one engine")
         self.engines = engines
+        self.control = InProcessControlPlane(engines)
         self._next = 0
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
@@ -91,26 +98,16 @@ class LocalInferenceClient:
                 yield chunk
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        for engine in self.engines:
-            await engine.pause(mode)
+        await self.control.pause(mode)
 
     async def resume(self) -> None:
-        for engine in self.engines:
-            await engine.resume()
+        await self.control.resume()
 
     async def is_paused(self) -> bool:
         return all(engine.is_paused for engine in self.engines)
 
-    async def update_named_weights(
-        self, named_tensors: Iterable[tuple[str, Any]], policy_version: int
-    ) -> None:
-        """Load HF-named tensors into every engine; later tokens carry ``policy_version``. Pause first."""
-        tensors = list(named_tensors)
-        for engine in self.engines:
-            await engine.load_weights(tensors, policy_version=policy_version)
-
     async def get_world_size(self) -> int:
-        return len(self.engines)
+        return (await self.control.world_size()).total_workers
 
     async def close(self) -> None:
         for engine in self.engines:

@@ -4,8 +4,9 @@ Two planes, as in vLLM RL deployments:
 
 - the **data plane** (generate, chat/completions, tokenize) goes to one URL, the router or an external proxy,
   with ``X-Session-ID`` when a request belongs to a session, so the router keeps a session on one server;
-- the **control plane** (pause, resume, sleep, weight transfer, world size) fans out to every server URL at
-  once, each call bounded by ``control_timeout_s``; failures name the server.
+- the **control plane** (``client.control``, an ``HttpControlPlane``: pause, resume, sleep, weight transfer,
+  world size) fans out to every server URL at once, each call bounded by ``control_timeout_s``; failures name
+  the server.
 
 A 503 from a paused server is waited out (within ``request_timeout_s``); a 503 whose error ``type`` is
 ``EngineDeadError`` (a server whose engine died, or a router all of whose servers' engines died) raises
@@ -48,7 +49,7 @@ from rollflow.errors import (
     RemoteUnavailableError,
     error_code,
 )
-from rollflow.inference.client import PAUSE_MODES, PauseMode
+from rollflow.inference.control import PAUSE_MODES, PauseMode, WirePayload, WorldSize
 from rollflow.inference.routed_experts import unpack_routed_experts
 from rollflow.inference.streaming import iter_sse
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
@@ -243,7 +244,7 @@ class RemoteInferenceClient:
             otherwise it is an error.
         connection_limit: most simultaneous connections (0: unlimited).
         policy_version: stamped on generated tokens when the server does not report per-token versions;
-            ``finish_weight_update(weight_version=…)`` advances it.
+            ``control.finish_weight_update(policy_version)`` advances it.
     """
 
     def __init__(
@@ -283,7 +284,9 @@ class RemoteInferenceClient:
         # Runtime state, never pickled.
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
-        self._world_size: tuple[int, int] | None = None
+        self._world_size: WorldSize | None = None
+        #: The servers' control plane (pause, sleep, world size, weight updates), fanned out to each URL.
+        self.control = HttpControlPlane(self)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -692,26 +695,24 @@ class RemoteInferenceClient:
         except (RemoteInferenceError, aiohttp.ClientError) as error:
             log.debug("finish_session failed", url=url, session_id=session_id, error=str(error))
 
-    # ------------------------------------------------------------------ control plane
+    # ------------------------------------------------------------------ control plane (shorthands of ``control``)
 
     async def pause(self, mode: PauseMode = "abort") -> None:
-        """Pause every server (``POST /pause?mode=``); see ``InferenceClient.pause`` for the modes.
+        """``control.pause``: pause every server (``POST /pause?mode=``).
 
         Raises:
             ValueError: ``mode`` is not abort, wait or keep.
             ControlPlaneError: naming each server that failed.
         """
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
-        await self._control("pause", "POST", "/pause", params={"mode": mode})
+        await self.control.pause(mode)
 
     async def resume(self) -> None:
-        """Resume every server (``POST /resume``).
+        """``control.resume``: resume every server (``POST /resume``).
 
         Raises:
             ControlPlaneError: naming each server that failed.
         """
-        await self._control("resume", "POST", "/resume")
+        await self.control.resume()
 
     async def is_paused(self) -> bool:
         """True when every server reports ``is_paused``.
@@ -721,34 +722,6 @@ class RemoteInferenceClient:
         """
         answers = await self._control("is_paused", "GET", "/is_paused")
         return all(bool(body["is_paused"]) for body in answers.values())
-
-    async def sleep(
-        self, level: int = 1, tags: Sequence[str] | None = None, mode: PauseMode | None = None
-    ) -> None:
-        """Put every server to sleep (``POST /sleep?level=&mode=``): 0 pauses scheduling, 1 offloads weights
-        and drops the KV cache, 2 drops everything. ``mode`` treats running requests as ``pause`` does (the
-        server's default, ``abort``, when None). ``tags`` are sent along; vLLM 0.33 ignores them.
-
-        Raises:
-            ValueError: ``mode`` is not abort, wait or keep.
-            ControlPlaneError: naming each server that failed.
-        """
-        if mode is not None and mode not in PAUSE_MODES:
-            raise ValueError(f"sleep mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
-        params: list[tuple[str, str]] = [("level", str(level))]
-        if mode is not None:
-            params.append(("mode", mode))
-        params += [("tags", tag) for tag in tags or ()]
-        await self._control("sleep", "POST", "/sleep", params=params)
-
-    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Wake every server (``POST /wake_up?tags=…``); ``tags`` among weights, kv_cache, scheduling; none
-        wakes everything.
-
-        Raises:
-            ControlPlaneError: naming each server that failed.
-        """
-        await self._control("wake_up", "POST", "/wake_up", params=[("tags", tag) for tag in tags or ()])
 
     async def is_sleeping(self) -> bool:
         """True when every server reports ``is_sleeping``.
@@ -781,101 +754,12 @@ class RemoteInferenceClient:
         return sum(int((body or {}).get("aborted", 0)) for body in answers.values())
 
     async def get_world_size(self) -> int:
-        """Total inference workers across all servers (what a weight broadcast must reach).
-
-        Each server reports its own world size (TP·PP·DP); all must agree. The total is ``per_server ×
-        len(server_urls) // data_parallel_size``. Asked once and cached (until a server is dropped).
+        """``control.world_size().total_workers``: the inference workers a weight broadcast must reach.
 
         Raises:
             ControlPlaneError: a server failed, or the servers disagree (the message lists each one's size).
         """
-        if self._world_size is None:
-            answers = await self._control("get_world_size", "GET", "/get_world_size")
-            sizes = {url: int(body["world_size"]) for url, body in answers.items()}
-            if len(set(sizes.values())) != 1:
-                errors = {
-                    url: RemoteInferenceError(f"reports world_size {size}", url=url)
-                    for url, size in sizes.items()
-                }
-                raise ControlPlaneError("get_world_size (servers must report the same size)", errors)
-            per_server = next(iter(sizes.values()))
-            total = per_server * len(sizes) // self.data_parallel_size
-            self._world_size = (total, per_server)
-        return self._world_size[0]
-
-    async def get_world_size_per_server(self) -> int:
-        """World size one server reports (TP·PP·DP of its deployment).
-
-        Raises:
-            ControlPlaneError: as ``get_world_size``.
-        """
-        await self.get_world_size()
-        assert self._world_size is not None
-        return self._world_size[1]
-
-    async def init_weight_update_communicator(
-        self, init_info: Mapping[str, Any] | Sequence[Mapping[str, Any]]
-    ) -> None:
-        """``POST /init_weight_transfer_engine {"init_info": …}`` to every server.
-
-        ``init_info`` is one dict for all servers, or a sequence with one dict per entry of ``server_urls``
-        (e.g. each with its own ``rank_offset``). For NCCL/gloo this blocks until the trainer joins the
-        process group: run it as a task alongside the trainer's side.
-
-        Raises:
-            ValueError: a per-server sequence whose length is not ``len(server_urls)``.
-            ControlPlaneError: naming each server that failed.
-        """
-        if isinstance(init_info, Mapping):
-            await self._control(
-                "init_weight_transfer_engine",
-                "POST",
-                "/init_weight_transfer_engine",
-                json={"init_info": dict(init_info)},
-            )
-            return
-        if len(init_info) != len(self.server_urls):
-            raise ValueError(
-                f"init_info has {len(init_info)} per-server entries but there are "
-                f"{len(self.server_urls)} servers ({', '.join(self.server_urls)})"
-            )
-        await self._control(
-            "init_weight_transfer_engine",
-            "POST",
-            "/init_weight_transfer_engine",
-            per_server_json=[{"init_info": dict(info)} for info in init_info],
-        )
-
-    async def start_weight_update(self) -> None:
-        """``POST /start_weight_update`` (no body, vLLM 0.33) to every server.
-
-        Raises:
-            ControlPlaneError: naming each server that failed.
-        """
-        await self._control("start_weight_update", "POST", "/start_weight_update")
-
-    async def update_named_weights(self, update_info: Mapping[str, Any] | Sequence[Any]) -> None:
-        """``POST /update_weights {"update_info": …}`` to every server, as given (a dict, or vLLM's list
-        indexed by global worker rank). For NCCL/gloo it blocks until the trainer's broadcast is done: run it
-        as a task alongside the broadcast.
-
-        Raises:
-            ControlPlaneError: naming each server that failed.
-        """
-        info = dict(update_info) if isinstance(update_info, Mapping) else list(update_info)
-        await self._control("update_weights", "POST", "/update_weights", json={"update_info": info})
-
-    async def finish_weight_update(self, weight_version: int | None = None) -> None:
-        """``POST /finish_weight_update`` to every server; with ``weight_version``, the servers label their
-        weights with it and this client stamps later tokens with it (when servers report no versions).
-
-        Raises:
-            ControlPlaneError: naming each server that failed.
-        """
-        body = None if weight_version is None else {"weight_version": str(weight_version)}
-        await self._control("finish_weight_update", "POST", "/finish_weight_update", json=body)
-        if weight_version is not None:
-            self.policy_version = weight_version
+        return (await self.control.world_size()).total_workers
 
     async def weight_info(self) -> dict[str, Any]:
         """``GET /weight_info`` of every server: ``{url: {"weight_version": …}}``.
@@ -884,3 +768,155 @@ class RemoteInferenceClient:
             ControlPlaneError: naming each server that failed.
         """
         return await self._control("weight_info", "GET", "/weight_info")
+
+
+class HttpControlPlane:
+    """``RemoteInferenceClient``'s control plane: each call fans out to every server URL at once (each bounded
+    by the client's ``control_timeout_s``), failures name the server (``ControlPlaneError``), and a server
+    found unreachable or dead is dropped when the client drops such servers. Paths and fields are vLLM 0.33's.
+    """
+
+    def __init__(self, client: RemoteInferenceClient):
+        self._client = client
+
+    @property
+    def server_urls(self) -> list[str]:
+        """The servers every call reaches (the client's, minus any it dropped)."""
+        return self._client.server_urls
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """``POST /pause?mode=``; see ``InferenceClient.pause`` for the modes.
+
+        Raises:
+            ValueError: ``mode`` is not abort, wait or keep.
+            ControlPlaneError: naming each server that failed.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+        await self._client._control("pause", "POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """``POST /resume``.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        await self._client._control("resume", "POST", "/resume")
+
+    async def sleep(
+        self, level: int = 1, tags: Sequence[str] | None = None, mode: PauseMode | None = None
+    ) -> None:
+        """``POST /sleep?level=&mode=``: 0 pauses scheduling, 1 offloads weights and drops the KV cache, 2
+        drops everything. ``mode`` treats running requests as ``pause`` does (the server's default, ``abort``,
+        when None). ``tags`` are sent along; vLLM 0.33 ignores them.
+
+        Raises:
+            ValueError: ``mode`` is not abort, wait or keep.
+            ControlPlaneError: naming each server that failed.
+        """
+        if mode is not None and mode not in PAUSE_MODES:
+            raise ValueError(f"sleep mode must be one of {', '.join(map(repr, PAUSE_MODES))}, got {mode!r}")
+        params: list[tuple[str, str]] = [("level", str(level))]
+        if mode is not None:
+            params.append(("mode", mode))
+        params += [("tags", tag) for tag in tags or ()]
+        await self._client._control("sleep", "POST", "/sleep", params=params)
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /wake_up?tags=…``; ``tags`` among weights, kv_cache, scheduling; none wakes everything.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        params = [("tags", tag) for tag in tags or ()]
+        await self._client._control("wake_up", "POST", "/wake_up", params=params)
+
+    async def world_size(self) -> WorldSize:
+        """``GET /get_world_size`` of every server. Each reports its own (TP·PP·DP); all must agree. Asked
+        once and cached (until a server is dropped).
+
+        Raises:
+            ControlPlaneError: a server failed, or the servers disagree (the message lists each one's size).
+        """
+        client = self._client
+        if client._world_size is None:
+            answers = await client._control("get_world_size", "GET", "/get_world_size")
+            sizes = {url: int(body["world_size"]) for url, body in answers.items()}
+            if len(set(sizes.values())) != 1:
+                errors = {
+                    url: RemoteInferenceError(f"reports world_size {size}", url=url)
+                    for url, size in sizes.items()
+                }
+                raise ControlPlaneError("get_world_size (servers must report the same size)", errors)
+            per_server = next(iter(sizes.values()))
+            client._world_size = WorldSize(
+                total_workers=per_server * len(sizes) // client.data_parallel_size,
+                workers_per_server=per_server,
+                num_servers=len(sizes),
+                data_parallel_size=client.data_parallel_size,
+                server_urls=tuple(sizes),
+            )
+        return client._world_size
+
+    async def init_weight_transfer(self, init_infos: Sequence[WirePayload]) -> None:
+        """``POST /init_weight_transfer_engine {"init_info": …}``: ``init_infos[i]`` to server ``i``, or its one
+        entry to every server. For NCCL/gloo this blocks until the trainer joins the process group: run it as
+        a task alongside the trainer's side.
+
+        Raises:
+            ValueError: neither one entry nor one per entry of ``server_urls``.
+            ControlPlaneError: naming each server that failed.
+        """
+        urls = self._client.server_urls
+        if len(init_infos) == 1:
+            json: Any = {"init_info": dict(init_infos[0])}
+            await self._client._control(
+                "init_weight_transfer_engine", "POST", "/init_weight_transfer_engine", json=json
+            )
+            return
+        if len(init_infos) != len(urls):
+            raise ValueError(
+                f"init_info has {len(init_infos)} per-server entries but there are "
+                f"{len(urls)} servers ({', '.join(urls)})"
+            )
+        await self._client._control(
+            "init_weight_transfer_engine",
+            "POST",
+            "/init_weight_transfer_engine",
+            per_server_json=[{"init_info": dict(info)} for info in init_infos],
+        )
+
+    async def start_weight_update(self) -> None:
+        """``POST /start_weight_update`` (no body, vLLM 0.33).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        await self._client._control("start_weight_update", "POST", "/start_weight_update")
+
+    async def update_weights(self, update_info: WirePayload | Sequence[WirePayload]) -> None:
+        """``POST /update_weights {"update_info": …}``, as given (a dict, or vLLM's list indexed by global
+        worker rank). For NCCL/gloo it blocks until the trainer's broadcast is done: run it as a task alongside
+        the broadcast.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        info: Any = dict(update_info) if isinstance(update_info, Mapping) else [dict(i) for i in update_info]
+        await self._client._control("update_weights", "POST", "/update_weights", json={"update_info": info})
+
+    async def finish_weight_update(self, policy_version: int | None = None) -> None:
+        """``POST /finish_weight_update``; with ``policy_version`` (the wire's ``weight_version``) the servers
+        label their weights with it and the client stamps later tokens with it (when servers report none).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        body = None if policy_version is None else {"weight_version": str(policy_version)}
+        await self._client._control("finish_weight_update", "POST", "/finish_weight_update", json=body)
+        if policy_version is not None:
+            self._client.policy_version = policy_version
+
+    async def finish_session(self, session_id: str | None) -> None:
+        """``RemoteInferenceClient.finish_session``: the router forgets the session (best effort)."""
+        await self._client.finish_session(session_id)

@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from rollflow.inference.http import json_error
+from rollflow.weights.ranks import offsets_after
 
 if TYPE_CHECKING:
     from rollflow.inference.router import InferenceRouter, _Worker
@@ -186,14 +187,17 @@ async def _init_bodies(
     sizes = await _fan_out(router, workers, _Call("GET", "/get_world_size", headers), [b""] * len(workers))
     if isinstance(sizes, web.Response):
         return sizes
-    payloads = []
-    offset = first
+    worker_sizes = []
     for worker, size in zip(workers, sizes, strict=True):
-        payloads.append(msgspec.json.encode({**body, "init_info": {**info, "rank_offset": offset}}))
         try:
-            offset += int(size["world_size"])
+            worker_sizes.append(int(size["world_size"]))
         except (KeyError, TypeError, ValueError):
             return json_error(502, f"{worker.url}/get_world_size answered without a world_size: {size!r}")
+    offsets = offsets_after(first, worker_sizes)
+    payloads = [
+        msgspec.json.encode({**body, "init_info": {**info, "rank_offset": offset}}) for offset in offsets
+    ]
+    offset = first + sum(worker_sizes)  # the first rank after these workers'
     if offset > world_size:
         return json_error(
             400,

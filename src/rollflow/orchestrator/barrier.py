@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
@@ -12,6 +12,9 @@ import structlog
 from rollflow.config import RunConfig
 from rollflow.errors import WeightSyncTimeoutError, is_retryable
 from rollflow.inference.client import InferenceClient, PauseMode
+
+if TYPE_CHECKING:
+    from rollflow.weights import WeightPusher, WeightSource, WeightTransfer
 
 log = structlog.get_logger(__name__)
 
@@ -31,8 +34,10 @@ class WeightBarrier:
     cancellation), so a failed update never leaves them paused.
     """
 
-    def __init__(self, client: InferenceClient, transfer: Any, *, timeout_s: float):
+    def __init__(self, client: InferenceClient, transfer: WeightTransfer, *, timeout_s: float):
         self.client = client
+        #: Where pause, resume and the transfer's server calls go (``client.control``).
+        self.control = client.control
         self.transfer = transfer
         self.timeout_s = timeout_s
 
@@ -42,16 +47,23 @@ class WeightBarrier:
     ) -> WeightBarrier:
         """The barrier a run uses: ``weight_sync``'s strategy (resolved for the inference mode and engine);
         ``rank0_address``, the trainer rank 0's node, is ``weight_sync.master_address = "auto"``."""
-        from rollflow.weights import WeightTransfer, create_strategy
+        from rollflow.weights import WeightTransfer, strategy_from_config
 
         sync = config.weight_sync
         strategy = sync.resolved_strategy(config.inference.mode)
         if config.inference.colocate and sync.strategy == "auto" and _colocated_on_cuda(config):
             strategy = "cuda_ipc"  # trainer and servers share the GPU: hand the buffers over, no copy
-        options = sync.strategy_options(strategy, config.inference.engine, rank0_address)
-        return cls(client, WeightTransfer(create_strategy(strategy, **options)), timeout_s=sync.timeout_s)
+        master_address = rank0_address if sync.master_address == "auto" else sync.master_address
+        transfer = WeightTransfer(
+            strategy_from_config(
+                strategy, sync, engine=config.inference.engine, master_address=master_address
+            )
+        )
+        return cls(client, transfer, timeout_s=sync.timeout_s)
 
-    async def update(self, trainer: Any, policy_version: int, pause_mode: PauseMode) -> dict[str, float]:
+    async def update(
+        self, trainer: WeightPusher | WeightSource, policy_version: int, pause_mode: PauseMode
+    ) -> dict[str, float]:
         """Have ``trainer`` (a handle with ``push_weights``, e.g. ``Trainer``, ``TrainerProcess``,
         ``rollflow.weights.StaticWeights``) push its weights as ``policy_version``; returns the barrier's
         timings in seconds (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``).
@@ -67,7 +79,7 @@ class WeightBarrier:
         started = time.perf_counter()
         try:
             await self._phase(
-                "pausing the engines", policy_version, self.client.pause(pause_mode), self.timeout_s
+                "pausing the engines", policy_version, self.control.pause(pause_mode), self.timeout_s
             )
             paused_at = time.perf_counter()
             await self._phase(
@@ -92,9 +104,9 @@ class WeightBarrier:
         log.debug("weights updated", policy_version=policy_version, **timings)
         return timings
 
-    async def _push(self, trainer: Any, policy_version: int) -> None:
+    async def _push(self, trainer: WeightPusher | WeightSource, policy_version: int) -> None:
         try:
-            await self.transfer.push(self.client, trainer, policy_version)
+            await self.transfer.push(self.control, trainer, policy_version)
         except Exception as error:
             if not is_retryable(error):
                 raise
@@ -107,12 +119,12 @@ class WeightBarrier:
             # that are left, a new world size), or the trainer side's transport failed. One retry; a second
             # failure is real.
             log.warning("weight transfer failed; reconnecting and retrying once", error=str(error))
-            await self.transfer.push(self.client, trainer, policy_version)
+            await self.transfer.push(self.control, trainer, policy_version)
 
     def _server_urls(self) -> list[str]:
-        return list(getattr(self.client, "server_urls", ()))
+        return list(self.control.server_urls)
 
-    async def _phase(self, what: str, policy_version: int, work: Awaitable[Any], timeout_s: float) -> None:
+    async def _phase(self, what: str, policy_version: int, work: Awaitable[None], timeout_s: float) -> None:
         try:
             with anyio.fail_after(timeout_s):
                 await work
@@ -125,7 +137,7 @@ class WeightBarrier:
     async def _resume(self, policy_version: int, *, raise_on_timeout: bool) -> None:
         # Shielded so a cancelled run still resumes its engines; bounded so a dead engine cannot hang us.
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s) as scope:
-            await self.client.resume()
+            await self.control.resume()
         if scope.cancelled_caught and raise_on_timeout:
             raise WeightSyncTimeoutError(
                 f"weight update to policy version {policy_version}: resuming the engines took longer than "

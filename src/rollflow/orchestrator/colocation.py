@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import structlog
 
 from rollflow.config import RunConfig
 from rollflow.errors import ConfigError
-from rollflow.inference.client import PauseMode
+from rollflow.inference.client import InferenceClient, PauseMode
+from rollflow.inference.control import ControlPlane, InProcessControlPlane
 
 log = structlog.get_logger(__name__)
 
@@ -37,23 +37,25 @@ class Colocation:
     """Puts the servers to sleep for a training step and wakes them in two stages around the weight push.
 
     Args:
-        client: a ``RemoteInferenceClient`` (anything with ``sleep(level, mode=)`` and ``wake_up(tags)``).
+        control: the servers' control plane (a ``RemoteInferenceClient``'s ``control``).
         level: the sleep level (``inference.sleep_level``, 1 or 2).
         mode: how sleep treats running requests (abort or wait).
     """
 
-    def __init__(self, client: Any, *, level: int, mode: PauseMode):
+    def __init__(self, control: ControlPlane, *, level: int, mode: PauseMode):
         if level not in (1, 2):
             raise ValueError(f"colocated sleep level must be 1 or 2, got {level!r}")
         if mode not in ("abort", "wait"):
             raise ValueError(f"colocated sleep mode must be 'abort' or 'wait', got {mode!r}")
-        self.client = client
+        self.control = control
         self.level = level
         self.mode: PauseMode = mode
         self.asleep = False
 
     @classmethod
-    def from_config(cls, config: RunConfig, client: Any, pause_mode: PauseMode) -> Colocation | None:
+    def from_config(
+        cls, config: RunConfig, client: InferenceClient, pause_mode: PauseMode
+    ) -> Colocation | None:
         """The colocation of a run with ``inference.colocate``; None without it.
 
         Raises:
@@ -61,18 +63,18 @@ class Colocation:
         """
         if not config.inference.colocate:
             return None
-        if not callable(getattr(client, "sleep", None)) or not callable(getattr(client, "wake_up", None)):
+        if isinstance(client.control, InProcessControlPlane):
             raise ConfigError(
                 f"inference.colocate = true needs servers that sleep and wake up (an HTTP client); the "
                 f"inference client given is a {type(client).__name__}: set inference.colocate = false"
             )
         mode: PauseMode = "abort" if pause_mode == "keep" else pause_mode
-        return cls(client, level=config.inference.sleep_level, mode=mode)
+        return cls(client.control, level=config.inference.sleep_level, mode=mode)
 
     async def sleep(self) -> float:
         """Put every server to sleep; returns the seconds it took."""
         started = time.perf_counter()
-        await self.client.sleep(level=self.level, mode=self.mode)
+        await self.control.sleep(level=self.level, mode=self.mode)
         self.asleep = True
         return time.perf_counter() - started
 
@@ -89,11 +91,11 @@ class Colocation:
                 "sleep level 2 discards the weights: a push must follow wake_up(tags=['weights'])"
             )
         started = time.perf_counter()
-        await self.client.wake_up(["weights"])
+        await self.control.wake_up(["weights"])
         woke_weights = time.perf_counter()
         timings = await push() if push is not None else {}
         pushed = time.perf_counter()
-        await self.client.wake_up(["kv_cache"])
+        await self.control.wake_up(["kv_cache"])
         self.asleep = False
         return {**timings, "wake_time_s": (woke_weights - started) + (time.perf_counter() - pushed)}
 

@@ -25,10 +25,9 @@ from rollflow.weights.base import (
     WeightTransfer,
     WeightTransferStrategy,
     connect_sender,
-    create_strategy,
-    init_info_for_servers,
-    server_init_infos,
 )
+from rollflow.weights.ranks import init_info_for_servers, per_server_init_infos
+from rollflow.weights.registry import create_strategy, register_strategy, strategy_from_config
 
 __all__ = [
     "STRATEGIES",
@@ -46,5 +45,7 @@ __all__ = [
     "connect_sender",
     "create_strategy",
     "init_info_for_servers",
-    "server_init_infos",
+    "per_server_init_infos",
+    "register_strategy",
+    "strategy_from_config",
 ]

@@ -11,7 +11,7 @@ A strategy moves the trainer's weights into inference engines in three parts:
   ``full_tensor()`` gather), casts them to the transfer dtype, and only rank 0 sends; rank 0 also picks the
   rendezvous (address, port) on its own host and reports it back as the call's result. State that must outlive
   one call (a process group, a TCP store, an HTTP server) lives in that process's session registry
-  (``rollflow.weights.transport``), keyed by the spec's ``transfer_id``.
+  (``rollflow.weights.trainer.sessions``), keyed by the spec's ``transfer_id``.
 - the **receiver** (engine-server side, ``rollflow.weights.receiver``): built from ``init_info`` by
   ``/init_weight_transfer_engine``; each ``/update_weights`` turns one ``update_info`` into named tensors.
 
@@ -29,27 +29,30 @@ This module stays free of torch so configuration and the orchestrator can import
 from __future__ import annotations
 
 import abc
-import copy
 import inspect
 import secrets
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 import anyio
 import structlog
 
 from rollflow.errors import (
-    InvalidTransferInfoError,
     RollflowError,
     WeightTransferError,
     WeightTransferTimeoutError,
 )
+from rollflow.weights.registry import strategy_names
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
+    from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
 
-#: Strategy names accepted by ``create_strategy`` (and proposed for ``weight_sync.strategy``).
-STRATEGIES: tuple[str, ...] = ("local", "broadcast", "checkpoint", "cuda_ipc")
+#: Strategy names accepted by ``create_strategy`` (those registered in ``rollflow.weights.registry``).
+STRATEGIES: tuple[str, ...] = strategy_names()
 
 #: The receiver backends an ``init_info["backend"]`` may name.
 RECEIVER_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "checkpoint", "ipc")
@@ -60,20 +63,6 @@ TRANSFER_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 #: How long the control half waits, after the trainer side failed, for the servers' side to report its own
 #: error (which names the server) before cancelling it.
 SERVER_ERROR_GRACE_S = 2.0
-
-
-class WeightUpdateClient(Protocol):
-    """What a remote sender needs from an inference client (``RemoteInferenceClient`` fans each call out)."""
-
-    async def get_world_size(self) -> int: ...
-
-    async def init_weight_update_communicator(self, init_info: dict[str, Any]) -> Any: ...
-
-    async def start_weight_update(self) -> Any: ...
-
-    async def update_named_weights(self, update_info: dict[str, Any]) -> Any: ...
-
-    async def finish_weight_update(self, weight_version: int | None = None) -> Any: ...
 
 
 # ---------------------------------------------------------------- the trainer side, as the control half sees it
@@ -165,7 +154,7 @@ class StaticWeights:
         return call(0, self._named_weights())
 
 
-def as_source(trainer: Any) -> WeightSource:
+def as_source(trainer: WeightSource | WeightPusher) -> WeightSource:
     """``trainer`` itself when it is a ``WeightSource``, else a ``WeightSource`` over the trainer handle."""
     return trainer if isinstance(trainer, WeightSource) else WeightSource(trainer)
 
@@ -179,16 +168,26 @@ def new_transfer_id() -> str:
 
 
 class WeightSender(abc.ABC):
-    """Control half of one strategy, for one connection to the servers.
+    """Control half of one strategy, for one connection to the servers: the one sender template.
 
-    Lifecycle: ``await setup(client, source)`` once, ``await push(client, source, version)`` per policy
-    version, ``close()`` at the end. After a failed or cancelled push the transfer state is unknown (a
+    Lifecycle: ``await setup(control, source)`` once, ``await push(control, source, version)`` per policy
+    version, ``close()`` at the end. After a failed or cancelled setup or push the transfer state is unknown (a
     half-done broadcast), so the sender refuses further pushes; close it and build a new one
-    (``connect_sender``).
+    (``connect_sender``). This class keeps that bookkeeping (``broken``) and the push's deadline; a strategy
+    writes only ``_connect`` and ``_push``.
     """
 
-    def __init__(self, inference_world_size: int):
+    #: How messages name this sender ("broadcast", "checkpoint", "CUDA IPC" …).
+    label: ClassVar[str]
+    #: How the push travels, for the timeout message ("as a checkpoint", "by CUDA IPC").
+    how: ClassVar[str] = ""
+    #: True when ``_push`` bounds itself by ``timeout_s`` (a collective round naming the step it waited on);
+    #: else the template bounds it.
+    bounds_itself: ClassVar[bool] = False
+
+    def __init__(self, inference_world_size: int, timeout_s: float = 300.0):
         self.inference_world_size = inference_world_size
+        self.timeout_s = timeout_s
         #: What every server was sent on ``/init_weight_transfer_engine`` (set by ``setup``).
         self.init_info: dict[str, Any] = {}
         #: Why this sender can no longer push (None while it can); ``WeightTransfer`` then reconnects.
@@ -196,8 +195,7 @@ class WeightSender(abc.ABC):
         #: The trainer-side session this sender opened, if any; released by the next connection's open.
         self.transfer_id: str | None = None
 
-    @abc.abstractmethod
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
+    async def setup(self, control: ControlPlane, source: WeightSource, release: Iterable[str] = ()) -> None:
         """Connect: open the transport on the trainer (which reports its rendezvous) and send ``init_info`` to
         every server. ``release`` names earlier trainer-side sessions to free first.
 
@@ -206,11 +204,15 @@ class WeightSender(abc.ABC):
                 (the message names it).
             WeightTransferTimeoutError: the receivers did not join within the strategy's timeout.
         """
+        try:
+            await self._connect(control, as_source(source), release)
+        except BaseException:
+            self.broken = self.broken or "it never connected"
+            raise
 
-    @abc.abstractmethod
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
+    async def push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
         """Have the trainer send its weights (Hugging Face state-dict names) to every engine as
-        ``policy_version``: start → update (with the trainer's push) → finish over ``client``. The caller
+        ``policy_version``: start → update (with the trainer's push) → finish over ``control``. The caller
         pauses the engines before and resumes after.
 
         Raises:
@@ -218,6 +220,37 @@ class WeightSender(abc.ABC):
                 broken by an earlier failure.
             WeightTransferTimeoutError: the transfer took longer than the strategy's timeout.
         """
+        if self.broken is not None:
+            raise WeightTransferError(
+                f"this {self.label} sender is unusable: {self.broken}; close it and reconnect"
+            )
+        source = as_source(source)
+        try:
+            if self.bounds_itself:
+                await self._push(control, source, policy_version)
+            else:
+                with anyio.fail_after(self.timeout_s):
+                    await self._push(control, source, policy_version)
+        except WeightTransferTimeoutError:
+            self.broken = f"policy version {policy_version} timed out mid-transfer"
+            raise
+        except TimeoutError as exc:
+            self.broken = f"policy version {policy_version} timed out"
+            raise WeightTransferTimeoutError(
+                f"pushing policy version {policy_version} {self.how} took longer than {self.timeout_s:g} s"
+            ) from exc
+        except BaseException as exc:
+            # A server may hold a started update; the next push starts over from init.
+            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
+            raise
+
+    @abc.abstractmethod
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
+        """``setup``'s work; any failure marks the sender broken."""
+
+    @abc.abstractmethod
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        """``push``'s work, on a sender that is not broken; any failure marks it broken."""
 
     def close(self) -> None:
         """Refuse further pushes, and release the trainer-side session if it lives in this process (an
@@ -225,7 +258,7 @@ class WeightSender(abc.ABC):
         or when that process exits. Idempotent."""
         self.broken = self.broken or "it was closed"
         if self.transfer_id is not None:
-            from rollflow.weights.transport import release_sessions
+            from rollflow.weights.trainer.sessions import release_sessions
 
             release_sessions([self.transfer_id])
 
@@ -235,36 +268,16 @@ class WeightTransferStrategy(abc.ABC):
 
     name: ClassVar[str]
 
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        """This strategy's keyword options from the ``weight_sync`` section ``sync``, for servers of kind
+        ``engine`` (``inference.engine``), with ``master_address`` resolved from ``"auto"``. None by default."""
+        return {}
+
     @abc.abstractmethod
     def create_sender(self, inference_world_size: int) -> WeightSender:
         """A control half for ``inference_world_size`` workers in all (ask the servers with
-        ``client.get_world_size()``; never take it from config)."""
-
-
-def create_strategy(name: str, **options: Any) -> WeightTransferStrategy:
-    """Build the strategy called ``name`` (one of ``STRATEGIES``) with its keyword options.
-
-    Raises:
-        ValueError: an unknown strategy name, or a bad option value.
-        TypeError: an option the strategy does not take.
-    """
-    if name == "local":
-        from rollflow.weights.local import LocalStrategy
-
-        return LocalStrategy(**options)
-    if name == "broadcast":
-        from rollflow.weights.broadcast import BroadcastStrategy
-
-        return BroadcastStrategy(**options)
-    if name == "checkpoint":
-        from rollflow.weights.checkpoint import CheckpointStrategy
-
-        return CheckpointStrategy(**options)
-    if name == "cuda_ipc":
-        from rollflow.weights.cuda_ipc import CudaIpcStrategy
-
-        return CudaIpcStrategy(**options)
-    raise ValueError(f"unknown weight transfer strategy {name!r}; choose one of {', '.join(STRATEGIES)}")
+        ``control.world_size()``; never take it from config)."""
 
 
 def check_transfer_dtype(dtype: str) -> str:
@@ -294,7 +307,9 @@ class WeightTransfer:
         # when they live in this process).
         self._released: list[str] = []
 
-    async def push(self, client: Any, source: Any, policy_version: int) -> None:
+    async def push(
+        self, control: ControlPlane, source: WeightSource | WeightPusher, policy_version: int
+    ) -> None:
         """Have the trainer behind ``source`` (a ``WeightSource``, or a trainer handle) push its weights as
         ``policy_version`` (engines paused by the caller).
 
@@ -307,9 +322,9 @@ class WeightTransfer:
             self._close_sender()
         if self.sender is None:
             release, self._released = self._released, []
-            self.sender = await connect_sender(self.strategy, client, source, release=release)
+            self.sender = await connect_sender(self.strategy, control, source, release=release)
         try:
-            await self.sender.push(client, source, policy_version)
+            await self.sender.push(control, source, policy_version)
         except BaseException:
             # Whatever failed (a timeout, a server error, cancellation), the servers may hold a half-done
             # update: the next push starts over from init_weight_transfer_engine.
@@ -331,7 +346,11 @@ class WeightTransfer:
 
 
 async def connect_sender(
-    strategy: WeightTransferStrategy, client: Any, source: Any, *, release: Iterable[str] = ()
+    strategy: WeightTransferStrategy,
+    control: ControlPlane,
+    source: WeightSource | WeightPusher,
+    *,
+    release: Iterable[str] = (),
 ) -> WeightSender:
     """Ask the servers for their world size, build a sender, and set it up with the trainer behind
     ``source`` (a ``WeightSource``, or a trainer handle).
@@ -340,241 +359,17 @@ async def connect_sender(
         WeightTransferError, WeightTransferTimeoutError: as ``WeightSender.setup``.
     """
     source = as_source(source)
-    world_size = await client.get_world_size() if hasattr(client, "get_world_size") else 1
-    sender = strategy.create_sender(world_size)
+    world = await control.world_size()
+    sender = strategy.create_sender(world.total_workers)
     try:
-        await sender.setup(client, source, release=release)
+        await sender.setup(control, source, release=release)
     except BaseException:
         sender.close()
         raise
     return sender
 
 
-async def run_with_servers(
-    what: str,
-    trainer_side: Callable[[], Awaitable[Any]],
-    servers_side: Callable[[], Awaitable[Any]],
-    timeout_s: float,
-    *,
-    servers: Iterable[str] = (),
-) -> Any:
-    """Run the trainer's side of a transfer and the servers' HTTP call (which blocks on the servers until the
-    trainer's side happens) concurrently, within ``timeout_s``; returns the trainer side's result.
-
-    When the trainer side fails, the servers get ``SERVER_ERROR_GRACE_S`` to report their own error, which
-    wins (it names the server) unless every server blames the trainer (HTTP 502: its peer failed); the other
-    error is attached as a note. When the servers blame the trainer first, the trainer side's own error (which
-    names the rank) is awaited, within ``timeout_s``: a worker group reports a rank's failure only once the
-    ranks it left stuck in a collective are stopped, after the servers saw their peer go.
-
-    Raises:
-        WeightTransferTimeoutError: either side took longer than ``timeout_s`` (the message says which sides
-            were still pending, naming ``servers``).
-        Exception: the servers' error, else the trainer side's.
-    """
-    results: dict[str, Any] = {}
-    errors: dict[str, BaseException] = {}
-    servers_done = anyio.Event()
-    trainer_done = anyio.Event()
-
-    async def run_servers(tg: Any) -> None:
-        try:
-            await servers_side()
-            results["servers"] = True
-        except Exception as error:
-            errors["servers"] = error
-            servers_done.set()
-            if _blames_the_trainer(error):
-                await trainer_done.wait()
-            tg.cancel_scope.cancel()
-        finally:
-            servers_done.set()
-
-    async def run_trainer(tg: Any) -> None:
-        try:
-            results["trainer"] = await trainer_side()
-        except Exception as error:
-            errors["trainer"] = error
-            trainer_done.set()
-            with anyio.move_on_after(SERVER_ERROR_GRACE_S):
-                await servers_done.wait()
-            tg.cancel_scope.cancel()
-        finally:
-            trainer_done.set()
-
-    try:
-        with anyio.fail_after(timeout_s):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(run_servers, tg)
-                tg.start_soon(run_trainer, tg)
-    except TimeoutError as error:
-        if "servers" in errors and "trainer" not in errors:  # they blamed the trainer, which never answered
-            errors["servers"].add_note(f"the trainer side did not finish within {timeout_s:.3g} s")
-            raise errors["servers"] from error
-        if (
-            errors
-        ):  # the trainer side failed, and the servers' grace ran into the deadline: report the failure
-            raise next(iter(errors.values())) from None
-        pending = []
-        if "trainer" not in results and "trainer" not in errors:
-            pending.append("trainer rank 0")
-        if "servers" not in results and "servers" not in errors:
-            urls = ", ".join(servers)
-            pending.append(f"the servers ({urls})" if urls else "the servers")
-        raise WeightTransferTimeoutError(
-            f"{what} took longer than {timeout_s:.3g} s; still waiting on {' and '.join(pending) or 'nothing'}"
-        ) from error
-    if "servers" in errors:
-        error = errors["servers"]
-        if "trainer" in errors:
-            if _blames_the_trainer(error):
-                errors["trainer"].add_note(f"the servers report: {error}")
-                raise errors["trainer"]
-            error.add_note(f"the trainer side failed too: {errors['trainer']}")
-        raise error
-    if "trainer" in errors:
-        raise errors["trainer"]
-    return results["trainer"]
-
-
-async def run_update_round(
-    sender: WeightSender,
-    client: Any,
-    how: str,
-    trainer_push: Callable[[], Awaitable[Any]],
-    update_info: Any,
-    policy_version: int,
-    timeout_s: float,
-) -> Any:
-    """One update of a collective transfer: ``/start_weight_update``, then ``/update_weights`` together with
-    the trainer's push, then ``/finish_weight_update`` labelling ``policy_version``; all within ``timeout_s``.
-    Any failure marks ``sender`` broken: the group may be mid-bucket. Returns the trainer side's result.
-
-    Raises:
-        WeightTransferTimeoutError: the round took longer than ``timeout_s`` (naming the step, and the servers
-            or trainer rank it was waiting on).
-        WeightTransferError, ControlPlaneError: a trainer rank or a server failed (named).
-    """
-    servers = getattr(client, "server_urls", ())
-    what = f"pushing policy version {policy_version} ({how})"
-    deadline = anyio.current_time() + timeout_s
-
-    def remaining() -> float:
-        return max(0.0, deadline - anyio.current_time())
-
-    try:
-        await servers_step(
-            f"{what}: /start_weight_update", client.start_weight_update(), remaining(), servers
-        )
-        result = await run_with_servers(
-            what, trainer_push, lambda: client.update_named_weights(update_info), remaining(), servers=servers
-        )
-        await servers_step(
-            f"{what}: /finish_weight_update",
-            client.finish_weight_update(weight_version=policy_version),
-            remaining(),
-            servers,
-        )
-    except TimeoutError:
-        sender.broken = f"policy version {policy_version} timed out mid-transfer"
-        raise
-    except BaseException as exc:
-        sender.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-        raise
-    return result
-
-
-async def servers_step(what: str, call: Awaitable[Any], timeout_s: float, servers: Iterable[str] = ()) -> Any:
-    """``await call`` (an HTTP fan-out to the servers) within ``timeout_s``.
-
-    Raises:
-        WeightTransferTimeoutError: naming ``what`` and ``servers``.
-    """
-    try:
-        with anyio.fail_after(timeout_s):
-            return await call
-    except TimeoutError as exc:
-        urls = ", ".join(servers)
-        raise WeightTransferTimeoutError(
-            f"{what} took longer than {timeout_s:.3g} s; still waiting on the servers{f' ({urls})' if urls else ''}"
-        ) from exc
-
-
-async def init_servers(sender: WeightSender, client: Any, what: str, timeout_s: float) -> None:
-    """Send ``sender.init_info`` to every server (``/init_weight_transfer_engine``) within ``timeout_s``.
-
-    Raises:
-        WeightTransferTimeoutError: naming ``what`` (the sender is then broken).
-    """
-    try:
-        with anyio.fail_after(timeout_s):
-            await client.init_weight_update_communicator(sender.init_info)
-    except TimeoutError as exc:
-        sender.broken = "the servers never initialized"
-        raise WeightTransferTimeoutError(
-            f"initializing the {what} transfer on the servers took longer than {timeout_s:g} s"
-        ) from exc
-
-
-def _blames_the_trainer(error: BaseException) -> bool:
-    """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
-    failures = getattr(error, "failures", None)
-    return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())
-
-
 def is_timeout(exc: BaseException) -> bool:
     """Whether ``exc`` is (or reads as) a timeout: torch.distributed raises several kinds."""
     text = str(exc).lower()
     return isinstance(exc, TimeoutError) or "timed out" in text or "timeout" in text
-
-
-def uses_process_group(init_info: dict[str, Any]) -> bool:
-    """Whether ``init_info`` sets up a process group (ranks, ``rank_offset``): a gloo/nccl ``backend``, or
-    vLLM's NCCL shape, which names no backend but a rendezvous (``master_address``)."""
-    backend = init_info.get("backend")
-    return backend in ("gloo", "nccl") or (backend is None and "master_address" in init_info)
-
-
-def init_info_for_servers(
-    init_info: dict[str, Any], *, num_servers: int, workers_per_server: int, data_parallel_size: int = 1
-) -> list[dict[str, Any]]:
-    """One ``init_info`` per server, for process-group backends: each deployment's ``rank_offset`` starts
-    after the workers of the deployments before it (its workers then take ``rank_offset + worker_rank``).
-    A vLLM data-parallel deployment runs one server per DP rank, each reporting the whole deployment's
-    ``workers_per_server`` and placing itself by its DP index, so the offset advances every
-    ``data_parallel_size`` servers. Other backends get the same payload for every server.
-
-    Raises:
-        InvalidTransferInfoError: the workers do not add up to ``init_info["world_size"] - 1``.
-    """
-    if not uses_process_group(init_info):
-        return [copy.deepcopy(init_info) for _ in range(num_servers)]
-    deployments = num_servers // data_parallel_size
-    if deployments * workers_per_server + 1 != init_info["world_size"]:
-        raise InvalidTransferInfoError(
-            f"{num_servers} servers in {deployments} deployment(s) of {workers_per_server} workers do not match "
-            f"init_info world_size {init_info['world_size']} (trainer + workers); rebuild it from get_world_size()"
-        )
-    payloads = []
-    for server in range(num_servers):
-        payload = copy.deepcopy(init_info)
-        payload["rank_offset"] = (
-            int(init_info.get("rank_offset", 1)) + (server // data_parallel_size) * workers_per_server
-        )
-        payloads.append(payload)
-    return payloads
-
-
-async def server_init_infos(init_info: dict[str, Any], client: Any) -> dict[str, Any] | list[dict[str, Any]]:
-    """What to pass to ``client.init_weight_update_communicator``: per-server payloads when the client fans out
-    to several servers (``server_urls``, ``get_world_size_per_server``), else ``init_info`` itself."""
-    urls = getattr(client, "server_urls", None)
-    per_server = getattr(client, "get_world_size_per_server", None)
-    if not urls or per_server is None or len(urls) == 1:
-        return init_info
-    return init_info_for_servers(
-        init_info,
-        num_servers=len(urls),
-        workers_per_server=await per_server(),
-        data_parallel_size=getattr(client, "data_parallel_size", 1),
-    )

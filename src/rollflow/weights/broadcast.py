@@ -29,28 +29,21 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import structlog
 import torch
 import torch.distributed as dist
 
+from rollflow.errors import InvalidTransferInfoError, WeightTransferError, WeightTransferTimeoutError
 from rollflow.weights.base import (
-    InvalidTransferInfoError,
     TransportCall,
     WeightSender,
     WeightSource,
-    WeightTransferError,
     WeightTransferStrategy,
-    WeightTransferTimeoutError,
-    as_source,
     check_transfer_dtype,
     is_timeout,
     new_transfer_id,
-    run_update_round,
-    run_with_servers,
-    server_init_infos,
 )
 from rollflow.weights.packing import (
     TensorSpec,
@@ -59,13 +52,18 @@ from rollflow.weights.packing import (
     specs_from_info,
     unpack,
 )
+from rollflow.weights.ranks import FIRST_WORKER_RANK, TRAINER_RANK, global_rank, per_server_init_infos
+from rollflow.weights.rounds import check_world_size, open_transport, run_update_round, run_with_servers
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
+    from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_BUCKET_SIZE_BYTES = 256 * 2**20
 DEFAULT_GROUP_NAME = "rollflow-weights"
 DEFAULT_TIMEOUT_S = 300.0
-TRAINER_RANK = 0
 #: Buffers vLLM's packed broadcast keeps in flight (its ``packed_num_buffers``).
 VLLM_PACKED_NUM_BUFFERS = 2
 ENGINES = ("torch", "vllm")
@@ -160,7 +158,7 @@ class BroadcastReceiver:
             address = str(init_info["master_address"])
             port = int(init_info["master_port"])
             self.world_size = int(init_info["world_size"])
-            self.rank = int(init_info.get("rank_offset", 1)) + int(worker_rank)
+            self.rank = global_rank(int(init_info.get("rank_offset", FIRST_WORKER_RANK)), int(worker_rank))
             self.bucket_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_BUCKET_SIZE_BYTES))
             self.timeout_s = float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S))
             group_name = str(init_info.get("group_name", DEFAULT_GROUP_NAME))
@@ -298,6 +296,17 @@ class BroadcastStrategy(WeightTransferStrategy):
         self.engine = engine
         self.dtype = check_transfer_dtype(dtype)
 
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            bucket_size_mb=sync.bucket_size_mb,
+            backend=sync.backend,
+            master_address=master_address,
+            timeout_s=sync.timeout_s,
+            engine=engine,
+            dtype=sync.dtype,
+        )
+
     def create_sender(self, inference_world_size: int) -> WeightSender:
         if inference_world_size < 1:
             raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
@@ -314,44 +323,6 @@ class BroadcastStrategy(WeightTransferStrategy):
         return BroadcastSender(inference_world_size, self)
 
 
-async def check_world_size(sender: WeightSender, client: Any, world_size: int) -> None:
-    """Fail (and mark ``sender`` broken) unless the servers report ``world_size - 1`` workers.
-
-    Raises:
-        WeightTransferError: the servers report another world size.
-    """
-    inference_world_size = await client.get_world_size()
-    if inference_world_size + 1 != world_size:
-        sender.broken = "its world size does not match the servers'"
-        raise WeightTransferError(
-            f"the inference servers report {inference_world_size} workers but this sender was made for "
-            f"{world_size - 1} (world_size {world_size} includes the trainer); "
-            "create it from client.get_world_size()"
-        )
-
-
-async def open_transport(
-    sender: WeightSender, source: WeightSource, call: TransportCall, timeout_s: float
-) -> Any:
-    """Run ``call`` (an ``open``) on the trainer within ``timeout_s``; rank 0's report.
-
-    Raises:
-        WeightTransferTimeoutError: the trainer did not answer in time.
-        WeightTransferError: a trainer rank failed (named).
-    """
-    try:
-        with anyio.fail_after(timeout_s):
-            return await source.run(call)
-    except TimeoutError as exc:
-        sender.broken = "its transport never opened"
-        raise WeightTransferTimeoutError(
-            f"opening the weight transport on trainer rank 0 took longer than {timeout_s:g} s"
-        ) from exc
-    except BaseException:
-        sender.broken = "its transport never opened"
-        raise
-
-
 def advertised_address(address: str) -> str:
     """The address peers reach a listener bound to ``address`` at: the host's own for the wildcard."""
     if address in ("", "0.0.0.0"):
@@ -362,10 +333,12 @@ def advertised_address(address: str) -> str:
 class BroadcastSender(WeightSender):
     """Control half of ``broadcast`` into ``rollflow serve`` servers."""
 
+    label = "broadcast"
+    bounds_itself = True  # each round step names what it waited on
+
     def __init__(self, inference_world_size: int, strategy: BroadcastStrategy):
-        super().__init__(inference_world_size)
+        super().__init__(inference_world_size, strategy.timeout_s)
         self.world_size = inference_world_size + 1
-        self.timeout_s = strategy.timeout_s
         self.transfer_id = new_transfer_id()
         self.transport = BroadcastTransport(
             transfer_id=self.transfer_id,
@@ -378,9 +351,8 @@ class BroadcastSender(WeightSender):
         )
         self._specs: dict[str, list] = {}
 
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
-        source = as_source(source)
-        await check_world_size(self, client, self.world_size)
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
+        await check_world_size(self, control, self.world_size)
         transport = self.transport
         opened = await open_transport(
             self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
@@ -390,7 +362,7 @@ class BroadcastSender(WeightSender):
             "backend": transport.backend,
             "master_address": opened["master_address"],
             "master_port": opened["master_port"],
-            "rank_offset": 1,
+            "rank_offset": FIRST_WORKER_RANK,
             "world_size": self.world_size,
             "packed": True,
             "packed_buffer_size_bytes": transport.bucket_size_bytes,
@@ -398,30 +370,25 @@ class BroadcastSender(WeightSender):
             "timeout_s": transport.timeout_s,
         }
         try:
-            payload = await server_init_infos(self.init_info, client)
+            payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(
                 "forming the weight-transfer group",
                 lambda: source.run(TransportCall(transport, "join")),
-                lambda: client.init_weight_update_communicator(payload),
+                lambda: control.init_weight_transfer(payloads),
                 self.timeout_s,
-                servers=getattr(client, "server_urls", ()),
+                servers=control.server_urls,
             )
         except BaseException:
             self.broken = "its process group never formed"
             raise
         log.debug("weight sender ready", world_size=self.world_size, backend=transport.backend)
 
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
-        source = as_source(source)
-        if self.broken is not None:
-            raise WeightTransferError(
-                f"this broadcast sender is unusable: {self.broken}; close it and reconnect"
-            )
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
         if not self._specs:
             raise WeightTransferError("call setup(client, source) before push")
         await run_update_round(
             self,
-            client,
+            control,
             "broadcast",
             lambda: source.run(TransportCall(self.transport, "push")),
             {**self._specs, "policy_version": policy_version},
@@ -446,7 +413,12 @@ class BroadcastTransport:
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
         """Release ``release``'s sessions; rank 0 binds the store and reports
         ``{master_address, master_port, names, dtype_names, shapes}``."""
-        from rollflow.weights.transport import open_session, release_sessions, transfer_dtype, weight_specs
+        from rollflow.weights.trainer.sessions import (
+            open_session,
+            release_sessions,
+            transfer_dtype,
+            weight_specs,
+        )
 
         release_sessions(release)
         if rank != TRAINER_RANK:
@@ -458,14 +430,14 @@ class BroadcastTransport:
 
     def join(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         """Rank 0 forms the group with every inference worker (blocks until they joined, or the timeout)."""
-        from rollflow.weights.transport import get_session
+        from rollflow.weights.trainer.sessions import get_session
 
         if rank == TRAINER_RANK:
             get_session(self.transfer_id, rank).join()
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         """Every rank iterates (joining each gather); rank 0 broadcasts the buckets."""
-        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+        from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
         if rank != TRAINER_RANK:
@@ -475,7 +447,7 @@ class BroadcastTransport:
         get_session(self.transfer_id, rank).send(weights)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import release_sessions
+        from rollflow.weights.trainer.sessions import release_sessions
 
         release_sessions([self.transfer_id])
 

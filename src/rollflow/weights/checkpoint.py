@@ -25,27 +25,27 @@ import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import structlog
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file, save
 
+from rollflow.errors import InvalidTransferInfoError, WeightTransferError, WeightTransferTimeoutError
 from rollflow.weights.base import (
-    InvalidTransferInfoError,
     TransportCall,
     WeightSender,
     WeightSource,
-    WeightTransferError,
     WeightTransferStrategy,
-    WeightTransferTimeoutError,
-    as_source,
     check_transfer_dtype,
-    init_servers,
     new_transfer_id,
 )
+from rollflow.weights.rounds import init_servers, open_transport
+
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
+    from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +122,15 @@ class CheckpointStrategy(WeightTransferStrategy):
         self.timeout_s = timeout_s
         self.dtype = check_transfer_dtype(dtype)
 
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            checkpoint_dir=sync.checkpoint_dir,
+            host=master_address,
+            timeout_s=sync.timeout_s,
+            dtype=sync.dtype,
+        )
+
     def create_sender(self, inference_world_size: int) -> CheckpointSender:
         # Every server reads the same file, so the number of workers does not change the payload.
         return CheckpointSender(inference_world_size, self)
@@ -130,9 +139,11 @@ class CheckpointStrategy(WeightTransferStrategy):
 class CheckpointSender(WeightSender):
     """Control half of ``checkpoint``: the trainer writes (or serves) the file, then the servers read it."""
 
+    label = "checkpoint"
+    how = "as a checkpoint"
+
     def __init__(self, inference_world_size: int, strategy: CheckpointStrategy):
-        super().__init__(inference_world_size)
-        self.timeout_s = strategy.timeout_s
+        super().__init__(inference_world_size, strategy.timeout_s)
         self.transfer_id = new_transfer_id()
         directory = strategy.checkpoint_dir
         self.transport = CheckpointTransport(
@@ -143,36 +154,18 @@ class CheckpointSender(WeightSender):
             dtype=strategy.dtype,
         )
 
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
-        source = as_source(source)
-        from rollflow.weights.broadcast import open_transport
-
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
         self.init_info = {"backend": "checkpoint", "timeout_s": self.timeout_s}
-        await init_servers(self, client, "checkpoint", self.timeout_s)
+        await init_servers(self, control, "checkpoint", self.timeout_s)
 
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
-        source = as_source(source)
-        if self.broken is not None:
-            raise WeightTransferError(f"this checkpoint sender is unusable: {self.broken}; reconnect")
-        call = TransportCall(self.transport, "push", {"policy_version": policy_version})
-        try:
-            with anyio.fail_after(self.timeout_s):
-                location = await source.run(call)
-                await client.start_weight_update()
-                await client.update_named_weights({**location, "policy_version": policy_version})
-                await client.finish_weight_update(weight_version=policy_version)
-        except TimeoutError as exc:
-            self.broken = f"policy version {policy_version} timed out"
-            raise WeightTransferTimeoutError(
-                f"pushing policy version {policy_version} as a checkpoint took longer than {self.timeout_s:g} s"
-            ) from exc
-        except BaseException as exc:
-            # A server may hold a started update; the next push starts over from init.
-            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-            raise
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        location = await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        await control.start_weight_update()
+        await control.update_weights({**location, "policy_version": policy_version})
+        await control.finish_weight_update(policy_version)
 
 
 @dataclass(frozen=True)
@@ -187,7 +180,7 @@ class CheckpointTransport:
     dtype: str = "auto"
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
-        from rollflow.weights.transport import open_session, release_sessions
+        from rollflow.weights.trainer.sessions import open_session, release_sessions
 
         release_sessions(release)
         if rank == 0:
@@ -196,7 +189,7 @@ class CheckpointTransport:
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
         """Rank 0 returns ``{"path": …}`` or ``{"url": …}``, and retires the files of earlier pushes (the
         servers have loaded them: each push ends before the next starts)."""
-        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+        from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
         if rank != 0:
@@ -207,7 +200,7 @@ class CheckpointTransport:
         return session.publish(serialize(weights), policy_version)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import release_sessions
+        from rollflow.weights.trainer.sessions import release_sessions
 
         release_sessions([self.transfer_id])
 

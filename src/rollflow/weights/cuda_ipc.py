@@ -22,22 +22,21 @@ import io
 import pickle
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import torch
 
+if TYPE_CHECKING:
+    from rollflow.config import WeightSyncConfig
+    from rollflow.inference.control import ControlPlane
+
+from rollflow.errors import InvalidTransferInfoError, WeightTransferError
 from rollflow.weights.base import (
-    InvalidTransferInfoError,
     TransportCall,
     WeightSender,
     WeightSource,
-    WeightTransferError,
     WeightTransferStrategy,
-    WeightTransferTimeoutError,
-    as_source,
     check_transfer_dtype,
-    init_servers,
     new_transfer_id,
 )
 from rollflow.weights.packing import (
@@ -48,6 +47,7 @@ from rollflow.weights.packing import (
     specs_to_info,
     unpack,
 )
+from rollflow.weights.rounds import init_servers, open_transport
 
 DEFAULT_BUCKET_SIZE_BYTES = 512 * 2**20
 
@@ -94,6 +94,12 @@ class CudaIpcStrategy(WeightTransferStrategy):
         self.engine = engine
         self.dtype = check_transfer_dtype(dtype)
 
+    @classmethod
+    def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
+        return dict(
+            bucket_size_mb=sync.bucket_size_mb, timeout_s=sync.timeout_s, engine=engine, dtype=sync.dtype
+        )
+
     def init_info(self) -> dict[str, Any]:
         """What every server gets: the world size plays no part (colocated workers map the same buffers)."""
         if self.engine == "vllm":
@@ -128,9 +134,11 @@ class CudaIpcSender(WeightSender):
     """Control half of ``cuda_ipc``: per bucket, the trainer packs and exports a handle (keeping the buffer
     alive) and the servers map and copy it, before the trainer packs the next."""
 
+    label = "CUDA IPC"
+    how = "by CUDA IPC"
+
     def __init__(self, inference_world_size: int, strategy: CudaIpcStrategy):
-        super().__init__(inference_world_size)
-        self.timeout_s = strategy.timeout_s
+        super().__init__(inference_world_size, strategy.timeout_s)
         self.init_info = strategy.init_info()
         self.transfer_id = new_transfer_id()
         self.transport = CudaIpcTransport(
@@ -140,38 +148,20 @@ class CudaIpcSender(WeightSender):
             dtype=strategy.dtype,
         )
 
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
-        source = as_source(source)
-        from rollflow.weights.broadcast import open_transport
-
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
-        await init_servers(self, client, "CUDA IPC", self.timeout_s)
+        await init_servers(self, control, "CUDA IPC", self.timeout_s)
 
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
-        source = as_source(source)
-        if self.broken is not None:
-            raise WeightTransferError(f"this CUDA IPC sender is unusable: {self.broken}; reconnect")
-        try:
-            with anyio.fail_after(self.timeout_s):
-                await client.start_weight_update()
-                bucket = await source.run(
-                    TransportCall(self.transport, "push", {"policy_version": policy_version})
-                )
-                while bucket is not None:
-                    await client.update_named_weights(bucket)
-                    # Only now may the trainer free the buffer: the servers have copied out of it.
-                    bucket = await source.run(TransportCall(self.transport, "next"))
-                await client.finish_weight_update(weight_version=policy_version)
-        except TimeoutError as exc:
-            self.broken = f"policy version {policy_version} timed out"
-            raise WeightTransferTimeoutError(
-                f"pushing policy version {policy_version} by CUDA IPC took longer than {self.timeout_s:g} s"
-            ) from exc
-        except BaseException as exc:
-            self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
-            raise
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        await control.start_weight_update()
+        bucket = await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        while bucket is not None:
+            await control.update_weights(bucket)
+            # Only now may the trainer free the buffer: the servers have copied out of it.
+            bucket = await source.run(TransportCall(self.transport, "next"))
+        await control.finish_weight_update(policy_version)
 
 
 @dataclass(frozen=True)
@@ -186,7 +176,7 @@ class CudaIpcTransport:
     dtype: str = "auto"
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
-        from rollflow.weights.transport import open_session, release_sessions
+        from rollflow.weights.trainer.sessions import open_session, release_sessions
 
         release_sessions(release)
         if not torch.cuda.is_available():
@@ -196,7 +186,7 @@ class CudaIpcTransport:
         open_session(self.transfer_id, rank, _IpcSession)
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
-        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+        from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         session = get_session(self.transfer_id, rank)
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
@@ -206,12 +196,12 @@ class CudaIpcTransport:
         return session.next(rank)
 
     def next(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> Any:
-        from rollflow.weights.transport import get_session
+        from rollflow.weights.trainer.sessions import get_session
 
         return get_session(self.transfer_id, rank).next(rank)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import release_sessions
+        from rollflow.weights.trainer.sessions import release_sessions
 
         release_sessions([self.transfer_id])
 

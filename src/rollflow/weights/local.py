@@ -2,15 +2,21 @@
 
 It exists so the weight barrier has one code path for every strategy: ``push`` reads the trainer's weights in
 this process (``WeightSource.named_weights``: an in-thread trainer's tensors, or a trainer process's shared
-memory) and calls ``LocalInferenceClient.update_named_weights`` (each engine copies them into its own model).
+memory) and hands them to the in-process control plane's ``load_weights`` (each engine copies them into its own
+model).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-from rollflow.weights.base import WeightSender, WeightSource, WeightTransferStrategy, as_source
+from rollflow.errors import WeightTransferError
+from rollflow.inference.control import ControlPlane, InProcessControlPlane
+from rollflow.weights.base import (
+    WeightSender,
+    WeightSource,
+    WeightTransferStrategy,
+)
 
 
 class LocalStrategy(WeightTransferStrategy):
@@ -23,12 +29,20 @@ class LocalStrategy(WeightTransferStrategy):
 
 
 class LocalSender(WeightSender):
-    """Calls ``client.update_named_weights(named_weights, policy_version)`` of an in-process client."""
+    """Calls ``control.load_weights(named_weights, policy_version)`` of an in-process control plane."""
 
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
-        """Nothing to connect."""
+    label = "local"
+    how = "in process"
+
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
+        """Nothing to connect, but the engines must be in this process."""
+        if not isinstance(control, InProcessControlPlane):
+            raise WeightTransferError(
+                f"weight_sync.strategy = 'local' needs in-process engines, but the control plane is a "
+                f"{type(control).__name__}: use 'broadcast' or 'checkpoint' for servers"
+            )
         self.init_info = {"backend": "local"}
 
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
-        source = as_source(source)
-        await client.update_named_weights(source.named_weights(), policy_version)
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        assert isinstance(control, InProcessControlPlane)  # checked by _connect
+        await control.load_weights(source.named_weights(), policy_version)

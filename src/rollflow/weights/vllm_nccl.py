@@ -17,31 +17,29 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
-from rollflow.errors import MissingExtraError
+from rollflow.errors import MissingExtraError, WeightTransferError
 from rollflow.weights.base import (
     TransportCall,
     WeightSender,
     WeightSource,
-    WeightTransferError,
-    as_source,
     new_transfer_id,
-    run_update_round,
-    run_with_servers,
-    server_init_infos,
 )
 from rollflow.weights.broadcast import (
     SPEC_KEYS,
     TRAINER_RANK,
     VLLM_PACKED_NUM_BUFFERS,
     advertised_address,
-    check_world_size,
-    open_transport,
 )
+from rollflow.weights.ranks import FIRST_WORKER_RANK, per_server_init_infos
+from rollflow.weights.rounds import check_world_size, open_transport, run_update_round, run_with_servers
+
+if TYPE_CHECKING:
+    from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
 
@@ -126,6 +124,9 @@ class VllmNcclSender(WeightSender):
             loads vLLM's on the trainer side.
     """
 
+    label = "vLLM broadcast"
+    bounds_itself = True  # each round step names what it waited on
+
     def __init__(
         self,
         inference_world_size: int,
@@ -136,9 +137,8 @@ class VllmNcclSender(WeightSender):
         dtype: str = "auto",
         api: VllmTrainerApi | None = None,
     ):
-        super().__init__(inference_world_size)
+        super().__init__(inference_world_size, timeout_s)
         self.world_size = inference_world_size + 1
-        self.timeout_s = timeout_s
         self.transfer_id = new_transfer_id()
         self.transport = VllmNcclTransport(
             transfer_id=self.transfer_id,
@@ -151,9 +151,8 @@ class VllmNcclSender(WeightSender):
         )
         self._update_info: dict[str, list] = {}
 
-    async def setup(self, client: Any, source: WeightSource, release: Iterable[str] = ()) -> None:
-        source = as_source(source)
-        await check_world_size(self, client, self.world_size)
+    async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
+        await check_world_size(self, control, self.world_size)
         transport = self.transport
         opened = await open_transport(
             self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
@@ -162,36 +161,33 @@ class VllmNcclSender(WeightSender):
         self.init_info = {
             "master_address": opened["master_address"],
             "master_port": opened["master_port"],
-            "rank_offset": 1,
+            "rank_offset": FIRST_WORKER_RANK,
             "world_size": self.world_size,
             "packed": True,
             "packed_buffer_size_bytes": transport.buffer_size_bytes,
             "packed_num_buffers": transport.num_buffers,
         }
         try:
-            payload = await server_init_infos(self.init_info, client)
+            payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(
                 "forming the vLLM weight-transfer group",
                 lambda: source.run(TransportCall(transport, "join")),
-                lambda: client.init_weight_update_communicator(payload),
+                lambda: control.init_weight_transfer(payloads),
                 self.timeout_s,
-                servers=getattr(client, "server_urls", ()),
+                servers=control.server_urls,
             )
         except BaseException:
             self.broken = "its process group never formed"
             raise
         log.debug("vllm weight sender ready", world_size=self.world_size)
 
-    async def push(self, client: Any, source: WeightSource, policy_version: int) -> None:
-        source = as_source(source)
-        if self.broken is not None:
-            raise WeightTransferError(f"this vLLM broadcast sender is unusable: {self.broken}; reconnect")
+    async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
         if not self._update_info:
             raise WeightTransferError("call setup(client, source) before push")
         # vLLM labels the weights with finish's weight_version; its update_info has no field for it.
         await run_update_round(
             self,
-            client,
+            control,
             "vLLM NCCL broadcast",
             lambda: source.run(TransportCall(self.transport, "push")),
             self._update_info,
@@ -216,7 +212,12 @@ class VllmNcclTransport:
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
         """Rank 0 reports ``{master_address, master_port, names, dtype_names, shapes}``."""
-        from rollflow.weights.transport import open_session, release_sessions, transfer_dtype, weight_specs
+        from rollflow.weights.trainer.sessions import (
+            open_session,
+            release_sessions,
+            transfer_dtype,
+            weight_specs,
+        )
 
         release_sessions(release)
         if rank != TRAINER_RANK:
@@ -230,14 +231,14 @@ class VllmNcclTransport:
         }
 
     def join(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import get_session
+        from rollflow.weights.trainer.sessions import get_session
 
         if rank == TRAINER_RANK:
             session = get_session(self.transfer_id, rank)
             session.group = session.api.join(self.master_address, session.port, self.world_size)
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import full_weights, get_session, transfer_dtype
+        from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
         if rank != TRAINER_RANK:
@@ -250,7 +251,7 @@ class VllmNcclTransport:
         session.api.send(weights, session.group, self.buffer_size_bytes, self.num_buffers)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        from rollflow.weights.transport import release_sessions
+        from rollflow.weights.trainer.sessions import release_sessions
 
         release_sessions([self.transfer_id])
 

@@ -88,6 +88,7 @@ from rollflow.inference.http import (
 from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
+from rollflow.weights.ranks import FIRST_WORKER_RANK, update_list_index
 from rollflow.weights.receiver import init_timeout_s
 
 log = structlog.get_logger(__name__)
@@ -825,7 +826,7 @@ class EngineServer:
                 update_info = body.update_info
                 if isinstance(update_info, list):
                     # One entry per global inference worker; this server's single worker follows the trainer.
-                    index = int(self._init_info.get("rank_offset", 1)) - 1
+                    index = update_list_index(int(self._init_info.get("rank_offset", FIRST_WORKER_RANK)))
                     if not 0 <= index < len(update_info):
                         raise bad_request(
                             f"update_info is a list of {len(update_info)} but this worker's global index is "
