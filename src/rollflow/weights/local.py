@@ -9,14 +9,25 @@ model).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from rollflow.errors import WeightTransferError
-from rollflow.inference.control import ControlPlane, InProcessControlPlane
 from rollflow.weights.base import (
     WeightSender,
     WeightSource,
     WeightTransferStrategy,
 )
+
+if TYPE_CHECKING:
+    from rollflow.inference.control import ControlPlane
+
+
+def _in_process(control: ControlPlane) -> bool:
+    # Imported at call time: the engine server (rollflow.inference) imports this package's receiver, so a
+    # module-level import back into rollflow.inference would make the two packages import each other.
+    from rollflow.inference.control import InProcessControlPlane
+
+    return isinstance(control, InProcessControlPlane)
 
 
 class LocalStrategy(WeightTransferStrategy):
@@ -36,7 +47,7 @@ class LocalSender(WeightSender):
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         """Nothing to connect, but the engines must be in this process."""
-        if not isinstance(control, InProcessControlPlane):
+        if not _in_process(control):
             raise WeightTransferError(
                 f"weight_sync.strategy = 'local' needs in-process engines, but the control plane is a "
                 f"{type(control).__name__}: use 'broadcast' or 'checkpoint' for servers"
@@ -44,5 +55,5 @@ class LocalSender(WeightSender):
         self.init_info = {"backend": "local"}
 
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
-        assert isinstance(control, InProcessControlPlane)  # checked by _connect
-        await control.load_weights(source.named_weights(), policy_version)
+        assert _in_process(control)  # checked by _connect
+        await control.load_weights(source.named_weights(), policy_version)  # type: ignore[attr-defined]
