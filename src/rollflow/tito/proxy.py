@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import re
 import secrets
@@ -49,7 +50,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
+from rollflow.errors import RequestError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner, bearer_token_matches, raw_json_response
 from rollflow.inference.http_front import (
@@ -61,7 +62,10 @@ from rollflow.inference.http_front import (
 )
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
+from rollflow.tito.apis.anthropic import count_tokens, create_message
 from rollflow.tito.apis.chat import ChatStream, chat_completion
+from rollflow.tito.apis.common import error_answer
+from rollflow.tito.apis.responses import create_response
 from rollflow.tito.apis.streaming import stream_turn
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer
@@ -140,19 +144,6 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
     return _json(error_body(status, message, param=param, code=code), status)
-
-
-def _error_answer(error: Exception) -> tuple[int, Any]:
-    """(status, JSON body) for an exception a request handler raised: the same for aiohttp and the front."""
-    if isinstance(error, RequestError):
-        return error.status, error.body()
-    if isinstance(error, TraceSealedError):
-        return 409, error_body(409, str(error), code="session_closed")
-    if isinstance(error, RollflowError):
-        log.exception("tito proxy: request failed")
-        return 500, error_body(500, f"{type(error).__name__}: {error}")
-    log.exception("tito proxy: unexpected error")  # a bug: say so, keep serving
-    return 500, error_body(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def _enc_hook(value: Any) -> Any:
@@ -306,6 +297,11 @@ class TITOProxy:
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
+        app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
+        app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
+        app.router.add_post(
+            "/sessions/{token}/v1/messages/count_tokens", functools.partial(count_tokens, self)
+        )
         if self.admin_token is not None:
             app.router.add_post("/sessions", self._admin_open)
             app.router.add_get("/sessions/{session_id}/trace", self._admin_trace)
@@ -444,7 +440,7 @@ class TITOProxy:
         except web.HTTPException as error:
             return _error(error.status, error.reason or error.text or "")
         except Exception as error:
-            return _json(*reversed(_error_answer(error)))
+            return _json(*reversed(error_answer(error)))
 
     def session_for(self, request: web.Request) -> Session:
         token = request.match_info["token"]
@@ -593,7 +589,7 @@ class TITOProxy:
             turns = await session.complete(chat, request_key=key, is_retry=is_retry)
             status, data = 200, chat_completion(chat, turns, self.settings.model_name, self.renderer)
         except Exception as error:
-            status, data = _error_answer(error)
+            status, data = error_answer(error)
         front.write(raw_json_response(status, _encode(data), close=front.close_after))
 
     # ------------------------------------------------------------------ HTTP: admin endpoints

@@ -130,6 +130,8 @@ class Session:
         self.close_done: asyncio.Future[None] | None = None
         # Body digest of each Idempotency-Key used, so a key reused with another body is refused.
         self.key_digests: dict[str, bytes] = {}
+        # What a wire format keeps about this session's turns beyond the tree (``rollflow.tito.apis``).
+        self.api_state: dict[str, Any] = {}
         self._client = client
         self._renderer = renderer
         self._settings = settings
