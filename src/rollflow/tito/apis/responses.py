@@ -55,7 +55,7 @@ _RENAMES = {
     "response_format": "text.format",
     "messages": "input",
 }
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 # Per session: ids of responses whose first message came from their ``instructions``.
 _WITH_INSTRUCTIONS = "responses.with_instructions"
 _ENCODER = msgspec.json.Encoder()
@@ -378,7 +378,7 @@ class ResponseStream:
     """The SSE events of one streamed response (a ``TurnWriter``), in the order the openai SDK's
     ``ResponseStream`` accumulates them: ``response.created``, ``response.in_progress``; a reasoning item
     (``reasoning_text`` deltas) and a message item (``output_text`` deltas) as their text is sampled; then
-    each function call whole, and ``response.completed`` (``response.incomplete`` at the length limit)."""
+    each function call whole, and ``response.completed`` (its status ``incomplete`` at the length limit)."""
 
     def __init__(
         self,
@@ -540,8 +540,9 @@ class ResponseStream:
             )
             out += self._event("response.output_item.done", output_index=output_index, item=done)
         final = response_object(self.wire, turn, self.model_name)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        await response.write(out + self._event(kind, response=final))
+        # response.completed also for an incomplete response (status "incomplete"), as vLLM sends it: the
+        # SDK's stream helpers take the final response from that event only.
+        await response.write(out + self._event("response.completed", response=final))
         return self.text.diverged
 
     async def fail(self, response: web.StreamResponse, error: RequestError) -> None:
