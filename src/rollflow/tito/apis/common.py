@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,9 +65,9 @@ def validate_chat(
         validate_request(chat, strict=strict, ignored=found)
     except RequestError as error:
         param = error.param
-        if param is not None and param.split(".")[0] in renames:
-            head, _, rest = param.partition(".")
-            renamed = renames[head] + (f".{rest}" if rest else "")
+        head = re.match(r"[^.\[]*", param).group() if param is not None else ""
+        if param is not None and head in renames:
+            renamed = renames[head] + param[len(head) :]
             error = RequestError(
                 error.message.replace(param, renamed, 1),
                 status=error.status,
