@@ -2,8 +2,9 @@
 
 Owned by a generator (``async with TITOProxy(...) as proxy``). Each agent session gets its own unguessable
 base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1`` (``advertise_url`` replaces the address part for
-agents that reach the proxy by another one), serving ``/chat/completions`` and ``/models``; the agent changes
-nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
+agents that reach the proxy by another one), serving ``/chat/completions``, ``/responses`` (OpenAI's Responses
+API), ``/messages`` and ``/messages/count_tokens`` (Anthropic's Messages API) and ``/models``: three wire formats
+over one turn pipeline (``rollflow.tito.apis``); the agent changes nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
 client the session is over (``finish_session``: a router forgets the session's server) and returns the trace
 for ``compose``.
 
