@@ -1,7 +1,10 @@
 """Many concurrent agent sessions through the TITO proxy, against calling the engine directly.
 
 ``--sessions`` sessions (default 1,000) run at once, each two turns (the second bridged), through the proxy
-over HTTP with aiohttp clients, on a real engine of the tiny model. The agents (the HTTP clients) run in their
+over HTTP with aiohttp clients, on a real engine of the tiny model. The agents speak Chat Completions, and in
+runs of their own the Responses API and the Anthropic Messages API (``--apis``; figures ``proxy_in:
+in-process,api=responses`` and ``…,api=messages``), each sending back the reply as its API's items or
+blocks, so their second turn must bridge too. The agents (the HTTP clients) run in their
 own process by default, as agents do when deployed (``--agents in-process`` runs them in this process, whose
 loop then also pays their client work, which the direct baseline has no counterpart of). The baseline sends
 the same number of requests, with the same prompt lengths and sampling, straight to the engine. Both run in
@@ -94,10 +97,39 @@ async def direct_phase(
     return latencies, time.perf_counter() - start, 0, time.process_time() - cpu
 
 
+# The wire formats agents speak to the proxy (``--apis``); each session speaks one.
+APIS = ("chat", "responses", "messages")
+
+
+def api_request(api: str, history: list[dict], max_tokens: int, seed: int) -> tuple[str, dict]:
+    """(path under the session's base URL, body) of one turn of ``history`` in ``api``'s wire format."""
+    if api == "chat":
+        return "/chat/completions", {
+            "model": MODEL,
+            "messages": history,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+    if api == "responses":
+        return "/responses", {"model": MODEL, "input": history, "max_output_tokens": max_tokens, "seed": seed}
+    return "/messages", {"model": MODEL, "messages": history, "max_tokens": max_tokens, "seed": seed}
+
+
+def api_reply(api: str, data: dict) -> list[dict]:
+    """The reply of a turn as the agent appends it to its history (the API's own items or blocks)."""
+    if api == "chat":
+        return [data["choices"][0]["message"]]
+    if api == "responses":
+        return data["output"]
+    return [{"role": "assistant", "content": data["content"]}]
+
+
 # The agents of the "process" mode: every session's two turns over HTTP, from their own process.
 AGENTS = r"""
 import asyncio, json, sys, time
 import aiohttp
+sys.path.insert(0, sys.argv[1])
+from tito_load import api_reply, api_request
 
 async def main():
     spec = json.loads(sys.stdin.readline())
@@ -107,15 +139,15 @@ async def main():
         nonlocal errors
         history = [{"role": "user", "content": f"task {i}: say something"}]
         for _ in range(2):
-            body = {"model": spec["model"], "messages": history, "max_tokens": spec["max_tokens"], "seed": i}
+            path, body = api_request(spec["api"], history, spec["max_tokens"], i)
             start = time.perf_counter()
-            async with http.post(f"{url}/chat/completions", json=body) as response:
+            async with http.post(url + path, json=body) as response:
                 data = await response.json()
             latencies.append(time.perf_counter() - start)
             if response.status != 200:
                 errors += 1
                 return
-            history += [data["choices"][0]["message"], {"role": "user", "content": "go on"}]
+            history += [*api_reply(spec["api"], data), {"role": "user", "content": "go on"}]
 
     connector = aiohttp.TCPConnector(limit=len(spec["urls"]))
     async with aiohttp.ClientSession(connector=connector) as http:
@@ -139,10 +171,16 @@ def open_proxy(client, chat, workers: int):
 
 
 async def proxy_phase(
-    client, chat, sessions: int, max_tokens: int, agents: str = "in-process", workers: int = 0
+    client,
+    chat,
+    sessions: int,
+    max_tokens: int,
+    agents: str = "in-process",
+    workers: int = 0,
+    api: str = "chat",
 ) -> tuple[list[float], float, int, float]:
     """(latencies, elapsed s, errors, this process's CPU s while the agents ran: with ``agents =
-    "in-process"`` that includes the agents' own)."""
+    "in-process"`` that includes the agents' own); the agents speak ``api`` (``APIS``)."""
     import aiohttp
 
     latencies: list[float] = []
@@ -150,9 +188,14 @@ async def proxy_phase(
     async with open_proxy(client, chat, workers) as proxy:
         if agents == "process":
             opened = [await proxy.open_session() for _ in range(sessions)]
-            spec = {"urls": [s.base_url for s in opened], "model": MODEL, "max_tokens": max_tokens}
+            spec = {"urls": [s.base_url for s in opened], "api": api, "max_tokens": max_tokens}
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", AGENTS, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+                sys.executable,
+                "-c",
+                AGENTS,
+                os.path.dirname(os.path.abspath(__file__)),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
             )
             cpu = time.process_time()
             out, _ = await process.communicate(json.dumps(spec).encode() + b"\n")
@@ -170,15 +213,15 @@ async def proxy_phase(
                 session = await proxy.open_session()
                 history = [{"role": "user", "content": f"task {i}: say something"}]
                 for _ in range(2):
-                    body = {"model": MODEL, "messages": history, "max_tokens": max_tokens, "seed": i}
+                    path, body = api_request(api, history, max_tokens, i)
                     start = time.perf_counter()
-                    async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
+                    async with http.post(session.base_url + path, json=body) as response:
                         data = await response.json()
                     latencies.append(time.perf_counter() - start)
                     if response.status != 200:
                         errors += 1
                         return
-                    history += [data["choices"][0]["message"], {"role": "user", "content": "go on"}]
+                    history += [*api_reply(api, data), {"role": "user", "content": "go on"}]
                 trace = await proxy.close_session(session)
                 errors += trace.stats.turns != 2 or trace.turns[1].render.method != "bridge"
 
@@ -195,7 +238,7 @@ STAGES = (
     ("bridge_or_render", "rollflow.tito.trace", "Trace._prepare"),
     ("response_parse", "rollflow.tito.renderer", "TITORenderer.parse"),
     ("trace_commit", "rollflow.tito.trace", "Trace._commit_choices"),
-    ("response_build", "rollflow.tito.proxy", "TITOProxy._completion"),
+    ("response_build", "rollflow.tito.proxy", "chat_completion"),
     ("response_encode", "rollflow.tito.proxy", "_encode"),
 )
 
@@ -350,16 +393,21 @@ async def run(args) -> None:
     from rollflow.tito.testing import load_tiny_chat
 
     chat = load_tiny_chat()
-    shapes = {"in-process": 0, **{f"workers={n}": n for n in args.proxy_workers if n > 0}}
+    # (proxy workers, API) per shape: Chat Completions in every proxy layout, the other APIs in-process.
+    shapes = {
+        "in-process": (0, "chat"),
+        **{f"in-process,api={api}": (0, api) for api in args.apis if api != "chat"},
+        **{f"workers={n}": (n, "chat") for n in args.proxy_workers if n > 0},
+    }
     results: dict[str, list] = {"direct": [], **{shape: [] for shape in shapes}}
     async with open_engine(args.engine, chat, args.batch_size) as (engine, client):
         for _ in range(args.repeats):
             results["direct"].append(
                 await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens)
             )
-            for shape, workers in shapes.items():
+            for shape, (workers, api) in shapes.items():
                 results[shape].append(
-                    await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents, workers)
+                    await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents, workers, api)
                 )
         stages = (
             await stage_costs(client, chat, args.stage_sessions, args.max_tokens)
@@ -468,6 +516,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--apis",
+        nargs="*",
+        choices=APIS,
+        default=list(APIS),
+        help="wire formats the agents speak, each its own in-process proxy run beside the direct baseline",
+    )
     parser.add_argument(
         "--agents",
         choices=("process", "in-process"),

@@ -227,3 +227,25 @@ async def test_start_failure_releases_everything(tiny_chat):
         with pytest.raises(OSError):
             await second.start()
         assert len(asyncio.all_tasks()) == tasks_before
+
+
+async def test_enable_thinking_on_a_renderer_without_the_switch_is_ignored_and_counted(tiny_chat):
+    """Agent configs send ``enable_thinking`` to every Qwen model; a template without the switch ignores it (as
+    vLLM's does), and the proxy counts it, or refuses it when strict."""
+    switchless = tiny_chat.renderer_with(renderer="default")
+    client = ScriptedClient(tiny_chat.tokenizer)
+    body = GOOD | {"chat_template_kwargs": {"enable_thinking": False}}
+    async with TITOProxy(client, switchless, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        status, reply = await _post(f"{session.base_url}/chat/completions", body)
+        assert status == 200, reply
+        assert session.trace.ignored == {"chat_template_kwargs.enable_thinking": 1}
+        assert session.trace.turns[0].options == {}  # nothing of it was applied
+    async with TITOProxy(
+        client, switchless, tiny_chat.tokenizer, model_name=MODEL, strict_requests=True
+    ) as proxy:
+        session = await proxy.open_session()
+        status, reply = await _post(f"{session.base_url}/chat/completions", body)
+        assert (status, reply["error"]["param"]) == (400, "chat_template_kwargs.enable_thinking"), reply
+        assert "strict_requests" in reply["error"]["message"]
+    assert len(client.requests) == 1

@@ -189,3 +189,28 @@ def assert_parity(
             i = end
     assert sorted(claimed) == [c for c, (_, ids) in enumerate(calls) if ids], "each call trained exactly once"
     return trained
+
+
+def assert_logprobs_recomputed(trace: Any, model_dir: Any) -> int:
+    """Every trainable token of every composed sample (both modes) has the logprob the tiny model itself gives
+    it after exactly the tokens before it: the trace holds exactly what was sampled. Returns the tokens checked."""
+    import torch
+
+    from rollflow.models.loading import load_causal_lm
+    from rollflow.tito import compose
+
+    model = load_causal_lm(model_dir)
+    checked = 0
+    for mode in ("per_branch", "step_wise"):
+        for sample in compose(trace, reward=1.0, mode=mode, max_seq_len=100_000):
+            ids = sample.prompt_token_ids + sample.completion_token_ids
+            with torch.no_grad():
+                logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float()[:-1], dim=-1)
+            offset = len(sample.prompt_token_ids)
+            for i, (token, recorded, trained) in enumerate(
+                zip(sample.completion_token_ids, sample.logprobs, sample.loss_mask, strict=True)
+            ):
+                if trained:
+                    assert abs(logprobs[offset + i - 1, token].item() - recorded) < 1e-4, (mode, i)
+                    checked += 1
+    return checked

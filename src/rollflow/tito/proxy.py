@@ -2,8 +2,9 @@
 
 Owned by a generator (``async with TITOProxy(...) as proxy``). Each agent session gets its own unguessable
 base URL, ``http://127.0.0.1:PORT/sessions/<token>/v1`` (``advertise_url`` replaces the address part for
-agents that reach the proxy by another one), serving ``/chat/completions`` and ``/models``; the agent changes
-nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
+agents that reach the proxy by another one), serving ``/chat/completions``, ``/responses`` (OpenAI's Responses
+API), ``/messages`` and ``/messages/count_tokens`` (Anthropic's Messages API) and ``/models``: three wire formats
+over one turn pipeline (``rollflow.tito.apis``); the agent changes nothing but that URL. ``close_session`` drains the session's requests, seals its trace, tells the inference
 client the session is over (``finish_session``: a router forgets the session's server) and returns the trace
 for ``compose``.
 
@@ -37,11 +38,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import re
 import secrets
 import time
-from collections.abc import Container, Coroutine
+from collections.abc import Callable, Container, Coroutine
 from typing import Any
 
 import anyio
@@ -49,7 +51,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
+from rollflow.errors import RequestError, error_body
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.http import JSONErrorAppRunner, bearer_token_matches, raw_json_response
 from rollflow.inference.http_front import (
@@ -61,33 +63,16 @@ from rollflow.inference.http_front import (
 )
 from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
-from rollflow.inference.streaming import SSE_DONE, TextDeltas, sse_event
+from rollflow.tito.apis.anthropic import count_tokens, create_message
+from rollflow.tito.apis.chat import ChatStream, chat_completion
+from rollflow.tito.apis.common import error_answer
+from rollflow.tito.apis.responses import create_response
+from rollflow.tito.apis.streaming import stream_turn
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
-from rollflow.tito.renderer import TITORenderer, normalize_tools
-from rollflow.tito.session import Session, TurnProgress, TurnSettings, arguments_text
-from rollflow.tito.stops import hold_back
-from rollflow.tito.trace import Trace, Turn
-from rollflow.tito.wire import (
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    Choice,
-    ChoiceLogprobs,
-    ChunkChoice,
-    DecodedRequest,
-    Delta,
-    DeltaFunction,
-    DeltaToolCall,
-    ModelCard,
-    ModelList,
-    ResponseFunction,
-    ResponseMessage,
-    ResponseToolCall,
-    TokenLogprob,
-    Usage,
-    decode_request,
-    stop_strings,
-)
+from rollflow.tito.renderer import TITORenderer
+from rollflow.tito.session import Session, TurnSettings
+from rollflow.tito.trace import Trace
+from rollflow.tito.wire import ChatCompletionRequest, DecodedRequest, ModelCard, ModelList, decode_request
 
 log = structlog.get_logger(__name__)
 
@@ -97,8 +82,6 @@ _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SESSION_PREFIX = "/sessions/"
 _COMPLETIONS_SUFFIX = "/v1/chat/completions"
-# A streamed reply is parsed again at most after this many times the last parse's duration.
-PARSE_BACKOFF = 4.0
 # Defaults of agent.max_sessions and agent.session_idle_timeout_s.
 DEFAULT_MAX_SESSIONS = 10_000
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 3600.0
@@ -162,19 +145,6 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
     return _json(error_body(status, message, param=param, code=code), status)
-
-
-def _error_answer(error: Exception) -> tuple[int, Any]:
-    """(status, JSON body) for an exception a request handler raised: the same for aiohttp and the front."""
-    if isinstance(error, RequestError):
-        return error.status, error.body()
-    if isinstance(error, TraceSealedError):
-        return 409, error_body(409, str(error), code="session_closed")
-    if isinstance(error, RollflowError):
-        log.exception("tito proxy: request failed")
-        return 500, error_body(500, f"{type(error).__name__}: {error}")
-    log.exception("tito proxy: unexpected error")  # a bug: say so, keep serving
-    return 500, error_body(500, f"internal error: {type(error).__name__}: {error}")
 
 
 def _enc_hook(value: Any) -> Any:
@@ -328,6 +298,11 @@ class TITOProxy:
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
+        app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
+        app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
+        app.router.add_post(
+            "/sessions/{token}/v1/messages/count_tokens", functools.partial(count_tokens, self)
+        )
         if self.admin_token is not None:
             app.router.add_post("/sessions", self._admin_open)
             app.router.add_get("/sessions/{session_id}/trace", self._admin_trace)
@@ -466,9 +441,9 @@ class TITOProxy:
         except web.HTTPException as error:
             return _error(error.status, error.reason or error.text or "")
         except Exception as error:
-            return _json(*reversed(_error_answer(error)))
+            return _json(*reversed(error_answer(error)))
 
-    def _session(self, request: web.Request) -> Session:
+    def session_for(self, request: web.Request) -> Session:
         token = request.match_info["token"]
         session = self._sessions.get(token)
         if session is None:
@@ -478,7 +453,7 @@ class TITOProxy:
             raise RequestError("unknown session", status=404, code="session_not_found")
         return session
 
-    async def _body(self, request: web.Request) -> bytes:
+    async def read_body(self, request: web.Request) -> bytes:
         length = request.headers.get("Content-Length")
         if length is not None:
             if not length.isdigit():
@@ -494,24 +469,29 @@ class TITOProxy:
     # ------------------------------------------------------------------ HTTP: agent endpoints
 
     async def _models(self, request: web.Request) -> web.Response:
-        self._session(request)
+        self.session_for(request)
         return _json(ModelList([ModelCard(self.settings.model_name, int(time.time()))]))
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        session = self._session(request)
-        body = await self._body(request)
+        session = self.session_for(request)
+        body = await self.read_body(request)
         decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
         headers = request.headers
-        key, is_retry = self._admit(
+        key, is_retry = self.admit(
             session, decoded, body, headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
         )
         chat = decoded.request
         if chat.stream:
-            return await self._stream(request, session, chat, key, is_retry)
+            return await stream_turn(request, session, chat, key, is_retry, self._chat_stream(chat))
         turns = await session.complete(chat, request_key=key, is_retry=is_retry)
-        return _json(self._completion(chat, turns))
+        return _json(chat_completion(chat, turns, self.settings.model_name, self.renderer))
 
-    def _admit(
+    def _chat_stream(self, chat: ChatCompletionRequest) -> Callable[[str, int], ChatStream]:
+        return lambda response_id, created: ChatStream(
+            chat, response_id, created, model_name=self.settings.model_name, renderer=self.renderer
+        )
+
+    def admit(
         self,
         session: Session,
         decoded: DecodedRequest,
@@ -525,9 +505,12 @@ class TITOProxy:
             RequestError: the prompt cannot fit, the model is not served here, or an ``Idempotency-Key`` is
                 reused with another body.
         """
+        chat = decoded.request
+        thinking = (chat.chat_template_kwargs or {}).get("enable_thinking")
+        if thinking is not None and self.renderer.variant(enable_thinking=thinking) is None:
+            decoded.ignored_values.append(thinking_switch_unused(self.strict_requests))
         if decoded.unknown_fields or decoded.ignored_values:
             session.trace.count_ignored(decoded.unknown_fields, decoded.ignored_values)
-        chat = decoded.request
         if self.max_prompt_chars is not None:
             chars = message_text_chars(chat.messages)
             if chars > self.max_prompt_chars:
@@ -602,133 +585,13 @@ class TITOProxy:
     ) -> None:
         """``_chat_completions`` for a request the front read, the answer written straight to its connection."""
         try:
-            key, is_retry = self._admit(session, decoded, body, idempotency_key, retry_count)
+            key, is_retry = self.admit(session, decoded, body, idempotency_key, retry_count)
             chat = decoded.request
             turns = await session.complete(chat, request_key=key, is_retry=is_retry)
-            status, data = 200, self._completion(chat, turns)
+            status, data = 200, chat_completion(chat, turns, self.settings.model_name, self.renderer)
         except Exception as error:
-            status, data = _error_answer(error)
+            status, data = error_answer(error)
         front.write(raw_json_response(status, _encode(data), close=front.close_after))
-
-    def _logprobs(self, chat: ChatCompletionRequest, turn: Turn) -> ChoiceLogprobs | None:
-        if not chat.logprobs:
-            return None
-        return self._token_logprobs(turn.completion_ids, turn.logprobs)
-
-    def _token_logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
-        content = []
-        for token_id, logprob in zip(token_ids, logprobs, strict=True):
-            text, raw = self.renderer.token_text_and_bytes(token_id)
-            content.append(TokenLogprob(text, logprob, raw))
-        return ChoiceLogprobs(content)
-
-    def _completion(self, chat: ChatCompletionRequest, turns: list[Turn]) -> ChatCompletion:
-        choices = []
-        completion_len = 0
-        for index, turn in enumerate(turns):
-            message = turn.message
-            calls = [
-                ResponseToolCall(
-                    c["id"],
-                    ResponseFunction(c["function"]["name"], arguments_text(c["function"]["arguments"])),
-                )
-                for c in message.get("tool_calls", ())
-            ]
-            response = ResponseMessage(
-                role="assistant",
-                content=message["content"] if message["content"] or not calls else None,
-                reasoning_content=message.get("reasoning_content"),
-                tool_calls=calls or None,
-            )
-            completion_ids = turn.completion_ids
-            completion_len += len(completion_ids)
-            choices.append(
-                Choice(
-                    response,
-                    turn.finish_reason,
-                    index=index,
-                    logprobs=self._logprobs(chat, turn),
-                    stop_reason=turn.options.get("stop_reason"),
-                    token_ids=completion_ids if chat.return_token_ids else msgspec.UNSET,
-                )
-            )
-        first = turns[0]
-        return ChatCompletion(
-            id=first.response_id,
-            created=first.created,
-            model=self.settings.model_name,
-            choices=choices,
-            usage=Usage(first.prompt_len, completion_len, first.prompt_len + completion_len),
-            prompt_token_ids=_prompt_ids(first) if chat.return_token_ids else msgspec.UNSET,
-        )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        session: Session,
-        chat: ChatCompletionRequest,
-        request_key: str | None,
-        is_retry: bool,
-    ) -> web.StreamResponse:
-        """SSE chunks of a turn while it is sampled: role, then content (and reasoning) deltas as tokens
-        arrive, then the finish chunk (+ usage), [DONE].
-
-        Text is sent once stable: each time, the tokens so far are parsed by the renderer and only what
-        extends the text already sent is sent (``TextDeltas``: a half-sampled UTF-8 character, and whitespace
-        at either end, which the parser strips from a finished reply, wait). Tool calls come whole in the
-        finish chunk: the renderer parses them from the whole reply, and partial tool-call JSON is of no use
-        to an agent. The finish chunk also completes the text from the committed turn, so the concatenated
-        deltas equal the non-streamed message (were a parser to re-read text already sent, as a late
-        reasoning end could, the difference is logged and counted in ``stats.streams_diverged``). A request refused before its first token is a JSON
-        error; a client that disconnects cancels the turn, which aborts the engine request.
-        """
-        tools = normalize_tools(chat.tools)
-        woke = asyncio.Event()
-        latest: list[TurnProgress] = []
-
-        def on_tokens(progress: TurnProgress) -> None:
-            latest[:] = [progress]
-            woke.set()
-
-        turn_task = asyncio.ensure_future(
-            session.complete(chat, request_key=request_key, is_retry=is_retry, on_tokens=on_tokens)
-        )
-        try:
-            await _until(turn_task, woke)
-            if turn_task.done():  # sampled before any token was seen (or failed): errors stay JSON
-                (turn,) = turn_task.result()
-                stream = _TurnStream(self, chat, turn.response_id, turn.created)
-                return await stream.send_whole(request, turn)
-            stream = _TurnStream(self, chat, latest[0].response_id, int(time.time()))
-            response = await stream.start(request)
-            while not turn_task.done():
-                if woke.is_set():
-                    woke.clear()
-                    started = time.perf_counter()
-                    await stream.progress(response, latest[0], tools)
-                    # Each parse reads the whole reply so far: waiting PARSE_BACKOFF times as long as it took
-                    # keeps parsing to a small share of the time, however long the reply grows (the tokens
-                    # sampled meanwhile go out together in the next chunk).
-                    backoff_s = PARSE_BACKOFF * (time.perf_counter() - started)
-                    await asyncio.wait((turn_task,), timeout=backoff_s)
-                await _until(turn_task, woke)
-            try:
-                (turn,) = turn_task.result()
-            except RequestError as error:  # the stream had started: report in the stream
-                await response.write(sse_event(error.body()))
-            except TraceSealedError as error:
-                await response.write(sse_event(RequestError(str(error), code="session_closed").body()))
-            else:
-                if await stream.finish(response, turn):
-                    session.trace.stats.streams_diverged += 1
-            await response.write(SSE_DONE)
-            await response.write_eof()
-            return response
-        finally:
-            if not turn_task.done():
-                turn_task.cancel()  # the client went away: session.complete aborts the engine request
-                with contextlib.suppress(asyncio.CancelledError, RollflowError):
-                    await turn_task
 
     # ------------------------------------------------------------------ HTTP: admin endpoints
 
@@ -749,7 +612,7 @@ class TITOProxy:
 
     async def _admin_open(self, request: web.Request) -> web.Response:
         self._authorize(request)
-        body = await self._body(request)
+        body = await self.read_body(request)
         try:
             params = msgspec.json.decode(body or b"{}", type=OpenRequest)
             session = await self.open_session(params.session_id)
@@ -764,7 +627,7 @@ class TITOProxy:
     async def _admin_close(self, request: web.Request) -> web.Response:
         self._authorize(request)
         session = self._admin_session(request)
-        body = await self._body(request)
+        body = await self.read_body(request)
         try:
             params = msgspec.json.decode(body, type=CloseRequest)
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as error:
@@ -789,6 +652,24 @@ class TITOProxy:
         return web.Response(body=body, content_type="application/json")
 
 
+def thinking_switch_unused(strict: bool) -> str:
+    """The ignored value's name for ``chat_template_kwargs.enable_thinking`` on a renderer without that switch
+    (its template ignores the key, as vLLM's does: many agent configs send it to every model).
+
+    Raises:
+        RequestError: ``strict`` (``agent.strict_requests``) refuses it instead.
+    """
+    param = "chat_template_kwargs.enable_thinking"
+    if strict:
+        raise RequestError(
+            f"{param}: this model's renderer has no thinking switch (agent.strict_requests is on; turn it off to "
+            "ignore it, or leave it unset)",
+            param=param,
+            code="unsupported_value",
+        )
+    return param
+
+
 def too_many_sessions(open_sessions: int, max_sessions: int) -> RequestError:
     """The 429 for a session opened beyond ``max_sessions``."""
     return RequestError(
@@ -798,11 +679,6 @@ def too_many_sessions(open_sessions: int, max_sessions: int) -> RequestError:
         code="too_many_sessions",
         type="RateLimitError",
     )
-
-
-def _prompt_ids(turn: Turn) -> list[int]:
-    """The token ids of the prompt a turn was sampled from."""
-    return turn.node.prefix_ids()[: turn.prompt_len].tolist()
 
 
 def _request_key(
@@ -817,117 +693,3 @@ def _request_key(
         return None, False
     digest = hashlib.blake2b(body, digest_size=16).hexdigest()
     return "body:" + digest, retry_count.strip() not in ("", "0")
-
-
-async def _until(task: asyncio.Future, event: asyncio.Event) -> None:
-    """Wait until ``task`` is done or ``event`` is set."""
-    if task.done() or event.is_set():
-        return
-    waiter = asyncio.ensure_future(event.wait())
-    try:
-        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        waiter.cancel()
-
-
-class _TurnStream:
-    """The SSE chunks of one streamed turn, and what of the reply they have sent so far."""
-
-    def __init__(self, proxy: TITOProxy, chat: ChatCompletionRequest, response_id: str, created: int):
-        self.proxy = proxy
-        self.chat = chat
-        self.response_id = response_id
-        self.created = created
-        self.content = TextDeltas(strip=True)  # parsers strip the reply
-        self.reasoning = TextDeltas(strip=True)
-        self.logprobs_sent = 0
-        # Text that may be the start of a stop string waits until it is known not to be.
-        self.stops = stop_strings(chat)
-        # The renderer the turn is parsed with (a thinking variant when the request switches it).
-        thinking = (chat.chat_template_kwargs or {}).get("enable_thinking")
-        variant = proxy.renderer.variant(enable_thinking=thinking) if thinking is not None else None
-        self.renderer = variant or proxy.renderer
-
-    def _chunk(self, delta: Delta, finish: str | None = None, logprobs: Any = None) -> bytes:
-        choice = ChunkChoice(delta, 0, finish, logprobs)
-        model = self.proxy.settings.model_name
-        return sse_event(ChatCompletionChunk(self.response_id, self.created, model, [choice]))
-
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> ChoiceLogprobs | None:
-        """Logprobs of the tokens not reported yet (with ``logprobs: true``)."""
-        if not self.chat.logprobs:
-            return None
-        start, self.logprobs_sent = self.logprobs_sent, len(token_ids)
-        return self.proxy._token_logprobs(token_ids[start:], logprobs[start:])
-
-    async def start(self, request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        await response.write(self._chunk(Delta(role="assistant", content="")))
-        return response
-
-    async def progress(self, response: web.StreamResponse, progress: TurnProgress, tools: Any) -> None:
-        """Send what the tokens sampled so far add to the text (nothing while it is not stable)."""
-        parsed = self.renderer.parse(progress.token_ids, tools, progress.prompt_ids)
-        reasoning_text, content_text = parsed.reasoning_content or "", parsed.content
-        if self.stops:
-            reasoning_text, content_text = (
-                hold_back(reasoning_text, self.stops),
-                hold_back(content_text, self.stops),
-            )
-        reasoning = self.reasoning.update(reasoning_text)
-        content = self.content.update(content_text)
-        if reasoning or content:
-            delta = Delta(content=content or None, reasoning_content=reasoning or None)
-            await response.write(
-                self._chunk(delta, logprobs=self._logprobs(progress.token_ids, progress.logprobs))
-            )
-
-    async def finish(self, response: web.StreamResponse, turn: Turn) -> bool:
-        """The rest of the committed turn's text, its tool calls and finish reason (+ usage). Returns whether
-        the text streamed differs from the recorded message (a parser re-read text already sent)."""
-        completion = self.proxy._completion(self.chat, [turn])
-        choice = completion.choices[0]
-        message = choice.message
-        reasoning = self.reasoning.update(message.reasoning_content or "", final=True)
-        content = self.content.update(message.content or "", final=True)
-        diverged = self.content.diverged or self.reasoning.diverged
-        if diverged:
-            # A parser re-read text already sent (e.g. a late reasoning end): the agent's copy differs.
-            log.warning("streamed text differs from the recorded message", response_id=self.response_id)
-        calls = [
-            DeltaToolCall(
-                index, call.id, "function", DeltaFunction(call.function.name, call.function.arguments)
-            )
-            for index, call in enumerate(message.tool_calls or ())
-        ]
-        delta = Delta(content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None)
-        logprobs = self._logprobs(turn.completion_ids, turn.logprobs)
-        finish = ChunkChoice(
-            delta,
-            0,
-            choice.finish_reason,
-            logprobs,
-            stop_reason=choice.stop_reason if choice.stop_reason is not None else msgspec.UNSET,
-            token_ids=choice.token_ids,
-        )
-        model = self.proxy.settings.model_name
-        chunk = ChatCompletionChunk(
-            self.response_id, self.created, model, [finish], prompt_token_ids=completion.prompt_token_ids
-        )
-        parts = [sse_event(chunk)]
-        if self.chat.stream_options is not None and self.chat.stream_options.include_usage:
-            usage = ChatCompletionChunk(self.response_id, self.created, model, [], completion.usage)
-            parts.append(sse_event(usage))
-        await response.write(b"".join(parts))
-        return diverged
-
-    async def send_whole(self, request: web.Request, turn: Turn) -> web.StreamResponse:
-        """A turn already sampled (a replayed retry, a client without streaming): every chunk at once."""
-        response = await self.start(request)
-        await self.finish(response, turn)
-        await response.write(SSE_DONE)
-        await response.write_eof()
-        return response

@@ -130,6 +130,8 @@ class Session:
         self.close_done: asyncio.Future[None] | None = None
         # Body digest of each Idempotency-Key used, so a key reused with another body is refused.
         self.key_digests: dict[str, bytes] = {}
+        # What a wire format keeps about this session's turns beyond the tree (``rollflow.tito.apis``).
+        self.api_state: dict[str, Any] = {}
         self._client = client
         self._renderer = renderer
         self._settings = settings
@@ -296,18 +298,14 @@ class Session:
 
     def _template(self, request: ChatCompletionRequest) -> tuple[TITORenderer, dict[str, Any]]:
         """The renderer for this request's ``chat_template_kwargs`` and what of them it applies (recorded with
-        the turn)."""
+        the turn). A switch the renderer lacks changes nothing; the proxy counted it (``thinking_switch_unused``)
+        or, strict, refused it."""
         kwargs = request.chat_template_kwargs or {}
         if "enable_thinking" not in kwargs:
             return self._renderer, {}
         variant = self._renderer.variant(enable_thinking=kwargs["enable_thinking"])
-        if variant is None:
-            raise RequestError(
-                "chat_template_kwargs.enable_thinking: this model's renderer has no thinking switch; leave it "
-                "unset",
-                param="chat_template_kwargs.enable_thinking",
-                code="unsupported_value",
-            )
+        if variant is None:  # no thinking switch: the template ignores the key, as vLLM's does (counted)
+            return self._renderer, {}
         return variant, {"chat_template_kwargs": {"enable_thinking": kwargs["enable_thinking"]}}
 
     def _sampling(self, request: ChatCompletionRequest) -> tuple[float, float, int]:

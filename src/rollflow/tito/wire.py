@@ -10,10 +10,11 @@ encoded once. Nothing here imports torch or transformers.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -25,6 +26,8 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 # chat_template_kwargs the proxy applies (the others are ignored and reported, or refused when strict).
 TEMPLATE_KWARGS = ("enable_thinking",)
+
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------------- request
@@ -150,17 +153,31 @@ def decode_request(body: bytes, *, strict: bool = False, max_n: int = 16) -> Dec
         RequestError: malformed JSON, a wrong type or value (400, naming the field), or with ``strict`` an
             unknown field or a value that cannot be enforced.
     """
+    request, unknown = decode_body(body, ChatCompletionRequest, strict=strict)
+    decoded = DecodedRequest(request, unknown)
+    validate_request(request, strict=strict, max_n=max_n, ignored=decoded.ignored_values)
+    return decoded
+
+
+def decode_body(body: bytes, type_: type[T], *, strict: bool = False) -> tuple[T, list[str]]:
+    """``body`` decoded as ``type_`` (a Struct with ``forbid_unknown_fields``) and the paths of the fields it
+    does not declare, which are dropped; with ``strict`` such a field is refused instead. Every wire format
+    the proxy serves decodes through here, so all of them tolerate (and count) the same way.
+
+    Raises:
+        RequestError: malformed JSON, a wrong type (400, naming the field), or with ``strict`` an unknown field.
+    """
     unknown: list[str] = []
     try:
         try:
-            request = msgspec.json.decode(body, type=ChatCompletionRequest)
+            value = msgspec.json.decode(body, type=type_)
         except msgspec.ValidationError as error:
             if strict or not _UNKNOWN.search(str(error)):
                 raise
             # Unknown fields somewhere: decode again without them (only such bodies pay for this).
             data = msgspec.json.decode(body)
-            _drop_unknown(data, _REQUEST_TYPE, "", unknown)
-            request = msgspec.convert(data, ChatCompletionRequest)
+            _drop_unknown(data, _type_info(type_), "", unknown)
+            value = msgspec.convert(data, type_)
     except msgspec.ValidationError as error:
         text = str(error)
         match = _PATH.search(text)
@@ -181,12 +198,12 @@ def decode_request(body: bytes, *, strict: bool = False, max_n: int = 16) -> Dec
         raise RequestError(
             "request body JSON is nested too deeply to decode; flatten it", code="invalid_json"
         ) from None
-    decoded = DecodedRequest(request, unknown)
-    validate_request(request, strict=strict, max_n=max_n, ignored=decoded.ignored_values)
-    return decoded
+    return value, unknown
 
 
-_REQUEST_TYPE = msgspec.inspect.type_info(ChatCompletionRequest)
+@functools.cache
+def _type_info(type_: type) -> Any:
+    return msgspec.inspect.type_info(type_)
 
 
 def _drop_unknown(value: Any, info: Any, path: str, unknown: list[str]) -> None:

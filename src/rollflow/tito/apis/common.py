@@ -1,0 +1,139 @@
+"""What the Responses and Anthropic Messages endpoints share: the translated request's checks, its turn
+(streamed or not), and turning recorded messages back into request messages."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from rollflow.errors import RequestError, RollflowError, TraceSealedError, error_body
+from rollflow.tito.apis.streaming import TurnWriter, stream_turn
+from rollflow.tito.session import Session, arguments_text
+from rollflow.tito.trace import Turn
+from rollflow.tito.wire import (
+    ChatCompletionRequest,
+    ChatMessage,
+    DecodedRequest,
+    FunctionCall,
+    ToolCall,
+    validate_request,
+)
+
+if TYPE_CHECKING:
+    from rollflow.tito.proxy import TITOProxy
+
+log = structlog.get_logger("rollflow.tito.proxy")  # the proxy's log: where its request failures always went
+
+
+def error_answer(error: Exception) -> tuple[int, Any]:
+    """(status, JSON body) for an exception a request handler raised: the same for aiohttp and the front."""
+    if isinstance(error, RequestError):
+        return error.status, error.body()
+    if isinstance(error, TraceSealedError):
+        return 409, error_body(409, str(error), code="session_closed")
+    if isinstance(error, RollflowError):
+        log.exception("tito proxy: request failed")
+        return 500, error_body(500, f"{type(error).__name__}: {error}")
+    log.exception("tito proxy: unexpected error")  # a bug: say so, keep serving
+    return 500, error_body(500, f"internal error: {type(error).__name__}: {error}")
+
+
+def refuse(param: str, message: str, *, status: int = 400, code: str = "unsupported_value") -> RequestError:
+    """A 4xx naming ``param`` (the API's own field path)."""
+    return RequestError(f"{param}: {message}", status=status, param=param, code=code)
+
+
+def leave_aside(ignored: list[str], param: str, why: str, *, strict: bool) -> None:
+    """Count a value the proxy cannot enforce in ``ignored``, or refuse it when ``strict``."""
+    if strict:
+        raise refuse(param, f"{why} (agent.strict_requests is on; turn it off to ignore it)")
+    ignored.append(param)
+
+
+def validate_chat(
+    chat: ChatCompletionRequest, *, strict: bool, ignored: list[str], renames: dict[str, str]
+) -> None:
+    """``validate_request`` on a translated request, its errors and ignored values named by the API's own
+    fields (``renames``: the Chat Completions name → the API's)."""
+    found: list[str] = []
+    try:
+        validate_request(chat, strict=strict, ignored=found)
+    except RequestError as error:
+        param = error.param
+        head = re.match(r"[^.\[]*", param).group() if param is not None else ""
+        if param is not None and head in renames:
+            renamed = renames[head] + param[len(head) :]
+            error = RequestError(
+                error.message.replace(param, renamed, 1),
+                status=error.status,
+                param=renamed,
+                code=error.code,
+            )
+        raise error from None
+    ignored += [renames.get(name, name) for name in found]
+
+
+def history_message(message: dict[str, Any]) -> ChatMessage:
+    """A recorded (normalized) message as the request message that normalizes back to it."""
+    calls = [
+        ToolCall(
+            FunctionCall(call["function"]["name"], arguments_text(call["function"]["arguments"])),
+            id=call["id"],
+        )
+        for call in message.get("tool_calls", ())
+    ]
+    return ChatMessage(
+        role=message["role"],
+        content=message["content"],
+        name=message.get("name"),
+        tool_calls=calls or None,
+        tool_call_id=message.get("tool_call_id"),
+        reasoning_content=message.get("reasoning_content"),
+    )
+
+
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """Parsed tool-call arguments as an object (APIs whose tool calls carry objects, not JSON text); arguments
+    that are not a JSON object come as ``{"arguments": text}``."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except (ValueError, TypeError, RecursionError):
+        value = None
+    return value if isinstance(value, dict) else {"arguments": arguments}
+
+
+def turn_hex(response_id: str) -> str:
+    """The unique part of a turn's id (``chatcmpl-<hex>``), from which each API makes its own ids."""
+    return response_id.rpartition("-")[2]
+
+
+async def serve_turn(
+    proxy: TITOProxy,
+    request: web.Request,
+    session: Session,
+    body: bytes,
+    decoded: DecodedRequest,
+    writer_for: Callable[[str, int], TurnWriter],
+) -> web.StreamResponse | list[Turn]:
+    """Admit a translated request (``TITOProxy.admit``: prompt size, model, idempotency; counting what it
+    ignores) and run its turn: streamed by ``writer_for``'s writer, else the recorded turns.
+
+    Raises:
+        RequestError: the request is refused (before its first token when streamed).
+        TraceSealedError: the session is closed.
+    """
+    headers = request.headers
+    key, is_retry = proxy.admit(
+        session, decoded, body, headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
+    )
+    chat = decoded.request
+    if chat.stream:
+        return await stream_turn(request, session, chat, key, is_retry, writer_for)
+    return await session.complete(chat, request_key=key, is_retry=is_retry)
