@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import pickle
 import signal
@@ -157,10 +158,11 @@ async def test_streamed_turns_stream_across_the_link(inference_client, tiny_chat
         await client.close()
         trace = await proxy.close_session(session)
     assert spy.calls == {"generate": 0, "generate_stream": 1}
-    # The reply reached the agent in pieces, as many as the engine's stream had (up to a stop string's
-    # hold-back, the proxy forwards each one; how the engine groups tokens into chunks is its own affair).
+    # The reply reached the agent as deltas (how many depends on the load: the proxy sends what was sampled
+    # since its last parse, so a busy machine coalesces a 12-token reply; that deltas come while sampling goes
+    # on is shown by test_an_agent_that_leaves_a_stream_ends_the_runs_stream's 20-second stream).
     assert spy.chunks_with_tokens >= 1
-    assert len([d for d in deltas if d]) >= min(2, spy.chunks_with_tokens - 1)
+    assert len([d for d in deltas if d]) >= 1
     assert "".join(d or "" for d in deltas) == trace.turns[0].message["content"]
 
 
@@ -204,8 +206,15 @@ async def test_an_agent_that_leaves_a_stream_ends_the_runs_stream(tiny_chat):
             http.post(f"{session.base_url}/chat/completions", json=body) as response,
         ):
             assert response.status == 200
-            first = await response.content.readline()
-            assert first.startswith(b"data: ")
+            # Three deltas with text cross the link while the run's stream (400 tokens, 20 s) goes on.
+            with_text = 0
+            while with_text < 3:
+                line = await response.content.readline()
+                assert line, "the stream ended early"
+                if line.startswith(b"data: {"):
+                    choices = json.loads(line[len(b"data: ") :])["choices"]
+                    with_text += any(choice["delta"].get("content") for choice in choices)
+            assert not client.closed_early.is_set() and len(client.requests) == 1
         # Leaving the block closed the connection mid-stream.
         await asyncio.wait_for(client.closed_early.wait(), 60)
         await proxy.close_session(session, drain_timeout_s=0)
