@@ -175,11 +175,13 @@ def waiting_groups(orchestrator: Orchestrator) -> int:
 
 async def settle(orchestrator: Orchestrator) -> None:
     """Wait until generation between run() calls went as far as the staleness bound lets it: every prompt the
-    schedule admits was started, none is generating, and their groups wait for the next call."""
+    schedule admits was started (none past the run's last step's), none is generating, and their groups wait
+    for the next call."""
     schedule, per_step = orchestrator.schedule, orchestrator.config.orchestrator.prompts_per_step
+    run_prompts = orchestrator.config.orchestrator.steps * per_step
     await wait_until(
         lambda: (
-            schedule.started == schedule.admission_limit
+            schedule.started == min(schedule.admission_limit, run_prompts)
             and schedule.inflight == 0
             and waiting_groups(orchestrator) == schedule.started - schedule.steps_done * per_step
         ),

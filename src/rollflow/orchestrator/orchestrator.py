@@ -166,6 +166,10 @@ class Orchestrator:
         self.colocation: Colocation | None = None
         # Steps in a row with every sample masked, and their mask reasons (orchestrator.max_masked_steps).
         self._masked_steps = 0
+        # Prompt indices the feeder may send: the run's steps (as set up: data.epochs may set them) x prompts
+        # per step, or more for a run() past them; set by run().
+        self._prompt_limit = 0
+        self._prompts_changed: anyio.Event | None = None  # set while the feeder runs
         self._masked_reasons: Counter[str] = Counter()
 
     # ---------------------------------------------------------------- lifecycle
@@ -421,6 +425,7 @@ class Orchestrator:
         target = self.config.orchestrator.steps if steps is None else self.state.step + steps
         if target <= self.state.step:
             return []
+        self._raise_prompt_limit(target)
         self._running = True
         self._started_at = time.perf_counter()
         run_metrics = []
@@ -456,6 +461,8 @@ class Orchestrator:
             steps_done=self.state.step,
         )
         self._retry_prompts: deque[int] = deque()
+        self._next_fresh: int | None = None  # drawn from the untrained indices, not yet sent
+        self._prompts_changed = anyio.Event()
         capacity = self.config.orchestrator.max_inflight
         requests = channel(RolloutRequest, capacity)
         results = channel(ScoredGroup, capacity)
@@ -501,11 +508,33 @@ class Orchestrator:
             return RuntimeError("generation ended while a step waited for its groups")
         return _single_error(error)
 
-    def _next_prompt_index(self, fresh: Iterator[int]) -> int:
-        """A dropped prompt first (it must still be trained), else the next prompt not trained yet."""
-        if self._retry_prompts:
-            return self._retry_prompts.popleft()
-        return next(fresh)
+    async def _next_prompt_index(self, fresh: Iterator[int]) -> int:
+        """A dropped prompt first (it must still be trained), else the next prompt not trained yet, if the run
+        trains it: indices stop at ``_prompt_limit`` (steps x prompts per step). Generation runs ahead of
+        training, and groups finish out of order, so a prompt past the run's end could otherwise finish first
+        and be trained in place of one before it (with ``data.epochs``, a row of an epoch past the last)."""
+        while True:
+            if self._retry_prompts:
+                return self._retry_prompts.popleft()
+            if self._next_fresh is None:
+                self._next_fresh = next(fresh)
+            if self._next_fresh < self._prompt_limit:
+                index, self._next_fresh = self._next_fresh, None
+                return index
+            assert self._prompts_changed is not None  # the feeder runs
+            await self._prompts_changed.wait()  # a dropped prompt to retry, or a longer run
+
+    def _prompts_available(self) -> None:
+        """Wake the feeder: a prompt was queued for retry, or the prompt limit grew."""
+        if self._prompts_changed is not None:
+            self._prompts_changed.set()
+            self._prompts_changed = anyio.Event()
+
+    def _raise_prompt_limit(self, target_step: int) -> None:
+        limit = max(self.config.orchestrator.steps, target_step) * self.config.orchestrator.prompts_per_step
+        if limit > self._prompt_limit:
+            self._prompt_limit = limit
+            self._prompts_available()
 
     def _untrained_indices(self) -> Iterator[int]:
         trained_ahead = set(self.state.trained_ahead)
@@ -525,8 +554,8 @@ class Orchestrator:
         async with send:
             task_status.started()
             while True:
+                index = await self._next_prompt_index(fresh)
                 await self.schedule.admit()
-                index = self._next_prompt_index(fresh)
                 item = await item_of(index)
                 await send.send(
                     RolloutRequest(
@@ -574,6 +603,7 @@ class Orchestrator:
                 continue
             dropped += 1
             self._retry_prompts.append(group.prompt_index)
+            self._prompts_available()
             self.schedule.group_dropped()
             log.debug("dropped stale group", prompt_index=group.prompt_index, policy_version=oldest)
         groups.sort(key=lambda group: group.prompt_index)
