@@ -21,7 +21,7 @@ from rollflow.errors import InvalidTransferInfoError, WeightTransferTimeoutError
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
 from rollflow.models.loading import load_causal_lm, load_tokenizer
-from rollflow.weights.receiver import create_receiver, init_timeout_s
+from rollflow.weights.server.receiver import create_receiver, init_timeout_s
 
 TIMEOUT_S = 0.5
 # Far beyond TIMEOUT_S: only a server that ignores the timeout gets near it.

@@ -25,7 +25,7 @@ from rollflow.weights import (
     init_info_for_servers,
 )
 from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 
 from .helpers.weights import ThreadClient, assert_same_weights, fake_world
 
@@ -158,7 +158,7 @@ RECEIVER_PROCESS = """
 import json, sys
 replies, sys.stdout = sys.stdout, sys.stderr  # keep log lines out of the reply stream
 from safetensors.torch import save_file
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 receiver = None
 for line in sys.stdin:
     message = json.loads(line)
@@ -514,7 +514,7 @@ def test_transport_specs_are_picklable() -> None:
 
 def test_cuda_ipc_buckets_are_cut_as_the_receivers_plan_them() -> None:
     """The trainer cuts buckets while it iterates; receivers cut them from the metadata: the same rule."""
-    from rollflow.weights.cuda_ipc import _buckets
+    from rollflow.weights.trainer.cuda_ipc import buckets as _buckets
 
     weights = mixed_weights()
     for bucket_size_bytes in (1, 40, 100, 10**9):

@@ -12,7 +12,7 @@ A strategy moves the trainer's weights into inference engines in three parts:
   rendezvous (address, port) on its own host and reports it back as the call's result. State that must outlive
   one call (a process group, a TCP store, an HTTP server) lives in that process's session registry
   (``rollflow.weights.trainer.sessions``), keyed by the spec's ``transfer_id``.
-- the **receiver** (engine-server side, ``rollflow.weights.receiver``): built from ``init_info`` by
+- the **receiver** (engine-server side, ``rollflow.weights.server.receiver``): built from ``init_info`` by
   ``/init_weight_transfer_engine``; each ``/update_weights`` turns one ``update_info`` into named tensors.
 
 The caller (the weight barrier) pauses and resumes the engines around a push; a strategy never does.

@@ -135,3 +135,8 @@ def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str,
             part = part.clone()
         out.append((spec.name, part.view(spec.dtype).view(spec.shape)))
     return out
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of ``device``'s GPU: how a CUDA IPC handle names the GPU its buffer lives on."""
+    return str(torch.cuda.get_device_properties(device).uuid)

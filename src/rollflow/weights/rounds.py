@@ -218,9 +218,3 @@ def _blames_the_trainer(error: BaseException) -> bool:
     """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
     failures = getattr(error, "failures", None)
     return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())
-
-
-def _blames_the_trainer(error: BaseException) -> bool:
-    """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
-    failures = getattr(error, "failures", None)
-    return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())

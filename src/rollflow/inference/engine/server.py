@@ -89,7 +89,7 @@ from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
 from rollflow.weights.ranks import FIRST_WORKER_RANK, update_list_index
-from rollflow.weights.receiver import init_timeout_s
+from rollflow.weights.server.receiver import init_timeout_s
 
 log = structlog.get_logger(__name__)
 
@@ -108,7 +108,7 @@ ReceiverFactory = Callable[[dict[str, Any], int], Any]
 
 
 def _default_receiver_factory(init_info: dict[str, Any], worker_rank: int) -> Any:
-    from rollflow.weights.receiver import create_receiver
+    from rollflow.weights.server.receiver import create_receiver
 
     return create_receiver(init_info, worker_rank)
 
@@ -181,7 +181,7 @@ class EngineServer:
         renderer: a ``renderers`` chat renderer for ``/v1/chat/completions``; None disables chat (400).
         api_key: bearer token every endpoint but ``OPEN_PATHS`` requires (401 without it); None: no check.
         receiver_factory: builds the weight receiver on ``/init_weight_transfer_engine``; the default is
-            ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
+            ``rollflow.weights.server.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).

@@ -149,21 +149,21 @@ def _receiver_class(init_info: dict[str, Any]) -> Callable[[dict[str, Any], int]
     """What builds the receiver ``init_info`` asks for: ``(init_info, worker_rank) -> receiver``."""
     backend = init_info.get("backend")
     if backend is None and "master_address" in init_info:
-        from rollflow.weights.broadcast import default_backend
+        from rollflow.weights.groups import default_backend
 
         backend = default_backend()
     elif backend is None and set(init_info) == {"packed"}:
         backend = "ipc"
     if backend in ("gloo", "nccl"):
-        from rollflow.weights.broadcast import BroadcastReceiver
+        from rollflow.weights.server.broadcast import BroadcastReceiver
 
         return BroadcastReceiver
     if backend == "checkpoint":
-        from rollflow.weights.checkpoint import CheckpointReceiver
+        from rollflow.weights.server.checkpoint import CheckpointReceiver
 
         return lambda info, rank: CheckpointReceiver(info)
     if backend == "ipc":
-        from rollflow.weights.cuda_ipc import CudaIpcReceiver
+        from rollflow.weights.server.cuda_ipc import CudaIpcReceiver
 
         return lambda info, rank: CudaIpcReceiver(info)
     raise InvalidTransferInfoError(

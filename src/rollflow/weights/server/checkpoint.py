@@ -1,0 +1,66 @@
+"""The engine server's half of ``checkpoint``: read the file ``update_info`` names (imports torch)."""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+
+from rollflow.errors import InvalidTransferInfoError, WeightTransferError, WeightTransferTimeoutError
+
+
+class CheckpointReceiver:
+    """Server side of ``checkpoint``: reads the file ``update_info`` names."""
+
+    def __init__(self, init_info: dict[str, Any]):
+        try:
+            self.timeout_s = float(init_info.get("timeout_s", 300.0))
+        except (TypeError, ValueError):
+            raise InvalidTransferInfoError(
+                f"init_info.timeout_s must be a number, got {init_info['timeout_s']!r}"
+            ) from None
+
+    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """Load the checkpoint at ``update_info["path"]`` or download ``update_info["url"]``.
+
+        Raises:
+            InvalidTransferInfoError: neither ``path`` nor ``url`` is a string.
+            WeightTransferError: the file is missing or unreadable, or the download failed.
+            WeightTransferTimeoutError: the download took longer than ``timeout_s``.
+        """
+        path, url = update_info.get("path"), update_info.get("url")
+        if isinstance(path, str):
+            if not os.path.isfile(path):
+                raise WeightTransferError(
+                    f"checkpoint {path} does not exist on this server: weight_sync.checkpoint_dir must be a "
+                    "directory shared by the trainer and every server (or leave it unset to transfer over HTTP)"
+                )
+            try:
+                return list(load_file(path).items())
+            except Exception as exc:
+                raise WeightTransferError(f"cannot read checkpoint {path}: {exc}") from exc
+        if isinstance(url, str):
+            if not url.startswith(("http://", "https://")):
+                raise InvalidTransferInfoError(f"update_info.url must be an http(s) URL, got {url!r}")
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout_s) as response:
+                    data = response.read()
+            except TimeoutError as exc:
+                raise WeightTransferTimeoutError(f"downloading weights from {url} timed out: {exc}") from exc
+            except (urllib.error.URLError, OSError) as exc:
+                raise WeightTransferError(f"downloading weights from {url} failed: {exc}") from exc
+            try:
+                return list(load_safetensors(data).items())
+            except Exception as exc:
+                raise WeightTransferError(
+                    f"weights downloaded from {url} are not valid safetensors: {exc}"
+                ) from exc
+        raise InvalidTransferInfoError("a checkpoint update_info needs a string 'path' or 'url'")
+
+    def close(self) -> None:
+        """Nothing to release."""
