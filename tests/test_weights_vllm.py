@@ -16,9 +16,9 @@ from rollflow.config import build_config
 from rollflow.errors import ConfigError, MissingExtraError
 from rollflow.inference.control import WorldSize
 from rollflow.weights import StaticWeights, connect_sender, create_strategy, init_info_for_servers
-from rollflow.weights.trainer.cuda_ipc import ipc_update_info
 from rollflow.weights.packing import specs_of
 from rollflow.weights.server.receiver import create_receiver
+from rollflow.weights.trainer.cuda_ipc import ipc_update_info
 from rollflow.weights.vllm_nccl import (
     VLLM_NCCL_INIT_KEYS,
     VLLM_NCCL_UPDATE_KEYS,
