@@ -43,7 +43,14 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.ranks import FIRST_WORKER_RANK, TRAINER_RANK, per_server_init_infos
+from rollflow.weights.payloads import (
+    DEFAULT_BUCKET_SIZE_BYTES,
+    DEFAULT_TIMEOUT_S,
+    GlooInit,
+    NcclInit,
+    TensorsUpdate,
+)
+from rollflow.weights.ranks import TRAINER_RANK, per_server_init_infos
 from rollflow.weights.rounds import check_world_size, open_transport, run_update_round, run_with_servers
 
 if TYPE_CHECKING:
@@ -52,11 +59,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_BUCKET_SIZE_BYTES = 256 * 2**20
-DEFAULT_GROUP_NAME = "rollflow-weights"
-DEFAULT_TIMEOUT_S = 300.0
-#: Buffers vLLM's packed broadcast keeps in flight (its ``packed_num_buffers``).
-VLLM_PACKED_NUM_BUFFERS = 2
 ENGINES = ("torch", "vllm")
 #: Keys of an ``update_info`` that describe the tensors.
 SPEC_KEYS = ("names", "dtype_names", "shapes")
@@ -176,17 +178,15 @@ class BroadcastSender(WeightSender):
             self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
         )
         self._specs = {key: opened[key] for key in SPEC_KEYS}
-        self.init_info = {
-            "backend": opened["backend"],
-            "master_address": opened["master_address"],
-            "master_port": opened["master_port"],
-            "rank_offset": FIRST_WORKER_RANK,
-            "world_size": self.world_size,
-            "packed": True,
-            "packed_buffer_size_bytes": transport.bucket_size_bytes,
-            "group_name": transport.transfer_id,
-            "timeout_s": transport.timeout_s,
-        }
+        init = NcclInit if opened["backend"] == "nccl" else GlooInit
+        self.init_info = init(
+            master_address=opened["master_address"],
+            master_port=opened["master_port"],
+            world_size=self.world_size,
+            packed_buffer_size_bytes=transport.bucket_size_bytes,
+            group_name=transport.transfer_id,
+            timeout_s=transport.timeout_s,
+        ).encode_for("torch")
         try:
             payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(
@@ -209,7 +209,7 @@ class BroadcastSender(WeightSender):
             control,
             "broadcast",
             lambda: source.run(TransportCall(self.transport, "push")),
-            {**self._specs, "policy_version": policy_version},
+            TensorsUpdate(**self._specs, policy_version=policy_version).encode_for("torch"),
             policy_version,
             self.timeout_s,
         )

@@ -34,6 +34,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
+from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate
 from rollflow.weights.rounds import init_servers, open_transport
 
 if TYPE_CHECKING:
@@ -106,13 +107,15 @@ class CheckpointSender(WeightSender):
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
-        self.init_info = {"backend": "checkpoint", "timeout_s": self.timeout_s}
+        self.init_info = CheckpointInit(timeout_s=self.timeout_s).encode_for("torch")
         await init_servers(self, control, "checkpoint", self.timeout_s)
 
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
         location = await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
         await control.start_weight_update()
-        await control.update_weights({**location, "policy_version": policy_version})
+        await control.update_weights(
+            CheckpointUpdate(**location, policy_version=policy_version).encode_for("torch")
+        )
         await control.finish_weight_update(policy_version)
 
 

@@ -33,13 +33,14 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
+from rollflow.weights.payloads import DEFAULT_IPC_BUCKET_SIZE_BYTES, IpcInit
 from rollflow.weights.rounds import init_servers, open_transport
 
 if TYPE_CHECKING:
     from rollflow.config import WeightSyncConfig
     from rollflow.inference.control import ControlPlane
 
-DEFAULT_BUCKET_SIZE_BYTES = 512 * 2**20
+DEFAULT_BUCKET_SIZE_BYTES = DEFAULT_IPC_BUCKET_SIZE_BYTES
 
 
 class CudaIpcStrategy(WeightTransferStrategy):
@@ -66,9 +67,9 @@ class CudaIpcStrategy(WeightTransferStrategy):
             raise ValueError(f"weight_sync.bucket_size_mb must be positive, got {bucket_size_mb}")
         if engine not in ("torch", "vllm"):
             raise ValueError(f"cuda_ipc engine must be 'torch' or 'vllm', got {engine!r}")
+        self.engine = engine
         self.bucket_size_bytes = max(1, int(bucket_size_mb * 2**20))
         self.timeout_s = timeout_s
-        self.engine = engine
         self.dtype = check_transfer_dtype(dtype)
 
     @classmethod
@@ -79,14 +80,9 @@ class CudaIpcStrategy(WeightTransferStrategy):
 
     def init_info(self) -> dict[str, Any]:
         """What every server gets: the world size plays no part (colocated workers map the same buffers)."""
-        if self.engine == "vllm":
-            return {"packed": True}  # vLLM's IPCWeightTransferInitInfo has no other field
-        return {
-            "backend": "ipc",
-            "packed": True,
-            "packed_buffer_size_bytes": self.bucket_size_bytes,
-            "timeout_s": self.timeout_s,
-        }
+        payload = IpcInit(packed_buffer_size_bytes=self.bucket_size_bytes, timeout_s=self.timeout_s)
+        # vLLM's IPCWeightTransferInitInfo has no other field than {"packed": true}.
+        return payload.encode_for(self.engine)  # type: ignore[arg-type]
 
     def create_sender(self, inference_world_size: int) -> CudaIpcSender:
         return CudaIpcSender(inference_world_size, self)

@@ -29,13 +29,13 @@ from rollflow.weights.base import (
     WeightSource,
     new_transfer_id,
 )
-from rollflow.weights.broadcast import (
-    SPEC_KEYS,
-    TRAINER_RANK,
+from rollflow.weights.broadcast import SPEC_KEYS, advertised_address
+from rollflow.weights.payloads import (
     VLLM_PACKED_NUM_BUFFERS,
-    advertised_address,
+    NcclInit,
+    TensorsUpdate,
 )
-from rollflow.weights.ranks import FIRST_WORKER_RANK, per_server_init_infos
+from rollflow.weights.ranks import TRAINER_RANK, per_server_init_infos
 from rollflow.weights.rounds import check_world_size, open_transport, run_update_round, run_with_servers
 
 if TYPE_CHECKING:
@@ -44,20 +44,6 @@ if TYPE_CHECKING:
     from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
-
-#: The keys of vLLM 0.33's ``NCCLWeightTransferInitInfo`` (one rendezvous form) and update info.
-VLLM_NCCL_INIT_KEYS = frozenset(
-    {
-        "master_address",
-        "master_port",
-        "rank_offset",
-        "world_size",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-    }
-)
-VLLM_NCCL_UPDATE_KEYS = frozenset({"names", "dtype_names", "shapes"})
 
 
 @dataclass(frozen=True)
@@ -110,7 +96,7 @@ class VllmNcclSender(WeightSender):
             dtype=dtype,
             api=api,
         )
-        self._update_info: dict[str, list] = {}
+        self._update_info: dict[str, Any] = {}
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         await check_world_size(self, control, self.world_size)
@@ -118,16 +104,14 @@ class VllmNcclSender(WeightSender):
         opened = await open_transport(
             self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
         )
-        self._update_info = {key: opened[key] for key in SPEC_KEYS}
-        self.init_info = {
-            "master_address": opened["master_address"],
-            "master_port": opened["master_port"],
-            "rank_offset": FIRST_WORKER_RANK,
-            "world_size": self.world_size,
-            "packed": True,
-            "packed_buffer_size_bytes": transport.buffer_size_bytes,
-            "packed_num_buffers": transport.num_buffers,
-        }
+        self._update_info = TensorsUpdate(**{key: opened[key] for key in SPEC_KEYS}).encode_for("vllm")
+        self.init_info = NcclInit(
+            master_address=opened["master_address"],
+            master_port=opened["master_port"],
+            world_size=self.world_size,
+            packed_buffer_size_bytes=transport.buffer_size_bytes,
+            packed_num_buffers=transport.num_buffers,
+        ).encode_for("vllm")
         try:
             payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(

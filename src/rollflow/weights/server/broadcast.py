@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -11,10 +12,10 @@ import torch.distributed as dist
 
 from rollflow.errors import InvalidTransferInfoError, WeightTransferError
 from rollflow.weights.base import is_timeout
-from rollflow.weights.broadcast import DEFAULT_BUCKET_SIZE_BYTES, DEFAULT_GROUP_NAME, DEFAULT_TIMEOUT_S
-from rollflow.weights.groups import Group, create_group, default_backend, device_for, timeout_error
+from rollflow.weights.groups import Group, create_group, device_for, timeout_error
 from rollflow.weights.packing import TensorSpec, plan_buckets, specs_from_info, unpack
-from rollflow.weights.ranks import FIRST_WORKER_RANK, TRAINER_RANK, global_rank
+from rollflow.weights.payloads import BroadcastInit, TensorsUpdate, decode_update_info
+from rollflow.weights.ranks import TRAINER_RANK, global_rank
 
 log = structlog.get_logger(__name__)
 
@@ -22,21 +23,15 @@ log = structlog.get_logger(__name__)
 class BroadcastReceiver:
     """Inference-worker side: joins the group as rank ``rank_offset + worker_rank`` and receives buckets."""
 
-    def __init__(self, init_info: dict[str, Any], worker_rank: int):
-        try:
-            # vLLM's payload has no backend, group_name or timeout_s: default them.
-            self.backend = str(init_info.get("backend") or default_backend())
-            address = str(init_info["master_address"])
-            port = int(init_info["master_port"])
-            self.world_size = int(init_info["world_size"])
-            self.rank = global_rank(int(init_info.get("rank_offset", FIRST_WORKER_RANK)), int(worker_rank))
-            self.bucket_size_bytes = int(init_info.get("packed_buffer_size_bytes", DEFAULT_BUCKET_SIZE_BYTES))
-            self.timeout_s = float(init_info.get("timeout_s", DEFAULT_TIMEOUT_S))
-            group_name = str(init_info.get("group_name", DEFAULT_GROUP_NAME))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidTransferInfoError(
-                f"broadcast init_info is missing or has a bad field: {exc!r}"
-            ) from None
+    def __init__(self, init_info: BroadcastInit, worker_rank: int):
+        # vLLM's payload has no backend (the server's default), group_name or timeout_s (their defaults).
+        self.backend = init_info.backend
+        address, port = init_info.master_address, init_info.master_port
+        self.world_size = init_info.world_size
+        self.rank = global_rank(init_info.rank_offset, int(worker_rank))
+        self.bucket_size_bytes = init_info.packed_buffer_size_bytes
+        self.timeout_s = init_info.timeout_s
+        group_name = init_info.group_name
         if not 0 < self.rank < self.world_size:
             raise InvalidTransferInfoError(
                 f"this worker's rank {self.rank} (rank_offset + worker_rank {worker_rank}) is outside 1.."
@@ -74,8 +69,9 @@ class BroadcastReceiver:
             raise WeightTransferError(f"joining the weight-transfer group failed: {exc}") from exc
         log.debug("weight receiver joined", rank=self.rank, world_size=self.world_size, backend=self.backend)
 
-    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-        """Receive every bucket of one update. All-empty metadata lists reuse the previous update's.
+    def receive(self, update_info: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+        """Receive every bucket of one update (a ``TensorsUpdate``). All-empty metadata lists reuse the previous
+        update's.
 
         Raises:
             InvalidTransferInfoError: malformed metadata, or empty lists with no previous update.
@@ -87,7 +83,7 @@ class BroadcastReceiver:
             raise WeightTransferError(
                 f"this weight receiver failed earlier ({self._failed}); the trainer must initialize a new one"
             )
-        specs = specs_from_info(update_info)
+        specs = specs_from_info(decode_update_info(update_info, TensorsUpdate))
         if not specs:
             if self._specs is None:
                 raise InvalidTransferInfoError(

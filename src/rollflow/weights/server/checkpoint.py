@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,20 +13,16 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 
 from rollflow.errors import InvalidTransferInfoError, WeightTransferError, WeightTransferTimeoutError
+from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate, decode_update_info
 
 
 class CheckpointReceiver:
     """Server side of ``checkpoint``: reads the file ``update_info`` names."""
 
-    def __init__(self, init_info: dict[str, Any]):
-        try:
-            self.timeout_s = float(init_info.get("timeout_s", 300.0))
-        except (TypeError, ValueError):
-            raise InvalidTransferInfoError(
-                f"init_info.timeout_s must be a number, got {init_info['timeout_s']!r}"
-            ) from None
+    def __init__(self, init_info: CheckpointInit):
+        self.timeout_s = init_info.timeout_s
 
-    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    def receive(self, update_info: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         """Load the checkpoint at ``update_info["path"]`` or download ``update_info["url"]``.
 
         Raises:
@@ -33,7 +30,8 @@ class CheckpointReceiver:
             WeightTransferError: the file is missing or unreadable, or the download failed.
             WeightTransferTimeoutError: the download took longer than ``timeout_s``.
         """
-        path, url = update_info.get("path"), update_info.get("url")
+        update = decode_update_info(update_info, CheckpointUpdate)
+        path, url = update.path, update.url
         if isinstance(path, str):
             if not os.path.isfile(path):
                 raise WeightTransferError(

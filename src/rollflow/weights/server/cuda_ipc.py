@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from rollflow.errors import InvalidTransferInfoError, WeightTransferError
 from rollflow.weights.packing import gpu_uuid, specs_from_info, unpack
+from rollflow.weights.payloads import IpcInit, IpcUpdate, decode_update_info
 
 
 class _TorchOnlyUnpickler(pickle.Unpickler):
@@ -25,19 +27,20 @@ class _TorchOnlyUnpickler(pickle.Unpickler):
 class CudaIpcReceiver:
     """Engine side of ``cuda_ipc``: maps the trainer's buffer and copies the tensors out."""
 
-    def __init__(self, init_info: dict[str, Any]):
+    def __init__(self, init_info: IpcInit):
         if not torch.cuda.is_available():
             raise WeightTransferError("init_info.backend 'ipc' needs CUDA on the engine server")
         self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    def receive(self, update_info: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
         """Map the buffer of this GPU's UUID and return copies of its tensors.
 
         Raises:
             InvalidTransferInfoError: missing or malformed handles, or none for this GPU.
         """
-        specs = specs_from_info(update_info)
-        encoded = update_info.get("ipc_handles_pickled")
+        update = decode_update_info(update_info, IpcUpdate)
+        specs = specs_from_info(update)
+        encoded = update.ipc_handles_pickled
         if not isinstance(encoded, str):
             raise InvalidTransferInfoError("an ipc update_info needs 'ipc_handles_pickled' (base64 string)")
         try:

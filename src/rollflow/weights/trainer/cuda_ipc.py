@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from rollflow.weights.packing import TensorSpec, gpu_uuid, pack, specs_of, specs_to_info
+from rollflow.weights.payloads import IpcUpdate
 
 
 def ipc_update_info(
@@ -17,14 +18,13 @@ def ipc_update_info(
 ) -> dict[str, Any]:
     """The ``update_info`` of one packed bucket: vLLM's packed IPC fields, plus ``policy_version`` unless None
     (vLLM rejects it)."""
-    info = {
+    update = IpcUpdate(
         **specs_to_info(specs),
-        "tensor_sizes": [spec.nbytes for spec in specs],
-        "ipc_handles_pickled": base64.b64encode(pickle.dumps(handles)).decode("ascii"),
-    }
-    if policy_version is not None:
-        info["policy_version"] = policy_version
-    return info
+        tensor_sizes=[spec.nbytes for spec in specs],
+        ipc_handles_pickled=base64.b64encode(pickle.dumps(handles)).decode("ascii"),
+        policy_version=policy_version,
+    )
+    return update.encode_for("torch" if policy_version is not None else "vllm")
 
 
 def buckets(
