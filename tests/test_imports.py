@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client, rollflow.inference.control, rollflow.inference.remote",
         "rollflow.weights, rollflow.weights.registry, rollflow.weights.ranks, rollflow.weights.rounds",
-        "rollflow.weights.payloads, rollflow.weights.server.state",
+        "rollflow.weights.payloads, rollflow.weights.server.state, rollflow.weights.server.receiver",
         "rollflow.weights.local, rollflow.weights.base, rollflow.weights.broadcast",
         "rollflow.weights.checkpoint, rollflow.weights.cuda_ipc, rollflow.weights.vllm_nccl",
         "rollflow.orchestrator, rollflow.cli",

@@ -153,7 +153,7 @@ class VllmNcclTransport:
     buffer_size_bytes: int
     num_buffers: int
     dtype: str = "auto"
-    api: Any = None
+    api: VllmTrainerApi | None = None
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
         """Rank 0 reports ``{master_address, master_port, names, dtype_names, shapes}``."""

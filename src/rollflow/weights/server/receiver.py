@@ -32,10 +32,9 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
-import torch
 
 from rollflow.errors import InvalidTransferInfoError, WeightTransferTimeoutError
 from rollflow.weights.payloads import (
@@ -46,19 +45,12 @@ from rollflow.weights.payloads import (
     IpcInit,
     decode_init_info,
 )
+from rollflow.weights.server.state import Receiver as WeightReceiver
 
 log = structlog.get_logger(__name__)
 
 #: ``init_info["timeout_s"]`` when it has none (vLLM's payloads have none).
 DEFAULT_INIT_TIMEOUT_S = DEFAULT_TIMEOUT_S
-
-
-class WeightReceiver(Protocol):
-    """Turns one ``update_info`` into named tensors (Hugging Face state-dict names)."""
-
-    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]: ...
-
-    def close(self) -> None: ...
 
 
 def init_timeout_s(init_info: Any) -> float:

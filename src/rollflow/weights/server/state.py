@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -31,13 +31,29 @@ from rollflow.weights.ranks import FIRST_WORKER_RANK, update_list_index
 
 log = structlog.get_logger(__name__)
 
-#: ``(init_info, worker_rank) -> receiver`` with blocking ``receive(update_info)`` and ``close()``.
-ReceiverFactory = Callable[[dict[str, Any], int], Any]
+#: One ``update_info`` as a server receives it, or vLLM's list of them indexed by global worker rank.
+UpdateInfoBody = Mapping[str, Any] | list[Mapping[str, Any]]
+
+
+class Receiver(Protocol):
+    """What an init builds (``rollflow.weights.server.receiver.create_receiver``); both calls block."""
+
+    def receive(self, update_info: Mapping[str, Any]) -> list[tuple[str, Any]]:
+        """One update's named tensors (Hugging Face state-dict names)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the receiver holds (a process group). Idempotent."""
+        ...
+
+
+#: ``(init_info, worker_rank) -> receiver``; blocking (a broadcast joins its group).
+ReceiverFactory = Callable[[dict[str, Any], int], Receiver]
 #: What ``update`` hands the received tensors to, under the lock: ``load(tensors, policy_version)``.
-LoadWeights = Callable[[Any, int], Awaitable[None]]
+LoadWeights = Callable[[list[tuple[str, Any]], int], Awaitable[None]]
 
 
-def close_quietly(receiver: Any) -> None:
+def close_quietly(receiver: object) -> None:
     """``receiver.close()``, a failure logged: a receiver nobody uses any more."""
     close = getattr(receiver, "close", None)
     if close is not None:
@@ -97,7 +113,7 @@ class WeightReceiveState:
         self.receiver_factory = receiver_factory
         self.worker_rank = worker_rank
         self._lock = asyncio.Lock()
-        self._receiver: Any = None
+        self._receiver: Receiver | None = None
         self._init_info: dict[str, Any] = {}
         #: Bumped by every init: an update or receive of an older epoch was superseded.
         self.epoch = 0
@@ -229,7 +245,7 @@ class WeightReceiveState:
             self._update_epoch = self.epoch
             self._pending_version = loaded_version + 1
 
-    async def update(self, update_info: Any, load: LoadWeights) -> int:
+    async def update(self, update_info: UpdateInfoBody, load: LoadWeights) -> int:
         """Receive one round of weights (``update_info``: one payload, or vLLM's list indexed by global worker
         rank), then, under the lock, ``await load(tensors, policy_version)``. Returns the policy version loaded.
 
@@ -300,7 +316,7 @@ class WeightReceiveState:
                 self.version_floor = policy_version
             self._update_active = False
 
-    def _own_entry(self, update_info: Any) -> Mapping[str, Any]:
+    def _own_entry(self, update_info: UpdateInfoBody) -> Mapping[str, Any]:
         """This worker's entry of vLLM's list form (one per global inference worker; a single-worker server
         follows the trainer at ``rank_offset``), or ``update_info`` itself."""
         if not isinstance(update_info, list):
@@ -327,7 +343,9 @@ class WeightReceiveState:
                 param.split(".", 1)[0],
             )
 
-    async def _receive(self, receiver: Any, epoch: int, update_info: Mapping[str, Any]) -> Any:
+    async def _receive(
+        self, receiver: Receiver, epoch: int, update_info: Mapping[str, Any]
+    ) -> list[tuple[str, Any]]:
         """The blocking receive, off the loop and outside the lock."""
         self._receive_in_flight = True
         try:
