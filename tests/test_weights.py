@@ -703,3 +703,21 @@ async def test_when_the_servers_blame_the_trainer_its_own_later_error_is_reporte
         await run_with_servers("pushing", trainer_never_reports, servers_blame_the_trainer, timeout_s=1.0)
     assert time.perf_counter() - started < 1 + LATE_S  # at the timeout, not after the trainer's 60 s
     assert any("did not finish within 1 s" in note for note in raised.value.__notes__)
+
+
+async def test_an_unset_broadcast_backend_is_picked_on_trainer_rank_0() -> None:
+    """``backend=None`` stays unresolved in the orchestrator; trainer rank 0 picks its default (gloo without a
+    GPU) when the transport opens, and the servers are told it."""
+    strategy = create_strategy("broadcast", timeout_s=30)
+    assert strategy.backend is None
+    client = ThreadClient(1)
+    holder = Holder(mixed_weights())
+    transfer = WeightTransfer(strategy)
+    try:
+        await transfer.push(client, holder.source, policy_version=1)
+        assert transfer.sender is not None
+        assert transfer.sender.init_info["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+        assert_same_weights(mixed_weights(), client.received[0])
+    finally:
+        transfer.close()
+        client.close()
