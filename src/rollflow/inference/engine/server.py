@@ -94,7 +94,7 @@ from rollflow.inference.http import (
 from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
-from rollflow.weights.server.receiver import init_timeout_s
+from rollflow.weights.server.receiver import create_receiver, init_timeout_s
 from rollflow.weights.server.state import ReceiverFactory, WeightReceiveState
 
 log = structlog.get_logger(__name__)
@@ -110,12 +110,6 @@ CONTROL_LOG_SIZE = 10_000
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # The HTTP status of each kind of WeightReceiveError: a bad call, a conflicting one, a failed peer.
 WEIGHT_ERROR_STATUS = {"invalid": 400, "conflict": 409, "failed": 502}
-
-
-def _default_receiver_factory(init_info: dict[str, Any], worker_rank: int) -> Any:
-    from rollflow.weights.server.receiver import create_receiver
-
-    return create_receiver(init_info, worker_rank)
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
@@ -179,7 +173,7 @@ class EngineServer:
         self.max_body_bytes = max_body_bytes
         self.http_limits = http_limits or HttpLimits()
         self.request_limits = request_limits or RequestLimits()
-        self.receiver_factory = receiver_factory or _default_receiver_factory
+        self.receiver_factory = receiver_factory or create_receiver
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = (eos,) if eos is not None else ()
