@@ -53,7 +53,7 @@ import json, sys
 replies, sys.stdout = sys.stdout, sys.stderr
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 torch.set_num_threads(1)
 model = receiver = None
 for line in sys.stdin:

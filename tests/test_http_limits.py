@@ -266,13 +266,14 @@ def test_bad_http_limit_flags_exit_2_naming_the_flag(flag: str):
 async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
     """The trainer's HTTP endpoint of ``weight_sync.strategy = "checkpoint"``: a silent client is dropped."""
     from rollflow.weights import StaticWeights, checkpoint
+    from rollflow.weights.trainer import checkpoint as trainer_checkpoint
     from rollflow.weights.trainer.sessions import get_session
 
     class Client:
         async def init_weight_transfer(self, init_info: dict) -> None:
             pass
 
-    monkeypatch.setattr(checkpoint._Handler, "timeout", TIMEOUT_S)
+    monkeypatch.setattr(trainer_checkpoint._Handler, "timeout", TIMEOUT_S)
     sender = checkpoint.CheckpointStrategy().create_sender({"backend": "checkpoint", "timeout_s": 10})
     await sender.setup(Client(), StaticWeights(list))
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +20,9 @@ SRC = Path(__file__).resolve().parent.parent / "src"
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client, rollflow.inference.control, rollflow.inference.remote",
         "rollflow.weights, rollflow.weights.registry, rollflow.weights.ranks, rollflow.weights.rounds",
-        "rollflow.weights.local",
+        "rollflow.weights.payloads, rollflow.weights.server.state, rollflow.weights.server.receiver",
+        "rollflow.weights.local, rollflow.weights.base, rollflow.weights.broadcast",
+        "rollflow.weights.checkpoint, rollflow.weights.cuda_ipc, rollflow.weights.vllm_nccl",
         "rollflow.orchestrator, rollflow.cli",
         "rollflow.launch.plan, rollflow.launch.ray_cluster, rollflow.launch.launcher",
         "rollflow.launch.ray_launcher, rollflow.launch.ray_trainer, rollflow.launch.ray_servers",
@@ -89,3 +92,19 @@ def test_the_import_check_sees_nested_and_relative_imports(tmp_path, monkeypatch
         "rollflow/rollout/sneaky.py:3",
         "rollflow/rollout/sneaky.py:4",
     ]
+
+
+def test_building_every_sender_imports_no_torch():
+    """The orchestrator builds strategies and senders (``BroadcastStrategy(backend=None)`` included: the
+    default backend is picked on trainer rank 0) without torch."""
+    code = (
+        "import sys\n"
+        "from rollflow.weights import create_strategy\n"
+        "for name in ('broadcast', 'checkpoint', 'cuda_ipc'):\n"
+        "    create_strategy(name).create_sender(2)\n"
+        "create_strategy('broadcast', engine='vllm').create_sender(2)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -458,7 +458,7 @@ async def test_bad_bodies_get_4xx_json(server, http, path, body):
     ) as response:
         out = await response.json()
     assert_error(response.status, out, 400)
-    assert not server._update_active and server.pause_mode is None
+    assert not server.weights.update_active and server.pause_mode is None
 
 
 @pytest.mark.parametrize("path", BAD_QUERIES)

@@ -21,7 +21,7 @@ from rollflow.errors import InvalidTransferInfoError, WeightTransferTimeoutError
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
 from rollflow.models.loading import load_causal_lm, load_tokenizer
-from rollflow.weights.receiver import create_receiver, init_timeout_s
+from rollflow.weights.server.receiver import create_receiver, init_timeout_s
 
 TIMEOUT_S = 0.5
 # Far beyond TIMEOUT_S: only a server that ignores the timeout gets near it.
@@ -175,7 +175,7 @@ async def test_a_factory_that_hangs_is_bounded_and_its_late_receiver_closed(tiny
             assert status == 200, body
             factory.release.set()  # the abandoned construction returns: its receiver is closed, not used
             assert await asyncio.to_thread(factory.closed.wait, DEADLINE_S)
-            assert server._receiver is not None
+            assert server.weights.has_receiver
     finally:
         factory.release.set()
         await server.close()

@@ -25,7 +25,7 @@ from rollflow.weights import (
     init_info_for_servers,
 )
 from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 
 from .helpers.weights import ThreadClient, assert_same_weights, fake_world
 
@@ -158,7 +158,7 @@ RECEIVER_PROCESS = """
 import json, sys
 replies, sys.stdout = sys.stdout, sys.stderr  # keep log lines out of the reply stream
 from safetensors.torch import save_file
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 receiver = None
 for line in sys.stdin:
     message = json.loads(line)
@@ -514,7 +514,7 @@ def test_transport_specs_are_picklable() -> None:
 
 def test_cuda_ipc_buckets_are_cut_as_the_receivers_plan_them() -> None:
     """The trainer cuts buckets while it iterates; receivers cut them from the metadata: the same rule."""
-    from rollflow.weights.cuda_ipc import _buckets
+    from rollflow.weights.trainer.cuda_ipc import buckets as _buckets
 
     weights = mixed_weights()
     for bucket_size_bytes in (1, 40, 100, 10**9):
@@ -703,3 +703,21 @@ async def test_when_the_servers_blame_the_trainer_its_own_later_error_is_reporte
         await run_with_servers("pushing", trainer_never_reports, servers_blame_the_trainer, timeout_s=1.0)
     assert time.perf_counter() - started < 1 + LATE_S  # at the timeout, not after the trainer's 60 s
     assert any("did not finish within 1 s" in note for note in raised.value.__notes__)
+
+
+async def test_an_unset_broadcast_backend_is_picked_on_trainer_rank_0() -> None:
+    """``backend=None`` stays unresolved in the orchestrator; trainer rank 0 picks its default (gloo without a
+    GPU) when the transport opens, and the servers are told it."""
+    strategy = create_strategy("broadcast", timeout_s=30)
+    assert strategy.backend is None
+    client = ThreadClient(1)
+    holder = Holder(mixed_weights())
+    transfer = WeightTransfer(strategy)
+    try:
+        await transfer.push(client, holder.source, policy_version=1)
+        assert transfer.sender is not None
+        assert transfer.sender.init_info["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+        assert_same_weights(mixed_weights(), client.received[0])
+    finally:
+        transfer.close()
+        client.close()

@@ -16,15 +16,11 @@ from rollflow.config import build_config
 from rollflow.errors import ConfigError, MissingExtraError
 from rollflow.inference.control import WorldSize
 from rollflow.weights import StaticWeights, connect_sender, create_strategy, init_info_for_servers
-from rollflow.weights.cuda_ipc import ipc_update_info
 from rollflow.weights.packing import specs_of
-from rollflow.weights.receiver import create_receiver
-from rollflow.weights.vllm_nccl import (
-    VLLM_NCCL_INIT_KEYS,
-    VLLM_NCCL_UPDATE_KEYS,
-    VllmNcclSender,
-    VllmTrainerApi,
-)
+from rollflow.weights.payloads import VLLM_NCCL_INIT_KEYS, VLLM_NCCL_UPDATE_KEYS
+from rollflow.weights.server.receiver import create_receiver
+from rollflow.weights.trainer.cuda_ipc import ipc_update_info
+from rollflow.weights.vllm_nccl import VllmNcclSender, VllmTrainerApi
 
 from .helpers.weights import fake_world
 
@@ -101,7 +97,7 @@ async def test_vllm_broadcast_init_info_has_exactly_vllm_keys() -> None:
     await sender.setup(client, StaticWeights(weights))
     sender.close()
     info = sender.init_info
-    assert set(info) == VLLM_INIT_KEYS == VLLM_NCCL_INIT_KEYS
+    assert set(info) == VLLM_INIT_KEYS == set(VLLM_NCCL_INIT_KEYS)
     assert info["rank_offset"] == 1 and info["world_size"] == 3 and info["packed"] is True
     assert info["packed_buffer_size_bytes"] == 2**20 and isinstance(info["master_port"], int)
     # Per-server payloads advance rank_offset and keep the key set.
@@ -136,7 +132,7 @@ async def test_vllm_sender_sends_exactly_vllm_payloads_and_the_version_at_finish
     assert [p["rank_offset"] for p in init_payloads] == [1, 2]
     assert all(set(p) == VLLM_INIT_KEYS for p in init_payloads)
     update_info = client.calls[2][1]
-    assert set(update_info) == VLLM_UPDATE_KEYS == VLLM_NCCL_UPDATE_KEYS  # no policy_version, no packed
+    assert set(update_info) == VLLM_UPDATE_KEYS == set(VLLM_NCCL_UPDATE_KEYS)  # no policy_version, no packed
     assert update_info == {
         "names": ["model.embed_tokens.weight", "model.norm.weight", "lm_head.bias"],
         "dtype_names": ["float32", "bfloat16", "float16"],

@@ -318,6 +318,25 @@ class WeightTransferTimeoutError(WeightTransferError, TimeoutError):
     retryable = False
 
 
+class WeightReceiveError(WeightTransferError):
+    """An engine server refused or failed one weight-transfer call (``WeightReceiveState``); the server's
+    handler answers it with the status ``kind`` names.
+
+    Attributes:
+        kind: ``"invalid"`` (a malformed payload or a call out of order: 400), ``"conflict"`` (a stale
+            version, or a call superseded by a newer init: 409), ``"failed"`` (the transfer's peer failed or
+            timed out: 502).
+        param: the request field at fault (``"init_info"``, ``"update_info"``, ``"weight_version"``), if one.
+    """
+
+    retryable = False
+
+    def __init__(self, kind: str, message: str, param: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.param = param
+
+
 class WeightSyncTimeoutError(RollflowError, TimeoutError):
     """A weight update did not finish within ``weight_sync.timeout_s``."""
 

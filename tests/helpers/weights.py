@@ -11,7 +11,7 @@ import torch
 from rollflow.inference.control import WorldSize
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
-from rollflow.weights.receiver import create_receiver
+from rollflow.weights.server.receiver import create_receiver
 
 PROMPTS = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12]]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)

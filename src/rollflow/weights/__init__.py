@@ -1,9 +1,16 @@
 """Weight transfer from the trainer into inference engines: ``local``, ``broadcast``, ``checkpoint``, ``cuda_ipc``.
 
-``rollflow.weights.base`` holds the interface (and imports no torch); each strategy lives in its own module as a
-control half (HTTP to the servers, in the orchestrator) and a transport half (a picklable spec run where the
-weights are: the trainer thread, the trainer process, each trainer rank), and
-``rollflow.weights.receiver.create_receiver`` is the engine server's side. Typical use from the orchestrator::
+``rollflow.weights.base`` holds the interface. The package is split by the process each part runs in:
+
+- ``weights/<strategy>.py`` (``local``, ``broadcast``, ``vllm_nccl``, ``checkpoint``, ``cuda_ipc``) and
+  ``base``, ``registry``, ``ranks``, ``rounds``: the orchestrator's side, importing no torch: each strategy,
+  its control half (HTTP to the servers) and its transport half as a picklable spec;
+- ``weights/trainer/``: what those specs run on the trainer ranks (sessions, process groups, files, IPC
+  buffers);
+- ``weights/server/``: the engine server's side, the receivers (``create_receiver``);
+- ``groups`` and ``packing``: the torch pieces the trainer and server sides share.
+
+Typical use from the orchestrator::
 
     transfer = WeightTransfer(create_strategy("broadcast", bucket_size_mb=256, timeout_s=300))
     # Engines paused around this; the first push connects (asks client.get_world_size(), opens the transport

@@ -12,16 +12,17 @@ A strategy moves the trainer's weights into inference engines in three parts:
   rendezvous (address, port) on its own host and reports it back as the call's result. State that must outlive
   one call (a process group, a TCP store, an HTTP server) lives in that process's session registry
   (``rollflow.weights.trainer.sessions``), keyed by the spec's ``transfer_id``.
-- the **receiver** (engine-server side, ``rollflow.weights.receiver``): built from ``init_info`` by
+- the **receiver** (engine-server side, ``rollflow.weights.server.receiver``): built from ``init_info`` by
   ``/init_weight_transfer_engine``; each ``/update_weights`` turns one ``update_info`` into named tensors.
 
 The caller (the weight barrier) pauses and resumes the engines around a push; a strategy never does.
 
-``init_info`` and ``update_info`` are plain JSON dicts using vLLM's field names where vLLM has them
-(``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``names``, ``dtype_names``, ``shapes``),
-plus ``backend`` (which receiver to build) and ``policy_version`` (stamped on later tokens). For vLLM servers
-(``engine="vllm"``) they carry vLLM 0.33's keys only, since vLLM rejects unknown ones; the policy version then
-travels only as ``/finish_weight_update``'s ``weight_version``. rollflow's own receivers accept both shapes.
+``init_info`` and ``update_info`` are msgspec Structs (``rollflow.weights.payloads``) using vLLM's field names
+where vLLM has them (``master_address``, ``master_port``, ``rank_offset``, ``world_size``, ``names``,
+``dtype_names``, ``shapes``), plus ``backend`` (which receiver to build, the union's tag) and ``policy_version``
+(a repeat of ``/finish_weight_update``'s ``weight_version``). ``encode_for(engine)`` gives their JSON: for vLLM
+servers (``engine="vllm"``) vLLM 0.33's keys only, since vLLM rejects unknown ones. rollflow's own receivers
+decode both shapes.
 
 This module stays free of torch so configuration and the orchestrator can import it cheaply.
 """
@@ -43,6 +44,7 @@ from rollflow.errors import (
     WeightTransferError,
     WeightTransferTimeoutError,
 )
+from rollflow.weights.payloads import RECEIVER_BACKENDS as RECEIVER_BACKENDS  # re-exported
 from rollflow.weights.registry import strategy_names
 
 if TYPE_CHECKING:
@@ -53,9 +55,6 @@ log = structlog.get_logger(__name__)
 
 #: Strategy names accepted by ``create_strategy`` (those registered in ``rollflow.weights.registry``).
 STRATEGIES: tuple[str, ...] = strategy_names()
-
-#: The receiver backends an ``init_info["backend"]`` may name.
-RECEIVER_BACKENDS: tuple[str, ...] = ("gloo", "nccl", "checkpoint", "ipc")
 
 #: Dtypes weights may be cast to on the trainer side before they travel (``weight_sync.dtype``).
 TRANSFER_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")

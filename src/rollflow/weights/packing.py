@@ -9,13 +9,16 @@ so only the metadata travels in ``update_info`` and only raw bytes travel in the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rollflow.errors import InvalidTransferInfoError
+
+if TYPE_CHECKING:
+    from rollflow.weights.payloads import TensorsUpdate
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,15 +66,15 @@ def specs_to_info(specs: Sequence[TensorSpec]) -> dict[str, list]:
     }
 
 
-def specs_from_info(update_info: dict[str, Any]) -> list[TensorSpec]:
-    """Parse and check the metadata lists of an ``update_info``.
+def specs_from_info(update_info: Mapping[str, Any] | TensorsUpdate) -> list[TensorSpec]:
+    """Parse and check the metadata lists of an ``update_info`` (its JSON, or its decoded Struct).
 
     Raises:
         InvalidTransferInfoError: a list is missing, of the wrong type, or of another length than ``names``.
     """
     lists = {}
     for key in ("names", "dtype_names", "shapes"):
-        value = update_info.get(key)
+        value = update_info.get(key) if isinstance(update_info, Mapping) else getattr(update_info, key)
         if not isinstance(value, list):
             raise InvalidTransferInfoError(f"update_info.{key} must be a list, got {type(value).__name__}")
         lists[key] = value
@@ -135,3 +138,8 @@ def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str,
             part = part.clone()
         out.append((spec.name, part.view(spec.dtype).view(spec.shape)))
     return out
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of ``device``'s GPU: how a CUDA IPC handle names the GPU its buffer lives on."""
+    return str(torch.cuda.get_device_properties(device).uuid)

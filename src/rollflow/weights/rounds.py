@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 
 from rollflow.errors import WeightTransferError, WeightTransferTimeoutError
 from rollflow.weights.base import SERVER_ERROR_GRACE_S, TransportCall, WeightSender, WeightSource
@@ -84,7 +85,7 @@ async def run_with_servers(
     servers_done = anyio.Event()
     trainer_done = anyio.Event()
 
-    async def run_servers(tg: Any) -> None:
+    async def run_servers(tg: anyio.abc.TaskGroup) -> None:
         try:
             await servers_side()
             results["servers"] = True
@@ -97,7 +98,7 @@ async def run_with_servers(
         finally:
             servers_done.set()
 
-    async def run_trainer(tg: Any) -> None:
+    async def run_trainer(tg: anyio.abc.TaskGroup) -> None:
         try:
             results["trainer"] = await trainer_side()
         except Exception as error:
@@ -212,12 +213,6 @@ async def init_servers(sender: WeightSender, control: ControlPlane, what: str, t
         raise WeightTransferTimeoutError(
             f"initializing the {what} transfer on the servers took longer than {timeout_s:g} s"
         ) from exc
-
-
-def _blames_the_trainer(error: BaseException) -> bool:
-    """Whether every server that failed answered 502: the transfer's peer (the trainer side) failed."""
-    failures = getattr(error, "failures", None)
-    return bool(failures) and all(getattr(f, "status", None) == 502 for f in failures.values())
 
 
 def _blames_the_trainer(error: BaseException) -> bool:

@@ -10,52 +10,40 @@ fixed ``rank_offset`` of 1, which cannot address several servers.
 
 Payloads carry exactly vLLM's keys: ``init_info`` = ``NCCLWeightTransferInitInfo``'s fields, ``update_info`` =
 ``{names, dtype_names, shapes}``; vLLM rejects any other key.
+
+This module imports no torch: vLLM's trainer calls run on trainer rank 0 (``weights.trainer.vllm_nccl``).
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
 
-from rollflow.errors import MissingExtraError, WeightTransferError
+from rollflow.errors import WeightTransferError
 from rollflow.weights.base import (
     TransportCall,
     WeightSender,
     WeightSource,
     new_transfer_id,
 )
-from rollflow.weights.broadcast import (
-    SPEC_KEYS,
-    TRAINER_RANK,
+from rollflow.weights.broadcast import SPEC_KEYS, advertised_address
+from rollflow.weights.payloads import (
     VLLM_PACKED_NUM_BUFFERS,
-    advertised_address,
+    NcclInit,
+    TensorsUpdate,
 )
-from rollflow.weights.ranks import FIRST_WORKER_RANK, per_server_init_infos
+from rollflow.weights.ranks import TRAINER_RANK, per_server_init_infos
 from rollflow.weights.rounds import check_world_size, open_transport, run_update_round, run_with_servers
 
 if TYPE_CHECKING:
+    import torch
+
     from rollflow.inference.control import ControlPlane
 
 log = structlog.get_logger(__name__)
-
-#: The keys of vLLM 0.33's ``NCCLWeightTransferInitInfo`` (one rendezvous form) and update info.
-VLLM_NCCL_INIT_KEYS = frozenset(
-    {
-        "master_address",
-        "master_port",
-        "rank_offset",
-        "world_size",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-    }
-)
-VLLM_NCCL_UPDATE_KEYS = frozenset({"names", "dtype_names", "shapes"})
 
 
 @dataclass(frozen=True)
@@ -68,47 +56,6 @@ class VllmTrainerApi:
 
     join: Callable[[str, int, int], Any]
     send: Callable[[Iterable[tuple[str, torch.Tensor]], Any, int, int], None]
-
-
-def load_vllm_trainer_api() -> VllmTrainerApi:
-    """vLLM's trainer-side rendezvous and packed producer.
-
-    Raises:
-        MissingExtraError: vLLM (>= 0.33) is not installed.
-        WeightTransferError: no CUDA device (NCCL needs one).
-    """
-    try:
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-        from vllm.distributed.utils import StatelessProcessGroup
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
-    except ImportError as exc:
-        raise MissingExtraError(
-            f"a broadcast into vLLM servers needs vLLM >= 0.33 in the trainer: pip install 'rollflow[vllm]' ({exc})"
-        ) from exc
-    if not torch.cuda.is_available():
-        raise WeightTransferError("a broadcast into vLLM servers needs CUDA in the trainer (NCCL)")
-
-    def join(address: str, port: int, world_size: int) -> Any:
-        group = StatelessProcessGroup.create(
-            host=address, port=port, rank=TRAINER_RANK, world_size=world_size
-        )
-        return PyNcclCommunicator(group, device=torch.cuda.current_device())
-
-    def send(
-        named: Iterable[tuple[str, torch.Tensor]], group: Any, buffer_size: int, num_buffers: int
-    ) -> None:
-        device = torch.device("cuda", torch.cuda.current_device())
-        packed_nccl_broadcast_producer(
-            iterator=iter(named),
-            group=group,
-            src=TRAINER_RANK,
-            # Moved to the GPU one tensor at a time, so a CPU state dict never needs a second full copy there.
-            post_iter_func=lambda item: item[1].to(device),
-            buffer_size_bytes=buffer_size,
-            num_buffers=num_buffers,
-        )
-
-    return VllmTrainerApi(join=join, send=send)
 
 
 class VllmNcclSender(WeightSender):
@@ -149,7 +96,7 @@ class VllmNcclSender(WeightSender):
             dtype=dtype,
             api=api,
         )
-        self._update_info: dict[str, list] = {}
+        self._update_info: dict[str, Any] = {}
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         await check_world_size(self, control, self.world_size)
@@ -157,16 +104,14 @@ class VllmNcclSender(WeightSender):
         opened = await open_transport(
             self, source, TransportCall(transport, "open", {"release": list(release)}), self.timeout_s
         )
-        self._update_info = {key: opened[key] for key in SPEC_KEYS}
-        self.init_info = {
-            "master_address": opened["master_address"],
-            "master_port": opened["master_port"],
-            "rank_offset": FIRST_WORKER_RANK,
-            "world_size": self.world_size,
-            "packed": True,
-            "packed_buffer_size_bytes": transport.buffer_size_bytes,
-            "packed_num_buffers": transport.num_buffers,
-        }
+        self._update_info = TensorsUpdate(**{key: opened[key] for key in SPEC_KEYS}).encode_for("vllm")
+        self.init_info = NcclInit(
+            master_address=opened["master_address"],
+            master_port=opened["master_port"],
+            world_size=self.world_size,
+            packed_buffer_size_bytes=transport.buffer_size_bytes,
+            packed_num_buffers=transport.num_buffers,
+        ).encode_for("vllm")
         try:
             payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(
@@ -208,7 +153,7 @@ class VllmNcclTransport:
     buffer_size_bytes: int
     num_buffers: int
     dtype: str = "auto"
-    api: Any = None
+    api: VllmTrainerApi | None = None
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
         """Rank 0 reports ``{master_address, master_port, names, dtype_names, shapes}``."""
@@ -218,11 +163,12 @@ class VllmNcclTransport:
             transfer_dtype,
             weight_specs,
         )
+        from rollflow.weights.trainer.vllm_nccl import VllmSession
 
         release_sessions(release)
         if rank != TRAINER_RANK:
             return None
-        session = open_session(self.transfer_id, rank, lambda: _VllmSession(self))
+        session = open_session(self.transfer_id, rank, lambda: VllmSession(self))
         specs = weight_specs(named_weights, transfer_dtype(self.dtype))
         return {
             "master_address": advertised_address(self.master_address),
@@ -254,20 +200,3 @@ class VllmNcclTransport:
         from rollflow.weights.trainer.sessions import release_sessions
 
         release_sessions([self.transfer_id])
-
-
-class _VllmSession:
-    """Rank 0's vLLM calls, its rendezvous port and, once joined, the communicator."""
-
-    def __init__(self, transport: VllmNcclTransport):
-        self.api: VllmTrainerApi = transport.api or load_vllm_trainer_api()
-        # vLLM's rendezvous binds its own store on this port when the group forms, so it can only be picked
-        # here, not held (a small window in which another process could take it).
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((transport.master_address, 0))
-            self.port = probe.getsockname()[1]
-        self.group: Any = None
-
-    def close(self) -> None:
-        # PyNccl has no explicit teardown; dropping the communicator releases it (as vLLM's own shutdown).
-        self.group = None

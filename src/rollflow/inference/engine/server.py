@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import signal
 import sys
@@ -61,7 +60,14 @@ import structlog
 from aiohttp import web
 
 from rollflow import eventloop
-from rollflow.errors import ConfigError, EngineDeadError, EngineError, ModelNotFoundError, RollflowError
+from rollflow.errors import (
+    ConfigError,
+    EngineDeadError,
+    EngineError,
+    ModelNotFoundError,
+    RollflowError,
+    WeightReceiveError,
+)
 from rollflow.inference.client import PAUSE_MODES
 from rollflow.inference.engine.engine import TorchEngine
 from rollflow.inference.engine.server_protocol import (
@@ -88,8 +94,8 @@ from rollflow.inference.http import (
 from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
-from rollflow.weights.ranks import FIRST_WORKER_RANK, update_list_index
-from rollflow.weights.receiver import init_timeout_s
+from rollflow.weights.server.receiver import create_receiver, init_timeout_s
+from rollflow.weights.server.state import ReceiverFactory, WeightReceiveState
 
 log = structlog.get_logger(__name__)
 
@@ -102,55 +108,8 @@ CONTROL_LOG_SIZE = 10_000
 # Paths open without the bearer token when the server has an API key: probes and scrapers carry no secret.
 # (vLLM itself guards only /v1/*; this server guards the control plane and /inference/v1/* too.)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-# create_receiver(init_info, worker_rank) -> receiver with receive(update_info) and close(); both blocking.
-ReceiverFactory = Callable[[dict[str, Any], int], Any]
-
-
-def _default_receiver_factory(init_info: dict[str, Any], worker_rank: int) -> Any:
-    from rollflow.weights.receiver import create_receiver
-
-    return create_receiver(init_info, worker_rank)
-
-
-def _close_quietly(receiver: Any) -> None:
-    """``receiver.close()``, a failure logged: a receiver nobody uses any more."""
-    close = getattr(receiver, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception:
-            log.exception("closing an unused weight receiver failed")
-
-
-def _in_daemon_thread(function: Callable[..., Any], *args: Any) -> asyncio.Future:
-    """A future of ``function(*args)`` run in a new daemon thread. Unlike ``asyncio.to_thread`` it holds no
-    worker of the loop's executor, so a call that blocks for good (a peer that never answers) costs one idle
-    thread, not the executor the server's other blocking work needs."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    def run() -> None:
-        try:
-            result, error = function(*args), None
-        except BaseException as exc:  # handed to the future
-            result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(settle, result, error)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            if error is None:
-                _close_quietly(result)
-
-    threading.Thread(target=run, name="rollflow-weight-init", daemon=True).start()
-    return future
+# The HTTP status of each kind of WeightReceiveError: a bad call, a conflicting one, a failed peer.
+WEIGHT_ERROR_STATUS = {"invalid": 400, "conflict": 409, "failed": 502}
 
 
 def json_response(payload: Any, status: int = 200) -> web.Response:
@@ -181,7 +140,7 @@ class EngineServer:
         renderer: a ``renderers`` chat renderer for ``/v1/chat/completions``; None disables chat (400).
         api_key: bearer token every endpoint but ``OPEN_PATHS`` requires (401 without it); None: no check.
         receiver_factory: builds the weight receiver on ``/init_weight_transfer_engine``; the default is
-            ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
+            ``rollflow.weights.server.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
         http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
@@ -214,7 +173,7 @@ class EngineServer:
         self.max_body_bytes = max_body_bytes
         self.http_limits = http_limits or HttpLimits()
         self.request_limits = request_limits or RequestLimits()
-        self.receiver_factory = receiver_factory or _default_receiver_factory
+        self.receiver_factory = receiver_factory or create_receiver
         if eos_token_ids is None:
             eos = getattr(tokenizer, "eos_token_id", None)
             eos_token_ids = (eos,) if eos is not None else ()
@@ -237,20 +196,7 @@ class EngineServer:
         self._control_counts: collections.Counter[str] = collections.Counter()
 
         # Runtime state: weight transfer (vLLM's lifecycle: init once; then start -> update* -> finish).
-        self._receiver: Any = None
-        self._init_info: dict[str, Any] = {}
-        self._update_active = False
-        self._update_epoch = 0  # the transfer session (_epoch) the active update was started in
-        self._pending_version = 0
-        # The newest version loaded since init_weight_transfer_engine: older ones are refused.
-        self._version_floor: int | None = None
-        self._weights_lock = asyncio.Lock()
-        # Each init_weight_transfer_engine starts a new transfer session (epoch). A receive blocked on a peer
-        # that died must not hold the server hostage: it runs outside _weights_lock, a new init supersedes it,
-        # and whatever it returns late is discarded.
-        self._epoch = 0
-        self._receive_lock = asyncio.Lock()
-        self._receive_in_flight = False
+        self.weights = WeightReceiveState(self.receiver_factory)
 
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
@@ -397,7 +343,7 @@ class EngineServer:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
-        await self._close_receiver()
+        await self.weights.close()
 
     # ------------------------------------------------------------------ shared by the data plane
 
@@ -693,120 +639,39 @@ class EngineServer:
 
     # ------------------------------------------------------------------ weight transfer
 
-    async def _close_receiver(self) -> None:
-        receiver, self._receiver = self._receiver, None
-        if receiver is not None and hasattr(receiver, "close"):
-            try:
-                await asyncio.to_thread(receiver.close)
-            except Exception:
-                log.exception("closing the weight receiver failed")
-
     async def _shielded(self, work: Awaitable[Any]) -> Any:
         # A client that disconnects mid-transfer must not leave the weights or the receiver half-set.
         return await asyncio.shield(asyncio.ensure_future(work))
+
+    async def _weight_call(self, work: Awaitable[Any]) -> Any:
+        """``work`` (a ``WeightReceiveState`` call) shielded, its refusals answered with their status."""
+        try:
+            return await self._shielded(work)
+        except WeightReceiveError as error:
+            raise ApiError(WEIGHT_ERROR_STATUS[error.kind], str(error), error.param) from None
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
         """``POST /init_weight_transfer_engine``: build a new receiver from ``init_info``, replacing the old one.
 
         ``init_info.timeout_s`` (default 300) bounds the whole call: past it the answer is a 502 naming it,
         whatever the receiver's construction waits on (a trainer rendezvous that accepts the connection and
-        never answers). The construction runs outside the server's weights lock, so other weight calls and a
-        new init are never held behind it; a later init supersedes it, and a receiver it returns late (after its
-        timeout, or once superseded) is closed.
+        never answers). A later init supersedes this one (``WeightReceiveState.init``).
         """
         body = await self._read(request, InitWeightTransferBody)
         try:
             timeout_s = init_timeout_s(body.init_info)
         except ValueError as error:
             raise bad_request(f"invalid init_info: {error}", "init_info") from None
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-
-        def timed_out(what: str) -> ApiError:
-            # 502: the trainer side (the upstream peer) did not answer in time, not this request's fault.
-            return ApiError(
-                502,
-                f"weight transfer init did not complete within init_info.timeout_s = {timeout_s:g} s ({what}); "
-                "check that the trainer side is running and reachable, or raise weight_sync.timeout_s",
-                "init_info",
-            )
-
-        async def init() -> None:
-            try:
-                async with asyncio.timeout_at(deadline), self._weights_lock:
-                    if self._receive_in_flight:
-                        # The blocked receive owns the old receiver and closes it when it returns; its update
-                        # round is abandoned.
-                        self._receiver = None
-                        self._update_active = False
-                    else:
-                        await self._close_receiver()
-                    self._epoch += 1
-                    epoch = self._epoch
-                    self._version_floor = None
-                    self._receive_lock = asyncio.Lock()
-                    self._receive_in_flight = False
-            except TimeoutError:
-                raise timed_out("waiting for another weight call, or closing the previous receiver") from None
-            # Blocking, and may join a torch.distributed group: off the event loop, outside the lock, and in a
-            # thread of its own (one that never returns must not take a worker of the loop's executor).
-            building = _in_daemon_thread(self.receiver_factory, body.init_info, 0)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    receiver = await asyncio.shield(building)
-            except TimeoutError as error:
-                failed = None if not building.done() or building.cancelled() else building.exception()
-                if isinstance(failed, TimeoutError):  # the receiver's own deadline
-                    raise timed_out(str(failed)) from None
-                # This call's deadline: whatever the construction returns later is closed.
-                building.add_done_callback(self._close_late_receiver)
-                log.warning("weight transfer init timed out", timeout_s=timeout_s, error=repr(error))
-                raise timed_out("the receiver was not ready") from None
-            except (ValueError, TypeError, KeyError) as error:
-                raise bad_request(f"invalid init_info: {error}", "init_info") from None
-            except Exception as error:  # the trainer's group did not form: a failure, named
-                log.exception("weight transfer init failed")
-                # 502: the trainer side (the upstream peer) failed, not this request.
-                raise ApiError(502, f"weight transfer init failed: {type(error).__name__}: {error}") from None
-            async with self._weights_lock:
-                if epoch != self._epoch:
-                    await asyncio.to_thread(_close_quietly, receiver)
-                    raise ApiError(
-                        409,
-                        "a later init_weight_transfer_engine superseded this one while its receiver was being "
-                        "built; the later one is in force",
-                    )
-                self._receiver = receiver
-                self._init_info = body.init_info
-
-        await self._shielded(init())
+        await self._weight_call(self.weights.init(body.init_info, timeout_s))
         return json_response({"message": "Weight transfer initialized"})
 
-    @staticmethod
-    def _close_late_receiver(building: asyncio.Future) -> None:
-        """Close the receiver an init that timed out built after all (in a thread: closing may block)."""
-        if building.cancelled() or building.exception() is not None:
-            return
-        threading.Thread(target=_close_quietly, args=(building.result(),), daemon=True).start()
-
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        async with self._weights_lock:
-            await self._close_receiver()
-            self._update_active = False
+        await self.weights.shutdown()
         return json_response({"message": "Weight transfer shut down"})
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
         await self._read(request, StartWeightUpdateBody, empty_ok=True)
-        async with self._weights_lock:
-            # An update started before the latest init_weight_transfer_engine was abandoned by the trainer
-            # (it failed on another server, or on the trainer's side, and the trainer reconnected).
-            if self._update_active and self._update_epoch == self._epoch:
-                raise bad_request(
-                    "start_weight_update was already called; call finish_weight_update before starting another"
-                )
-            self._update_active = True
-            self._update_epoch = self._epoch
-            self._pending_version = self.engine.policy_version + 1
+        await self._weight_call(self.weights.start(self.engine.policy_version))
         return json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -817,94 +682,25 @@ class EngineServer:
         409 (the tensors are received first: the trainer's broadcast needs every receiver)."""
         body = await self._read(request, UpdateWeightsBody)
 
-        async def update() -> None:
-            async with self._weights_lock:
-                if not self._update_active:
-                    raise bad_request("start_weight_update must be called before update_weights.")
-                if self._receiver is None:
-                    raise bad_request("init_weight_transfer_engine must be called before update_weights.")
-                update_info = body.update_info
-                if isinstance(update_info, list):
-                    # One entry per global inference worker; this server's single worker follows the trainer.
-                    index = update_list_index(int(self._init_info.get("rank_offset", FIRST_WORKER_RANK)))
-                    if not 0 <= index < len(update_info):
-                        raise bad_request(
-                            f"update_info is a list of {len(update_info)} but this worker's global index is "
-                            f"{index} (init_info.rank_offset - 1)",
-                            "update_info",
-                        )
-                    update_info = update_info[index]
-                version = update_info.get("policy_version", self._pending_version)
-                if isinstance(version, bool) or not isinstance(version, int):
-                    raise bad_request(
-                        f"update_info.policy_version must be an integer, got {version!r}", "update_info"
-                    )
-                receiver, epoch, receive_lock = self._receiver, self._epoch, self._receive_lock
-            async with receive_lock:
-                tensors = await self._receive(receiver, epoch, update_info)
-            async with self._weights_lock:
-                if epoch != self._epoch:
-                    raise ApiError(
-                        409,
-                        "weight transfer was re-initialized while this update was receiving; "
-                        "its tensors were discarded",
-                    )
-                # Checked after receiving: the trainer's broadcast needs every receiver, refused or not.
-                self._check_version_not_older(version, "update_info.policy_version")
-                if "weights" in self.sleeping_tags:
-                    raise ApiError(
-                        409,
-                        f"the weights are asleep (sleep level {self.sleep_level}): POST /wake_up?tags=weights "
-                        "before /update_weights; the tensors received were discarded",
-                        "update_info",
-                    )
-                try:
-                    await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
-                except EngineError as error:
-                    # Refused before anything was copied (non-finite, unknown or misshapen tensors): the old
-                    # weights keep serving, and this round is over; the trainer starts a new one.
-                    self._update_active = False
-                    raise bad_request(str(error), "update_info") from None
-                self._pending_version = version
-                self._version_floor = version
-                self.record("update_weights", version=version, tensors=len(tensors))
+        async def load(tensors: Any, version: int) -> None:
+            if "weights" in self.sleeping_tags:
+                raise ApiError(
+                    409,
+                    f"the weights are asleep (sleep level {self.sleep_level}): POST /wake_up?tags=weights "
+                    "before /update_weights; the tensors received were discarded",
+                    "update_info",
+                )
+            try:
+                await self._engine_call(self.engine.load_weights(tensors, policy_version=version))
+            except EngineError as error:
+                # Refused before anything was copied (non-finite, unknown or misshapen tensors): the old
+                # weights keep serving, and this round is over; the trainer starts a new one.
+                self.weights.end_round()
+                raise bad_request(str(error), "update_info") from None
+            self.record("update_weights", version=version, tensors=len(tensors))
 
-        await self._shielded(update())
+        await self._weight_call(self.weights.update(body.update_info, load))
         return json_response({"message": "Weights updated"})
-
-    def _check_version_not_older(self, version: int, param: str) -> None:
-        """409 for a policy version below one loaded in this transfer session: per-token versions would go
-        backwards. A new ``/init_weight_transfer_engine`` (a new trainer, or a resumed run) starts over."""
-        floor = self._version_floor
-        if floor is not None and version < floor:
-            raise ApiError(
-                409,
-                f"{param} = {version} is older than policy version {floor}, already loaded since "
-                "init_weight_transfer_engine; versions only go forward within one transfer session (a new "
-                "init_weight_transfer_engine starts another)",
-                param.split(".", 1)[0],
-            )
-
-    async def _receive(self, receiver: Any, epoch: int, update_info: dict[str, Any]) -> Any:
-        """Run the blocking receive off the loop, without holding ``_weights_lock``."""
-        self._receive_in_flight = True
-        try:
-            return await asyncio.to_thread(receiver.receive, update_info)
-        except (ValueError, TypeError, KeyError) as error:
-            raise bad_request(f"invalid update_info: {error}", "update_info") from None
-        except Exception as error:  # a broken or timed-out transfer: a failure, named
-            log.exception("weight transfer failed")
-            if epoch == self._epoch:
-                self._update_active = False  # the round failed; the trainer starts a new one
-            # 502: the transfer's peers (trainer, other workers) failed, not this request.
-            raise ApiError(502, f"weight transfer failed: {type(error).__name__}: {error}") from None
-        finally:
-            if epoch == self._epoch:
-                self._receive_in_flight = False
-            elif hasattr(receiver, "close"):
-                # Superseded while receiving: nobody else holds this receiver any more.
-                with contextlib.suppress(Exception):
-                    await asyncio.to_thread(receiver.close)
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         body = await self._read(request, FinishWeightUpdateBody, empty_ok=True)
@@ -917,17 +713,13 @@ class EngineServer:
                     f"weight_version {body.weight_version!r} is not an integer policy version",
                     "weight_version",
                 ) from None
-        async with self._weights_lock:
-            if not self._update_active:
-                raise bad_request("start_weight_update must be called before finish_weight_update.")
-            if version is not None:
-                self._check_version_not_older(version, "weight_version")
-            if version is not None and version != self.engine.policy_version:
+
+        async def label(version: int) -> None:
+            if version != self.engine.policy_version:
                 await self._engine_call(self.engine.load_weights([], policy_version=version))
-            if version is not None:
-                self._version_floor = version
-            self._update_active = False
-            self.record("finish_weight_update")
+
+        await self._weight_call(self.weights.finish(version, label))
+        self.record("finish_weight_update")
         return json_response({"message": "Weight update finished"})
 
     async def weight_info(self, request: web.Request) -> web.Response:

@@ -7,7 +7,7 @@ The server uses exactly this::
     await engine.load_weights(tensors, policy_version=update_info.get("policy_version", ...))
     receiver.close()
 
-``init_info["backend"]`` selects the receiver:
+``init_info`` is decoded into its Struct (``rollflow.weights.payloads``), whose ``backend`` selects the receiver:
 - ``"gloo"`` / ``"nccl"``: join the trainer's broadcast group as rank ``init_info["rank_offset"] + worker_rank``
   (``worker_rank`` is the worker's index inside its server, 0 for a single-worker torch server);
   ``update_info`` = ``{names, dtype_names, shapes, policy_version}``, bytes arrive through the collective.
@@ -32,26 +32,25 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
-import torch
 
 from rollflow.errors import InvalidTransferInfoError, WeightTransferTimeoutError
-from rollflow.weights.base import RECEIVER_BACKENDS
+from rollflow.weights.payloads import (
+    DEFAULT_TIMEOUT_S,
+    AnyInitInfo,
+    BroadcastInit,
+    CheckpointInit,
+    IpcInit,
+    decode_init_info,
+)
+from rollflow.weights.server.state import Receiver as WeightReceiver
 
 log = structlog.get_logger(__name__)
 
 #: ``init_info["timeout_s"]`` when it has none (vLLM's payloads have none).
-DEFAULT_INIT_TIMEOUT_S = 300.0
-
-
-class WeightReceiver(Protocol):
-    """Turns one ``update_info`` into named tensors (Hugging Face state-dict names)."""
-
-    def receive(self, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]: ...
-
-    def close(self) -> None: ...
+DEFAULT_INIT_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
 def init_timeout_s(init_info: Any) -> float:
@@ -90,14 +89,14 @@ def create_receiver(init_info: dict[str, Any], worker_rank: int = 0) -> WeightRe
     timeout_s = init_timeout_s(init_info)
     if not isinstance(worker_rank, int) or worker_rank < 0:
         raise InvalidTransferInfoError(f"worker_rank must be a non-negative int, got {worker_rank!r}")
-    build = _receiver_class(init_info)
+    payload = decode_init_info(init_info, _default_backend)
     where = (
-        f" (rendezvous {init_info.get('master_address')}:{init_info.get('master_port')})"
-        if ("master_address" in init_info)
+        f" (rendezvous {payload.master_address}:{payload.master_port})"
+        if isinstance(payload, BroadcastInit)
         else ""
     )
     return within_timeout(
-        lambda: build(init_info, worker_rank),
+        lambda: _build(payload, worker_rank),
         timeout_s,
         f"initializing the weight receiver{where}",
     )
@@ -145,27 +144,24 @@ def within_timeout(build: Callable[[], Any], timeout_s: float, what: str) -> Any
     return outcome["result"]
 
 
-def _receiver_class(init_info: dict[str, Any]) -> Callable[[dict[str, Any], int], WeightReceiver]:
-    """What builds the receiver ``init_info`` asks for: ``(init_info, worker_rank) -> receiver``."""
-    backend = init_info.get("backend")
-    if backend is None and "master_address" in init_info:
-        from rollflow.weights.broadcast import default_backend
+def _default_backend() -> str:
+    from rollflow.weights.groups import default_backend
 
-        backend = default_backend()
-    elif backend is None and set(init_info) == {"packed"}:
-        backend = "ipc"
-    if backend in ("gloo", "nccl"):
-        from rollflow.weights.broadcast import BroadcastReceiver
+    return default_backend()
 
-        return BroadcastReceiver
-    if backend == "checkpoint":
-        from rollflow.weights.checkpoint import CheckpointReceiver
 
-        return lambda info, rank: CheckpointReceiver(info)
-    if backend == "ipc":
-        from rollflow.weights.cuda_ipc import CudaIpcReceiver
+def _build(payload: AnyInitInfo, worker_rank: int) -> WeightReceiver:
+    """The receiver of ``payload``'s backend (blocking: a broadcast joins its group)."""
+    if isinstance(payload, BroadcastInit):
+        from rollflow.weights.server.broadcast import BroadcastReceiver
 
-        return lambda info, rank: CudaIpcReceiver(info)
-    raise InvalidTransferInfoError(
-        f"init_info.backend is {backend!r}; expected one of {', '.join(map(repr, RECEIVER_BACKENDS))}"
-    )
+        return BroadcastReceiver(payload, worker_rank)
+    if isinstance(payload, CheckpointInit):
+        from rollflow.weights.server.checkpoint import CheckpointReceiver
+
+        return CheckpointReceiver(payload)
+    if isinstance(payload, IpcInit):
+        from rollflow.weights.server.cuda_ipc import CudaIpcReceiver
+
+        return CudaIpcReceiver(payload)
+    raise AssertionError(f"no receiver for {type(payload).__name__}")  # decode_init_info's union is covered
