@@ -60,11 +60,6 @@ def weight_sync_errors(config: RunConfig) -> list[str]:
             f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
             "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
         )
-    if config.inference.engine == "vllm" and strategy == "checkpoint":
-        errors.append(
-            "weight_sync.strategy = 'checkpoint' cannot reach vLLM servers (inference.engine = 'vllm'), which "
-            "receive weights by NCCL or CUDA IPC; use 'broadcast' (or 'auto') or 'cuda_ipc'"
-        )
     if config.inference.engine == "vllm" and strategy == "broadcast" and config.weight_sync.backend == "gloo":
         errors.append(
             "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "

@@ -917,6 +917,15 @@ class HttpControlPlane:
         if policy_version is not None:
             self._client.policy_version = policy_version
 
+    async def weight_versions(self) -> dict[str, str | None]:
+        """``GET /weight_info`` of every server: ``{url: weight_version}`` (None where it reports none).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._client.weight_info()
+        return {url: (body or {}).get("weight_version") for url, body in answers.items()}
+
     async def finish_session(self, session_id: str | None) -> None:
         """``RemoteInferenceClient.finish_session``: the router forgets the session (best effort)."""
         await self._client.finish_session(session_id)

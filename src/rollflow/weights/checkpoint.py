@@ -11,6 +11,12 @@ Two transports:
 The trainer side (``CheckpointTransport``, rank 0) writes or serves the file and reports where; the control half
 (``CheckpointSender``) then has the servers read it. Only the newest file is kept: each push retires the files
 of earlier ones (each push ends, the servers having loaded its file, before the next begins).
+
+vLLM servers (``engine="vllm"``) read the file through rollflow's plugin engine (``rollflow.vllm_plugin``,
+selected by ``--weight-transfer-config '{"backend": "rollflow_checkpoint"}'``), whose payloads declare only
+``timeout_s`` (init) and ``path`` / ``url`` / ``policy_version`` (update). After each push the sender asks every
+vLLM server's ``/weight_info`` for the version it now serves: one still on another version fails the push,
+named (checked on vLLM 0.32.0).
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class CheckpointStrategy(WeightTransferStrategy):
         host: address the HTTP endpoint binds and advertises (when ``checkpoint_dir`` is None).
         timeout_s: longest one push, or one server's read, may take.
         dtype: what floating weights are cast to before they are written (``weight_sync.dtype``).
+        engine: the servers' kind: ``"torch"`` (``rollflow serve``) or ``"vllm"`` (the plugin engine's payloads,
+            and a check of the served version after each push).
     """
 
     name = "checkpoint"
@@ -114,7 +122,11 @@ class CheckpointStrategy(WeightTransferStrategy):
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
         dtype: str = "auto",
+        engine: str = "torch",
     ):
+        if engine not in ("torch", "vllm"):
+            raise ValueError(f"checkpoint engine must be 'torch' or 'vllm', got {engine!r}")
+        self.engine = engine
         if timeout_s <= 0:
             raise ValueError(f"weight_sync.timeout_s must be positive, got {timeout_s}")
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -129,6 +141,7 @@ class CheckpointStrategy(WeightTransferStrategy):
             host=master_address,
             timeout_s=sync.timeout_s,
             dtype=sync.dtype,
+            engine=engine,
         )
 
     def create_sender(self, inference_world_size: int) -> CheckpointSender:
@@ -144,6 +157,7 @@ class CheckpointSender(WeightSender):
 
     def __init__(self, inference_world_size: int, strategy: CheckpointStrategy):
         super().__init__(inference_world_size, strategy.timeout_s)
+        self.engine = strategy.engine
         self.transfer_id = new_transfer_id()
         directory = strategy.checkpoint_dir
         self.transport = CheckpointTransport(
@@ -158,7 +172,9 @@ class CheckpointSender(WeightSender):
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
-        self.init_info = {"backend": "checkpoint", "timeout_s": self.timeout_s}
+        self.init_info = {"timeout_s": self.timeout_s}
+        if self.engine == "torch":  # vLLM picks its engine from --weight-transfer-config, and refuses the key
+            self.init_info["backend"] = "checkpoint"
         await init_servers(self, control, "checkpoint", self.timeout_s)
 
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
@@ -166,6 +182,24 @@ class CheckpointSender(WeightSender):
         await control.start_weight_update()
         await control.update_weights({**location, "policy_version": policy_version})
         await control.finish_weight_update(policy_version)
+        if self.engine == "vllm":
+            await check_served_version(control, policy_version)
+
+
+async def check_served_version(control: ControlPlane, policy_version: int) -> None:
+    """Proof of delivery: every server's ``/weight_info`` reports ``policy_version``.
+
+    Raises:
+        WeightTransferError: naming each server that serves another version, and the one it serves.
+    """
+    served = await control.weight_versions()
+    wrong = {url: version for url, version in served.items() if version != str(policy_version)}
+    if wrong:
+        listed = "; ".join(f"{url} serves weight_version {version!r}" for url, version in wrong.items())
+        raise WeightTransferError(
+            f"pushed policy version {policy_version}, but after /finish_weight_update {listed}; the update "
+            "did not take on those servers (see their logs)"
+        )
 
 
 @dataclass(frozen=True)
