@@ -80,15 +80,10 @@ def _reference_logprobs(model_dir, weights, prompt: list[int], completion: list[
     return [float(logprobs[i, token]) for i, token in enumerate(completion)]
 
 
-@pytest.mark.parametrize("transport", ["shared_dir", "http"])
-async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_weights(
-    vllm_server, client, tmp_path, transport
-) -> None:
-    seed = {"shared_dir": 1, "http": 2}[transport]
-    weights = _perturbed_weights(vllm_server.model_dir, seed)
-    options = {"checkpoint_dir": str(tmp_path)} if transport == "shared_dir" else {}
+async def _push(client, weights, policy_version: int, **options) -> None:
+    """Pause, push ``weights`` as ``policy_version`` through the plugin engine, resume (the weight barrier's
+    sequence)."""
     transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120, **options))
-    policy_version = 100 + seed
     try:
         await client.control.pause("abort")
         try:
@@ -97,6 +92,28 @@ async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_wei
             await client.control.resume()
     finally:
         transfer.close()
+
+
+@pytest.fixture
+async def restores_weights(vllm_server, client):
+    """Put the model's own weights back, labelled version 0, after the test (later tests, and runs, start
+    from them)."""
+    from safetensors.torch import load_file
+
+    yield
+    await _push(client, list(load_file(str(vllm_server.model_dir / "model.safetensors")).items()), 0)
+
+
+@pytest.mark.usefixtures("restores_weights")
+@pytest.mark.parametrize("transport", ["shared_dir", "http"])
+async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_weights(
+    vllm_server, client, tmp_path, transport
+) -> None:
+    seed = {"shared_dir": 1, "http": 2}[transport]
+    weights = _perturbed_weights(vllm_server.model_dir, seed)
+    options = {"checkpoint_dir": str(tmp_path)} if transport == "shared_dir" else {}
+    policy_version = 100 + seed
+    await _push(client, weights, policy_version, **options)
     assert await client.control.weight_versions() == {vllm_server.url: str(policy_version)}
 
     output = await client.generate(
@@ -106,3 +123,53 @@ async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_wei
     expected = _reference_logprobs(vllm_server.model_dir, weights, PROMPT, output.token_ids)
     worst = max(abs(a - b) for a, b in zip(output.logprobs, expected, strict=True))
     assert worst <= LOGPROB_TOLERANCE, (output.logprobs, expected)
+
+
+def test_a_short_training_run_pushes_each_step_into_vllm(vllm_server, tmp_path) -> None:
+    """``rollflow run`` on the quickstart task with the tiny model vLLM's CPU attention takes, generating on
+    the vLLM server and pushing every step's weights through the plugin engine (checkpoint files over the
+    trainer's HTTP endpoint): each step's samples were drawn with exactly the weights the trainer held
+    (logprob mismatch < 1e-4, sync mode), and the server ends on the last version."""
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from .conftest import REPO_ROOT
+
+    steps = 3
+    overrides = {
+        "model.path": "'rollflow:tiny-h32'",
+        "inference.mode": "'http'",
+        "inference.engine": "'vllm'",
+        "inference.external_server_urls": f"['{vllm_server.url}']",
+        "weight_sync.strategy": "'checkpoint'",
+        "orchestrator.steps": str(steps),
+        "orchestrator.prompts_per_step": "4",
+        "checkpoint.every": "0",
+    }
+    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollflow",
+            "run",
+            str(REPO_ROOT / "examples" / "quickstart.toml"),
+            "--no-progress",
+            *args,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines if line.strip()]
+    assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
+    mismatch = [m["logprob_mismatch"] for m in metrics]
+    assert all(value < 1e-4 for value in mismatch), mismatch
+    assert all(m["weight_transfer_time_s"] > 0 for m in metrics)
+    with urllib.request.urlopen(f"{vllm_server.url}/weight_info", timeout=30) as response:
+        assert json.load(response) == {"weight_version": str(steps)}
