@@ -100,15 +100,24 @@ def test_the_checkpoint_strategy_takes_the_engine_from_the_config() -> None:
 
 class FakeVllmServers:
     """vLLM's RL control plane as the plugin engine answers it: payloads are kept, files read, and each
-    server labels its weights with ``/finish_weight_update``'s version, except the ``stuck`` ones."""
+    server labels its weights with ``/finish_weight_update``'s version, except the ``stuck`` ones; checksums
+    are of the loaded tensors (in ``served_dtype``), except the ``corrupt`` server's ``model.norm.weight``."""
 
-    def __init__(self, num_servers: int, stuck: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        num_servers: int,
+        stuck: tuple[int, ...] = (),
+        corrupt: int | None = None,
+        served_dtype: torch.dtype = torch.float32,
+    ):
         self.server_urls = [f"http://vllm{i}:8000" for i in range(num_servers)]
         self.stuck = {self.server_urls[i] for i in stuck}
         self.init_infos: list[Any] = []
         self.update_infos: list[dict[str, Any]] = []
         self.loaded: dict[str, torch.Tensor] = {}
         self.versions: dict[str, str | None] = dict.fromkeys(self.server_urls)
+        self.corrupt = None if corrupt is None else self.server_urls[corrupt]
+        self.served_dtype = served_dtype
 
     async def world_size(self):
         return fake_world(len(self.server_urls), self.server_urls)
@@ -137,11 +146,23 @@ class FakeVllmServers:
     async def weight_versions(self):
         return dict(self.versions)
 
+    async def weight_checksums(self):
+        import hashlib
+
+        def digest(name: str, tensor: torch.Tensor, url: str) -> str:
+            tensor = tensor.to(self.served_dtype)
+            if url == self.corrupt and name == "model.norm.weight":
+                tensor = tensor + 1
+            return hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+
+        return {url: {n: {digest(n, t, url)} for n, t in self.loaded.items()} for url in self.server_urls}
+
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
     return [
         ("model.embed_tokens.weight", torch.arange(12.0).reshape(3, 4)),
-        ("model.norm.weight", torch.ones(4)),
+        ("model.layers.0.input_layernorm.weight", torch.linspace(0.5, 1.5, 4)),
+        ("model.norm.weight", torch.linspace(0.9, 1.1, 4)),
     ]
 
 
@@ -171,3 +192,35 @@ async def test_a_vllm_server_that_does_not_serve_the_pushed_version_fails_the_pu
     assert "http://vllm0:8000" not in str(caught.value)
     assert transfer.sender is None  # the next push reconnects
     transfer.close()
+
+
+@pytest.mark.parametrize("served_dtype", [torch.float32, torch.bfloat16])
+async def test_digests_of_named_tensors_prove_delivery_in_the_server_s_dtype(served_dtype) -> None:
+    servers = FakeVllmServers(2, served_dtype=served_dtype)
+    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=30))
+    try:
+        await transfer.push(servers, StaticWeights(_weights), policy_version=1)
+    finally:
+        transfer.close()
+    # The digests stay on the trainer's side: the plugin engine refuses unknown update_info keys.
+    assert set(servers.update_infos[0]) <= PLUGIN_UPDATE_KEYS
+
+
+async def test_a_vllm_server_holding_another_tensor_fails_the_push_naming_it_and_the_tensor() -> None:
+    servers = FakeVllmServers(2, corrupt=0)
+    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=30))
+    with pytest.raises(
+        WeightTransferError, match=r"http://vllm0:8000 holds model.norm.weight with another digest"
+    ):
+        await transfer.push(servers, StaticWeights(_weights), policy_version=3)
+    transfer.close()
+
+
+def test_digests_name_a_few_one_dimensional_tensors_spread_over_the_model() -> None:
+    from rollflow.weights.delivery import tensor_digests
+
+    named = [(f"model.layers.{i}.input_layernorm.weight", torch.full((4,), float(i))) for i in range(10)]
+    named.append(("model.embed_tokens.weight", torch.ones(3, 4)))
+    digests = tensor_digests(named, limit=3)
+    assert sorted(digests) == [named[i][0] for i in (0, 4, 9)]  # first, middle, last (in name order)
+    assert all(len(per_dtype) == 3 for per_dtype in digests.values())  # float32, bfloat16, float16

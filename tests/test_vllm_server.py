@@ -12,6 +12,7 @@ from rollflow.inference.logprob_check import check_server_logprobs
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
+from rollflow.weights.delivery import tensor_digests
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -115,6 +116,10 @@ async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_wei
     policy_version = 100 + seed
     await _push(client, weights, policy_version, **options)
     assert await client.control.weight_versions() == {vllm_server.url: str(policy_version)}
+    # The push's digest check compared real tensors: vLLM reports every one it names, as sent.
+    sent = tensor_digests(weights)
+    served = (await client.control.weight_checksums())[vllm_server.url]
+    assert len(sent) == 4 and all(served[name] <= set(digests) for name, digests in sent.items())
 
     output = await client.generate(
         GenerateRequest(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=5))

@@ -123,6 +123,11 @@ class ControlPlane(Protocol):
         yet), to check that an update took."""
         ...
 
+    async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
+        """SHA-256 digests of the parameters each server holds, by URL and parameter name (empty for a server
+        that cannot say), to check that an update took (``rollflow.weights.delivery``)."""
+        ...
+
     async def finish_session(self, session_id: str | None) -> None:
         """Tell the router that ``session_id`` is done (best effort, never raises)."""
         ...
@@ -192,6 +197,9 @@ class InProcessControlPlane:
 
     async def weight_versions(self) -> dict[str, str | None]:
         raise self._no_servers("weight_versions")
+
+    async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
+        raise self._no_servers("weight_checksums")
 
     async def finish_session(self, session_id: str | None) -> None:
         """Nothing to forget: no router in between."""

