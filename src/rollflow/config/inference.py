@@ -21,7 +21,8 @@ class InferenceConfig(Section):
     The environment variable ``ROLLFLOW_INFERENCE_MODE`` overrides this."""
     engine: Literal["torch", "vllm"] = "torch"
     """Server kind rollflow starts in ``http`` mode: ``torch`` (``rollflow serve``, CPU or GPU) or ``vllm``
-    (``vllm serve``; needs ``pip install 'rollflow[vllm]'`` and GPUs)."""
+    (``vllm serve``; ``pip install 'rollflow[vllm]'`` on GPUs, or vLLM in its own environment: see
+    ``vllm_command``)."""
     vllm_command: list[str] = msgspec.field(default_factory=lambda: ["vllm", "serve"])
     """How rollflow starts each vLLM server it manages (``engine = "vllm"``): the program and its first
     arguments, before the model and rollflow's flags. The default is PyPI vLLM's console script (checked on

@@ -14,7 +14,8 @@ class WeightSyncConfig(Section):
     strategy: Literal["auto", "local", "broadcast", "checkpoint", "cuda_ipc"] = "auto"
     """How new weights reach the engines. ``auto``: ``local`` (in-process copy) in local mode, ``broadcast``
     (torch.distributed: gloo on CPU, NCCL on GPU) in http mode. ``checkpoint``: safetensors through
-    ``checkpoint_dir`` or over HTTP. ``cuda_ipc``: colocated GPUs."""
+    ``checkpoint_dir`` or over HTTP (vLLM servers read it through rollflow's plugin engine,
+    ``rollflow.vllm_plugin``). ``cuda_ipc``: colocated GPUs."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
     bucket_size_mb: PositiveFloat = 256.0

@@ -21,6 +21,9 @@ nothing else of rollflow. Importing this module imports none of them; ``register
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 #: The ``backend`` of ``--weight-transfer-config`` that selects the checkpoint-files engine.
 CHECKPOINT_BACKEND = "rollflow_checkpoint"
 
@@ -28,11 +31,19 @@ __all__ = ["CHECKPOINT_BACKEND", "register"]
 
 
 def register() -> None:
-    """Register rollflow's weight-transfer engines with vLLM (idempotent: vLLM may call it more than once in
-    one process, and its registry refuses a name twice)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    if CHECKPOINT_BACKEND not in WeightTransferEngineFactory._registry:
+    """Register rollflow's weight-transfer engines with vLLM. Idempotent (vLLM may call it more than once in
+    a process), and never fatal: vLLM calls every installed plugin unguarded at start-up, so on a vLLM without
+    the weight-transfer registry this logs a warning and the server starts without rollflow's engines."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError as error:
+        logging.getLogger(__name__).warning(
+            "rollflow's vLLM plugin cannot register %r: this vLLM has no weight-transfer registry (%s)",
+            CHECKPOINT_BACKEND,
+            error,
+        )
+        return
+    with contextlib.suppress(ValueError):  # already registered in this process
         WeightTransferEngineFactory.register_engine(
             CHECKPOINT_BACKEND, "rollflow.vllm_plugin.checkpoint_engine", "RollflowCheckpointEngine"
         )
