@@ -111,7 +111,7 @@ class CheckpointStrategy(WeightTransferStrategy):
         timeout_s: longest one push, or one server's read, may take.
         dtype: what floating weights are cast to before they are written (``weight_sync.dtype``).
         engine: the servers' kind: ``"torch"`` (``rollflow serve``) or ``"vllm"`` (the plugin engine's payloads,
-            and a check of the served version after each push).
+            and a check of the served version and tensor digests after each push).
     """
 
     name = "checkpoint"
