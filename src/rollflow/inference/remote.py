@@ -917,6 +917,46 @@ class HttpControlPlane:
         if policy_version is not None:
             self._client.policy_version = policy_version
 
+    async def weight_versions(self) -> dict[str, str | None]:
+        """``GET /weight_info`` of every server: ``{url: weight_version}`` (None where it reports none).
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._client.weight_info()
+        return {url: (body or {}).get("weight_version") for url, body in answers.items()}
+
+    async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
+        """``POST /weight_checker {"action": "checksum"}`` of every server (vLLM 0.32.0): ``{url: {name:
+        {sha256, …}}}``, one digest per worker holding the parameter (vLLM's per-rank key prefix dropped); a
+        server without the route (404: rollflow's own servers) reports nothing.
+
+        Raises:
+            ControlPlaneError: naming each server that failed otherwise.
+        """
+        client = self._client
+
+        async def call(url: str) -> Any:
+            try:
+                return await client._request(
+                    "POST",
+                    f"{url}/weight_checker",
+                    json={"action": "checksum"},
+                    timeout_s=client.control_timeout_s,
+                )
+            except RemoteInferenceError as error:
+                if error.status == 404:
+                    return None
+                raise
+
+        answers = await client._fan_out("weight_checker", call)
+        checksums: dict[str, dict[str, set[str]]] = {}
+        for url, body in answers.items():
+            by_name = checksums.setdefault(url, {})
+            for key, digest in ((body or {}).get("checksums") or {}).items():
+                by_name.setdefault(key.rsplit(":", 1)[-1], set()).add(digest)
+        return checksums
+
     async def finish_session(self, session_id: str | None) -> None:
         """``RemoteInferenceClient.finish_session``: the router forgets the session (best effort)."""
         await self._client.finish_session(session_id)

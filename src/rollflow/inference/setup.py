@@ -64,15 +64,20 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
     rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
-    ``inference.server_args``."""
+    ``inference.server_args``; vLLM servers fed by the checkpoint strategy get rollflow's plugin engine."""
     from rollflow.config.server_spec import ServerSpec
 
     inference = config.inference
-    return {
+    options: dict[str, object] = {
         "spec": ServerSpec.from_inference(inference),
         "api_key": api_key,
         "extra_args": list(inference.server_args),
     }
+    if inference.engine == "vllm" and config.weight_sync.resolved_strategy(inference.mode) == "checkpoint":
+        from rollflow.vllm_plugin import CHECKPOINT_BACKEND
+
+        options["weight_transfer_backend"] = CHECKPOINT_BACKEND  # rollflow's plugin engine reads the files
+    return options
 
 
 def server_env(config: RunConfig, devices: list[str] | None = None) -> list[dict[str, str]]:

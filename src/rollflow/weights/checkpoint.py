@@ -12,6 +12,12 @@ The trainer side (``CheckpointTransport``, rank 0) writes or serves the file and
 (``CheckpointSender``) then has the servers read it. Only the newest file is kept: each push retires the files
 of earlier ones (each push ends, the servers having loaded its file, before the next begins).
 
+vLLM servers (``engine="vllm"``) read the file through rollflow's plugin engine (``rollflow.vllm_plugin``,
+selected by ``--weight-transfer-config '{"backend": "rollflow_checkpoint"}'``), whose payloads declare only
+``timeout_s`` (init) and ``path`` / ``url`` / ``policy_version`` (update). After each push to them the sender
+checks delivery (``rollflow.weights.delivery``): every server serves the pushed version, and a few named
+tensors with the digests rank 0 computed as it wrote the file (checked on vLLM 0.32.0).
+
 This module imports no torch: trainer rank 0 writes or serves the file (``weights.trainer.checkpoint``), the
 servers read it (``weights.server.checkpoint``).
 """
@@ -34,7 +40,8 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate
+from rollflow.weights.delivery import check_served_digests, check_served_version, tensor_digests
+from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate, check_engine
 from rollflow.weights.rounds import init_servers, open_transport
 
 if TYPE_CHECKING:
@@ -52,6 +59,8 @@ class CheckpointStrategy(WeightTransferStrategy):
         host: address the HTTP endpoint binds and advertises (when ``checkpoint_dir`` is None).
         timeout_s: longest one push, or one server's read, may take.
         dtype: what floating weights are cast to before they are written (``weight_sync.dtype``).
+        engine: the servers' kind: ``"torch"`` (``rollflow serve``) or ``"vllm"`` (the plugin engine's payloads,
+            and a check of the served version and tensor digests after each push).
     """
 
     name = "checkpoint"
@@ -63,7 +72,9 @@ class CheckpointStrategy(WeightTransferStrategy):
         host: str = "127.0.0.1",
         timeout_s: float = 300.0,
         dtype: str = "auto",
+        engine: str = "torch",
     ):
+        self.engine = check_engine(engine)
         if timeout_s <= 0:
             raise ValueError(f"weight_sync.timeout_s must be positive, got {timeout_s}")
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -78,6 +89,7 @@ class CheckpointStrategy(WeightTransferStrategy):
             host=master_address,
             timeout_s=sync.timeout_s,
             dtype=sync.dtype,
+            engine=engine,
         )
 
     def create_sender(self, inference_world_size: int) -> CheckpointSender:
@@ -93,6 +105,7 @@ class CheckpointSender(WeightSender):
 
     def __init__(self, inference_world_size: int, strategy: CheckpointStrategy):
         super().__init__(inference_world_size, strategy.timeout_s)
+        self.engine = strategy.engine
         self.transfer_id = new_transfer_id()
         directory = strategy.checkpoint_dir
         self.transport = CheckpointTransport(
@@ -101,22 +114,29 @@ class CheckpointSender(WeightSender):
             host=strategy.host,
             timeout_s=strategy.timeout_s,
             dtype=strategy.dtype,
+            digests=self.engine == "vllm",
         )
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         await open_transport(
             self, source, TransportCall(self.transport, "open", {"release": list(release)}), self.timeout_s
         )
-        self.init_info = CheckpointInit(timeout_s=self.timeout_s).encode_for("torch")
+        self.init_info = CheckpointInit(timeout_s=self.timeout_s).encode_for(self.engine)
         await init_servers(self, control, "checkpoint", self.timeout_s)
 
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
-        location = await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        location = dict(
+            await source.run(TransportCall(self.transport, "push", {"policy_version": policy_version}))
+        )
+        digests = location.pop("digests", {})
         await control.start_weight_update()
         await control.update_weights(
-            CheckpointUpdate(**location, policy_version=policy_version).encode_for("torch")
+            CheckpointUpdate(**location, policy_version=policy_version).encode_for(self.engine)
         )
         await control.finish_weight_update(policy_version)
+        if self.engine == "vllm":
+            await check_served_version(control, policy_version)
+            await check_served_digests(control, digests, policy_version)
 
 
 @dataclass(frozen=True)
@@ -129,6 +149,8 @@ class CheckpointTransport:
     host: str
     timeout_s: float
     dtype: str = "auto"
+    # Rank 0 also reports digests of a few named tensors (``rollflow.weights.delivery``), for vLLM servers.
+    digests: bool = False
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> None:
         from rollflow.weights.trainer.checkpoint import CheckpointSession
@@ -139,8 +161,8 @@ class CheckpointTransport:
             open_session(self.transfer_id, rank, lambda: CheckpointSession(self))
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]], policy_version: int) -> Any:
-        """Rank 0 returns ``{"path": …}`` or ``{"url": …}``, and retires the files of earlier pushes (the
-        servers have loaded them: each push ends before the next starts)."""
+        """Rank 0 returns ``{"path": …}`` or ``{"url": …}`` (with ``"digests"`` when asked), and retires the
+        files of earlier pushes (the servers have loaded them: each push ends before the next starts)."""
         from rollflow.weights.trainer.checkpoint import serialize
         from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
@@ -150,7 +172,10 @@ class CheckpointTransport:
                 pass
             return None
         session = get_session(self.transfer_id, rank)
-        return session.publish(serialize(weights), policy_version)
+        if not self.digests:
+            return session.publish(serialize(weights), policy_version)
+        weights = list(weights)  # the same tensors serialize holds at once anyway
+        return {**session.publish(serialize(weights), policy_version), "digests": tensor_digests(weights)}
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         from rollflow.weights.trainer.sessions import release_sessions

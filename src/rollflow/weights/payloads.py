@@ -151,8 +151,11 @@ class NcclInit(BroadcastInit, kw_only=True, tag="nccl"):
 
 
 class CheckpointInit(InitInfo, kw_only=True, tag="checkpoint"):
-    """Each update names a safetensors file (a path, or a URL of the trainer's endpoint)."""
+    """Each update names a safetensors file (a path, or a URL of the trainer's endpoint). vLLM's view is the
+    init info of rollflow's plugin engine (``rollflow.vllm_plugin``): ``{"timeout_s"}``; vLLM picks the engine
+    from ``--weight-transfer-config``, so no ``backend``."""
 
+    vllm_keys = ("timeout_s",)
     what = "checkpoint init_info"
 
 
@@ -231,8 +234,10 @@ class IpcUpdate(TensorsUpdate, kw_only=True):
 
 
 class CheckpointUpdate(Payload, kw_only=True):
-    """A ``checkpoint`` update: the file to load, by ``path`` (a shared directory) or ``url``."""
+    """A ``checkpoint`` update: the file to load, by ``path`` (a shared directory) or ``url``. vLLM's view (the
+    plugin engine's update info) has the same keys."""
 
+    vllm_keys = ("path", "url", "policy_version")
     what = "checkpoint update_info"
 
     path: str | None = None

