@@ -110,7 +110,7 @@ async def test_5xx_and_exhausted_503s_are_unavailable():
     ``request_timeout_s``, then unavailable. Both retryable, neither a request error."""
     from aiohttp import web
 
-    from rollflow.inference.http import json_error
+    from rollflow.http.errors import json_error
 
     status = {"value": 500}
 

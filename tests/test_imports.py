@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
         "rollflow, rollflow.config",
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client, rollflow.inference.control, rollflow.inference.remote",
+        "rollflow.http, rollflow.http.front, rollflow.http.upstream, rollflow.http.runner, rollflow.http.sse",
         "rollflow.weights, rollflow.weights.registry, rollflow.weights.ranks, rollflow.weights.rounds",
         "rollflow.weights.local",
         "rollflow.orchestrator, rollflow.cli",

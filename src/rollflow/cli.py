@@ -107,8 +107,8 @@ def _positive_int(text: str) -> int:
 
 
 def _add_http_limits(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``rollflow.inference.http.HttpLimits`` (the config keys ``inference.http_*``)."""
-    from rollflow.inference.http_limits import HttpLimits
+    """Flags of ``rollflow.http.limits.HttpLimits`` (the config keys ``inference.http_*``)."""
+    from rollflow.http.limits import HttpLimits
 
     defaults = HttpLimits()
     parser.add_argument(

@@ -49,9 +49,9 @@ from rollflow.errors import (
     RemoteUnavailableError,
     error_code,
 )
+from rollflow.http.sse import iter_sse
 from rollflow.inference.control import PAUSE_MODES, PauseMode, WirePayload, WorldSize
 from rollflow.inference.routed_experts import unpack_routed_experts
-from rollflow.inference.streaming import iter_sse
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 log = structlog.get_logger(__name__)

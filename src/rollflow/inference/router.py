@@ -48,8 +48,8 @@ server, so the router can also be a client's whole control plane; see ``rollflow
 
 Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
 request without it has its body decoded, for ``session_id``), read and answered by the router's own small
-HTTP/1.1 front (``rollflow.inference.http_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
-kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
+HTTP/1.1 front (``rollflow.http.front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
+kept-alive connection of ``rollflow.http.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
 
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
@@ -80,23 +80,12 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
-from rollflow.inference.http import (
-    JSONErrorAppRunner,
-    bearer_token_matches,
-    json_error,
-    json_errors_middleware,
-    raw_json_response,
-    reason_phrase,
-    warn_if_exposed,
-)
-from rollflow.inference.http_front import (
-    Header,
-    HttpFront,
-    count_connections,
-    serve_with_front,
-    stop_listening,
-)
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.auth import bearer_token_matches, warn_if_exposed
+from rollflow.http.errors import json_error, json_errors_middleware, raw_json_response, reason_phrase
+from rollflow.http.front import Header, HttpFront, count_connections, serve_with_front, stop_listening
+from rollflow.http.limits import HttpLimits
+from rollflow.http.runner import JSONErrorAppRunner
+from rollflow.http.upstream import UpstreamError, UpstreamPool
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
 from rollflow.inference.session_ids import (
     SessionIdError,
@@ -104,7 +93,6 @@ from rollflow.inference.session_ids import (
     decode_session_id_header,
     session_id_from_raw_headers,
 )
-from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
 
@@ -285,7 +273,7 @@ class InferenceRouter:
             router sends it to the servers too. Without one, ``/add_worker`` lets whoever reaches the router
             add a server that then receives prompts: bound to loopback (the default), that is any local user;
             bound elsewhere, ``start`` logs a warning.
-        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        http_limits: read timeouts and the connection cap (``rollflow.http.limits.HttpLimits``).
 
     Raises:
         ValueError: a server URL or ``balance_factor`` is invalid.

@@ -33,7 +33,7 @@ aiohttp rejects before routing (a bad ``Content-Length``): the server's request 
 Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
 cancels its handler, which aborts its engine request. Clients that stall in a request's line, headers or
 body get a 408 and are disconnected, and connections beyond a cap get a 503 (``HttpLimits``, enforced by
-``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413. A generation request asking for more sequences (prompts x ``n``) or
+``rollflow.http.runner``); bodies over ``max_body_bytes`` get a 413. A generation request asking for more sequences (prompts x ``n``) or
 tokens than ``request_limits`` allow is a 400 before any of it is done (``--max-request-sequences``,
 ``--max-request-tokens``), and the engine shares its batch fairly between the requests it accepted (see
 ``TorchEngine``), so one large request cannot hold the server.
@@ -62,6 +62,9 @@ from aiohttp import web
 
 from rollflow import eventloop
 from rollflow.errors import ConfigError, EngineDeadError, EngineError, ModelNotFoundError, RollflowError
+from rollflow.http.auth import bearer_token_matches, warn_if_exposed
+from rollflow.http.limits import HttpLimits, limits_from_flags
+from rollflow.http.runner import JSONErrorAppRunner, raise_open_file_limit
 from rollflow.inference.client import PAUSE_MODES
 from rollflow.inference.engine.engine import TorchEngine
 from rollflow.inference.engine.server_protocol import (
@@ -78,14 +81,6 @@ from rollflow.inference.engine.server_protocol import (
     engine_dead,
     error_response,
 )
-from rollflow.inference.http import (
-    HttpLimits,
-    JSONErrorAppRunner,
-    bearer_token_matches,
-    raise_open_file_limit,
-    warn_if_exposed,
-)
-from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
 from rollflow.weights.ranks import FIRST_WORKER_RANK, update_list_index
@@ -184,7 +179,7 @@ class EngineServer:
             ``rollflow.weights.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
-        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        http_limits: read timeouts and the connection cap (``rollflow.http.limits.HttpLimits``).
         request_limits: the most sequences and tokens one generation request may ask for
             (``rollflow.inference.request_limits.RequestLimits``); more is a 400.
     """
