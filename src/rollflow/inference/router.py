@@ -70,7 +70,7 @@ import hashlib
 import hmac
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -81,12 +81,14 @@ from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
 from rollflow.http.auth import bearer_token_matches, warn_if_exposed
-from rollflow.http.errors import json_error, json_errors_middleware, raw_json_response, reason_phrase
+from rollflow.http.errors import json_error, json_errors_middleware, raw_json_response
 from rollflow.http.front import Header, HttpFront, count_connections, serve_with_front, stop_listening
 from rollflow.http.limits import HttpLimits
 from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.http.upstream import UpstreamError, UpstreamPool
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.router_sinks import HOP_HEADERS, AiohttpSink, FrontSink, ResponseSink
+from rollflow.inference.router_sinks import WORKER_HEADER as WORKER_HEADER
 from rollflow.inference.session_ids import (
     SessionIdError,
     check_body_session_id,
@@ -106,28 +108,7 @@ PROXIED_POST = (
     "/detokenize",
 )
 PROXIED_GET = ("/v1/models",)
-# Response header naming the server that answered (for debugging and affinity checks).
-WORKER_HEADER = "X-Rollflow-Worker"
-# Not forwarded either way (RFC 9110 §7.6.1), plus what aiohttp recomputes.
-_HOP_HEADERS = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-        "Date",
-        "Server",
-    )
-)
-_HOP_HEADER_BYTES = frozenset(name.encode() for name in _HOP_HEADERS)
-_STREAM_HOP_HEADERS = _HOP_HEADERS | {"content-length"}
+_HOP_HEADER_BYTES = frozenset(name.encode() for name in HOP_HEADERS)
 # Paths open without the bearer token (probes and scrapers carry no secret).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 _HEALTH_PROBE = msgspec.json.encode(
@@ -139,16 +120,9 @@ _HEALTH_PROBE = msgspec.json.encode(
 )
 
 
-_WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
 # Timed-out probes in a row, with the server neither paused nor making progress, that take it out as hung:
 # one could be a burst that filled the engine's batch; two, a health_check_timeout_s apart, are a stall.
 HUNG_PROBES = 2
-
-
-def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
-    """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
-    body = msgspec.json.encode(error_body(status, message, type=type))
-    return raw_json_response(status, body, content_type=b"application/json; charset=utf-8")
 
 
 class _SessionField(msgspec.Struct):
@@ -186,7 +160,7 @@ def validate_server_url(url: Any) -> str:
 
 def _forwarded_headers(headers: Any) -> dict[str, str]:
     """``headers`` less the hop-by-hop ones (checked against their lower-case names, built once)."""
-    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+    return {name: value for name, value in headers.items() if name.lower() not in HOP_HEADERS}
 
 
 def _forwarded_raw_headers(raw_headers: Any) -> list[tuple[bytes, bytes]]:
@@ -459,7 +433,7 @@ class InferenceRouter:
             # Answered here: aiohttp would refuse a header line over 8 KB with its own, vaguer 400.
             return self._refuse_fast(front, refused)
         assert session_id is not None
-        return self.proxy_fast(front, "POST", path, session_id, forwarded, body)
+        return self._route(FrontSink(front), session_id, "POST", path, forwarded, body)
 
     @staticmethod
     async def _refuse_fast(front: HttpFront, error: SessionIdError) -> None:
@@ -684,33 +658,26 @@ class InferenceRouter:
                 session_id = check_body_session_id(fields.session_id)
             except SessionIdError as error:
                 return json_error(400, str(error), param=error.param)
+        sink = AiohttpSink(request)
         headers = _forwarded_raw_headers(request.raw_headers)
-        answered: list[web.StreamResponse] = []
-
-        async def forward(worker: _Worker) -> int | BaseException:
-            response, error = await self._forward(request, worker, body, headers)
-            if response is None:
-                assert error is not None
-                return error
-            answered.append(response)
-            return response.status
-
-        failure = await self._route(session_id, f"{request.method} {request.path}", forward)
-        if failure is None:
-            return answered[0]
-        status, message, error_type = failure
-        return json_error(status, message, type=error_type)
+        await self._route(sink, session_id, request.method, request.path_qs, headers, body, path=request.path)
+        assert sink.response is not None
+        return sink.response
 
     async def _route(
         self,
+        sink: ResponseSink,
         session_id: str | None,
-        what: str,
-        forward: Callable[[_Worker], Awaitable[int | BaseException]],
-    ) -> tuple[int, str, str | None] | None:
+        method: str,
+        path_qs: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        path: str | None = None,
+    ) -> None:
         """Send a request to the session's server, and once more elsewhere when that one failed before
-        answering: ``forward(worker)`` answers the caller and returns the status it answered, or returns the
-        error that kept it from doing so. None once a server answered, else the error to send:
-        ``(status, message, type)``.
+        answering (``_forward``); with no server left to try, ``sink`` gets the router's own error. ``path`` is
+        the path errors name (``path_qs`` less its query by default).
 
         A session this request placed is forgotten again when the server refused the request (4xx): a
         refused request opens no session, and pinning it would let refused requests fill the table."""
@@ -725,7 +692,7 @@ class InferenceRouter:
             tried.add(worker.url)
             if attempt:
                 self.num_retries += 1
-            result = await forward(worker)
+            result = await self._forward(sink, worker, method, path_qs, headers, body)
             if isinstance(result, int):
                 if (
                     new_session
@@ -734,16 +701,18 @@ class InferenceRouter:
                     and self._sessions.get(session_id) == worker.url
                 ):
                     self._unpin(session_id)
-                return None
+                return
             last_error = f"{worker.url}: {result!r}"
         self.num_errors += 1
+        what = f"{method} {path if path is not None else path_qs.partition('?')[0]}"
         if self.workers and all(worker.engine_dead for worker in self.workers.values()):
             message = (
                 f"{what} failed: the engine of every inference server ({len(self.workers)}) is dead; "
                 "restart them"
             )
-            return 503, message, ENGINE_DEAD_TYPE
-        return (503 if not tried else 502), f"{what} failed: {last_error}", None
+            sink.error(503, message, type=ENGINE_DEAD_TYPE)
+            return
+        sink.error(503 if not tried else 502, f"{what} failed: {last_error}")
 
     def _pool(self, worker: _Worker) -> UpstreamPool:
         pool = self._pools.get(worker.url)
@@ -765,90 +734,19 @@ class InferenceRouter:
         return await handle_control(self, request, _forwarded_headers(request.headers))
 
     async def _forward(
-        self, request: web.Request, worker: _Worker, body: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[web.StreamResponse | None, BaseException | None]:
-        """Proxy to ``worker``; ``(None, error)`` when the connection failed before anything was sent back
-        (the caller may retry elsewhere).
-
-        The caller's headers go as they are: with an ``api_key`` the auth middleware already checked that they
-        carry it, so the server gets it too."""
-        pool = self._pool(worker)
-        worker.outstanding += 1
-        worker.requests += 1
-        response: web.StreamResponse | None = None
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                upstream = await pool.request(request.method, request.path_qs, headers, body)
-                loop = asyncio.get_running_loop()
-                worker.last_progress = loop.time()
-                out_headers = [
-                    (name, value) for name, value in upstream.headers if name.lower() not in _HOP_HEADERS
-                ]
-                out_headers.append((WORKER_HEADER, worker.url))
-                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
-                    data = await upstream.read()
-                    worker.last_progress = loop.time()
-                    if _is_engine_dead(upstream.status, data):
-                        # Nothing reached the caller yet: take the server out and let the caller retry.
-                        self._mark_dead(worker, "its engine died", engine_dead=True)
-                        return None, RuntimeError(f"the engine of {worker.url} is dead")
-                    return web.Response(body=data, status=upstream.status, headers=out_headers), None
-                response = web.StreamResponse(status=upstream.status, headers=out_headers)
-                await response.prepare(request)
-                async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
-                    async for chunk in chunks:
-                        worker.last_progress = loop.time()
-                        await response.write(chunk)
-                await response.write_eof()
-                return response, None
-        except UpstreamError as error:
-            self._upstream_failed(worker, error)
-            if response is not None:
-                raise
-            return None, error
-        except TimeoutError:
-            if response is not None:
-                raise
-            return (
-                json_error(
-                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
-                ),
-                None,
-            )
-        finally:
-            worker.outstanding -= 1
-
-    async def proxy_fast(
         self,
-        front: HttpFront,
-        method: str,
-        path_qs: str,
-        session_id: str,
-        headers: list[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> None:
-        """``_handle_proxy`` for a request ``HttpFront`` read itself: the same routing, retries, failover and
-        errors, the answer written straight to the caller's connection."""
-
-        async def forward(worker: _Worker) -> int | BaseException:
-            return await self._forward_fast(front, method, path_qs, worker, body, headers)
-
-        failure = await self._route(session_id, f"{method} {path_qs.partition('?')[0]}", forward)
-        if failure is not None:
-            status, message, error_type = failure
-            front.write(_error_bytes(status, message, type=error_type))
-
-    async def _forward_fast(
-        self,
-        front: HttpFront,
-        method: str,
-        path_qs: str,
+        sink: ResponseSink,
         worker: _Worker,
-        body: bytes,
+        method: str,
+        path_qs: str,
         headers: list[tuple[bytes, bytes]],
+        body: bytes,
     ) -> int | BaseException:
-        """``_forward`` writing to ``front``: the status answered, or the error when the connection failed
-        before anything was written (the caller may retry elsewhere)."""
+        """Proxy to ``worker``, answering into ``sink``: the status answered, or the error when the connection
+        failed before anything was sent back (the caller may retry elsewhere).
+
+        The caller's headers go as they are: with an ``api_key`` the auth check already found that they carry
+        it, so the server gets it too."""
         pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
@@ -858,11 +756,6 @@ class InferenceRouter:
                 upstream = await pool.request(method, path_qs, headers, body)
                 loop = asyncio.get_running_loop()
                 worker.last_progress = loop.time()
-                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, reason_phrase(upstream.status)))
-                for name, value in upstream.headers:
-                    if name.lower() not in _STREAM_HOP_HEADERS:
-                        head += f"{name}: {value}\r\n".encode("latin-1")
-                head += _WORKER_HEADER_PREFIX + worker.url.encode() + b"\r\n"
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
                     data = await upstream.read()
                     worker.last_progress = loop.time()
@@ -870,20 +763,16 @@ class InferenceRouter:
                         # Nothing reached the caller yet: take the server out and let the caller retry.
                         self._mark_dead(worker, "its engine died", engine_dead=True)
                         return RuntimeError(f"the engine of {worker.url} is dead")
-                    head += b"Content-Length: %d\r\n\r\n" % len(data)
-                    head += data
-                    front.write(head)
+                    sink.answer(upstream.status, upstream.headers, worker.url, data)
                     return upstream.status
-                head += b"Transfer-Encoding: chunked\r\n\r\n"
-                front.write(head)
                 started = True
+                await sink.start(upstream.status, upstream.headers, worker.url)
                 async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
                     async for chunk in chunks:
                         if chunk:
                             worker.last_progress = loop.time()
-                            front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                            await front.drain()
-                front.write(b"0\r\n\r\n")
+                            await sink.write(chunk)
+                await sink.end()
                 return upstream.status
         except UpstreamError as error:
             self._upstream_failed(worker, error)
@@ -893,10 +782,8 @@ class InferenceRouter:
         except TimeoutError:
             if started:
                 raise
-            front.write(
-                _error_bytes(
-                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
-                )
+            sink.error(
+                504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
             )
             return 504
         finally:
