@@ -480,7 +480,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from rollflow.errors import ModelNotFoundError
-    from rollflow.inference.engine.server import main as serve_main
+    from rollflow.inference.engine.server_main import main as serve_main
 
     try:
         return serve_main(args)
