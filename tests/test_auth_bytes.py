@@ -13,9 +13,9 @@ import json
 
 from structlog.testing import capture_logs
 
+from rollflow.http.auth import bearer_token_matches
 from rollflow.inference.engine import TorchEngine
 from rollflow.inference.engine.server import EngineServer
-from rollflow.inference.http import bearer_token_matches
 from rollflow.inference.router import InferenceRouter
 from rollflow.models.loading import load_causal_lm, load_tokenizer
 from rollflow.tito.proxy import TITOProxy

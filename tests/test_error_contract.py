@@ -110,7 +110,7 @@ async def test_5xx_and_exhausted_503s_are_unavailable():
     ``request_timeout_s``, then unavailable. Both retryable, neither a request error."""
     from aiohttp import web
 
-    from rollflow.inference.http import json_error
+    from rollflow.http.errors import json_error
 
     status = {"value": 500}
 
@@ -273,9 +273,9 @@ async def test_an_overlong_agent_prompt_gives_the_same_samples_and_metrics_in_lo
 async def test_data_plane_backoff_is_jittered(monkeypatch):
     """Thousands of requests refused at once (a restarting server) must not retry in lockstep: each wait is
     its nominal backoff scaled into [0.5, 1)."""
-    from rollflow.inference import remote
+    from rollflow.inference import remote_retry
 
-    jittered = [remote._jittered(0.2) for _ in range(200)]
+    jittered = [remote_retry.jittered(0.2) for _ in range(200)]
     assert all(0.1 <= wait < 0.2 for wait in jittered) and len(set(jittered)) > 150
     nominal: list[float] = []
 
@@ -283,8 +283,8 @@ async def test_data_plane_backoff_is_jittered(monkeypatch):
         nominal.append(delay)
         return 0.0
 
-    monkeypatch.setattr(remote, "_jittered", record)
-    retry = remote._DataRetry("POST", "http://127.0.0.1:1/x", timeout_s=60, connect_retries=2)
+    monkeypatch.setattr(remote_retry, "jittered", record)
+    retry = remote_retry.DataRetry("POST", "http://127.0.0.1:1/x", timeout_s=60, connect_retries=2)
     await retry.after_connection_error(ConnectionRefusedError())
     await retry.while_paused()
     await retry.after_connection_error(ConnectionRefusedError())

@@ -1,4 +1,4 @@
-"""The router's hot path (``rollflow.inference.http_front``) over real loopback sockets: requests that name
+"""The router's hot path (``rollflow.http.front``) over real loopback sockets: requests that name
 their session in ``X-Session-ID`` are served by ``HttpFront``; everything else on the same connection is
 handed to aiohttp; limits, failover, streaming and disconnects behave as on aiohttp's path."""
 
@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.limits import HttpLimits
 from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 
 from .helpers.raw_http import exchange

@@ -1,4 +1,4 @@
-"""Slow clients and the connection cap (``rollflow.inference.http``): real loopback servers, raw sockets.
+"""Slow clients and the connection cap (``rollflow.http.runner``): real loopback servers, raw sockets.
 
 A connection that stalls in its request line, headers or body gets a 408 JSON error and is closed once its
 timeout passes; an idle kept-alive connection is closed too; beyond ``max_connections`` a request gets 503.
@@ -15,8 +15,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rollflow.inference.http import HttpLimits, JSONErrorAppRunner, is_loopback
-from rollflow.inference.http_limits import limits_from_flags
+from rollflow.http.auth import is_loopback
+from rollflow.http.limits import HttpLimits, limits_from_flags
+from rollflow.http.runner import JSONErrorAppRunner
 from tests.helpers.tito import MODEL, ScriptedClient
 from tests.helpers.waits import wait_until
 

@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parent.parent / "src"
         "rollflow, rollflow.config",
         "rollflow.messages, rollflow.channels, rollflow.errors",
         "rollflow.inference.client, rollflow.inference.control, rollflow.inference.remote",
+        "rollflow.http, rollflow.http.front, rollflow.http.upstream, rollflow.http.runner, rollflow.http.sse",
         "rollflow.weights, rollflow.weights.registry, rollflow.weights.ranks, rollflow.weights.rounds",
         "rollflow.weights.payloads, rollflow.weights.server.state, rollflow.weights.server.receiver",
         "rollflow.weights.local, rollflow.weights.base, rollflow.weights.broadcast",

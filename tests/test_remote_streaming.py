@@ -115,7 +115,7 @@ async def test_bad_request_raises_naming_the_url(client):
 
 
 async def test_sse_parsing_takes_chunks_of_any_size_and_lines_of_any_length():
-    from rollflow.inference.streaming import iter_sse
+    from rollflow.http.sse import iter_sse
 
     big = {"choices": [{"token_ids": list(range(100_000))}]}  # a line far over aiohttp's readline limit
     raw = b": comment\r\n\r\n" + b"data: " + json.dumps(big).encode() + b'\r\n\r\ndata: {"a": 1}\n\n'

@@ -13,7 +13,8 @@ import pytest_asyncio
 from rollflow.errors import ConfigError
 from rollflow.inference.client import collect_stream
 from rollflow.inference.logprob_check import check_server_logprobs, logprob_problem
-from rollflow.inference.remote import RemoteInferenceClient, RemoteInferenceError, _kept_counts
+from rollflow.inference.remote import RemoteInferenceClient, RemoteInferenceError
+from rollflow.inference.remote_wire import kept_counts
 from rollflow.launch.server_group import ServerGroup
 from rollflow.messages import GenerateRequest, SamplingParams
 
@@ -74,12 +75,12 @@ def test_client_refuses_malformed_kept_counts_and_fills_vllms_top_k():
     with pytest.raises(
         RemoteInferenceError, match="kept_counts from http://s must be one integer >= 0 per token"
     ):
-        _kept_counts({"kept_counts": [3]}, 2, params, "http://s")
+        kept_counts({"kept_counts": [3]}, 2, params, "http://s")
     with pytest.raises(RemoteInferenceError, match="kept_counts"):
-        _kept_counts({"kept_counts": [3, -1]}, 2, params, "http://s")
+        kept_counts({"kept_counts": [3, -1]}, 2, params, "http://s")
     # vLLM records no kept sets: top-k alone keeps k tokens; top-p cannot be rebuilt.
-    assert _kept_counts({}, 2, params, "http://s") == [20, 20]
-    assert _kept_counts({}, 2, SamplingParams(top_k=20, top_p=0.9), "http://s") is None
+    assert kept_counts({}, 2, params, "http://s") == [20, 20]
+    assert kept_counts({}, 2, SamplingParams(top_k=20, top_p=0.9), "http://s") is None
 
 
 # ---------------------------------------------------------------- the start-up check

@@ -310,7 +310,7 @@ async def test_api_key_guards_abort_update_weights_and_add_worker(tiny_chat, unc
 
 
 def test_no_api_key_beyond_loopback_logs_a_warning(monkeypatch):
-    from rollflow.inference import http
+    from rollflow.http import auth
 
     warnings = []
 
@@ -318,10 +318,10 @@ def test_no_api_key_beyond_loopback_logs_a_warning(monkeypatch):
         def warning(self, event, **fields):
             warnings.append((event, fields))
 
-    monkeypatch.setattr(http, "log", Recorder())
-    http.warn_if_exposed("rollflow serve", "0.0.0.0", None)
-    http.warn_if_exposed("rollflow serve", "127.0.0.1", None)
-    http.warn_if_exposed("rollflow serve", "0.0.0.0", "key")
+    monkeypatch.setattr(auth, "log", Recorder())
+    auth.warn_if_exposed("rollflow serve", "0.0.0.0", None)
+    auth.warn_if_exposed("rollflow serve", "127.0.0.1", None)
+    auth.warn_if_exposed("rollflow serve", "0.0.0.0", "key")
     assert len(warnings) == 1
     event, fields = warnings[0]
     assert "without an API key" in event and "0.0.0.0" in event and fields == {"host": "0.0.0.0"}

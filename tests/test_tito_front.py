@@ -1,4 +1,4 @@
-"""The TITO proxy's hot path (``rollflow.inference.http_front``) over real loopback sockets: non-streamed chat
+"""The TITO proxy's hot path (``rollflow.http.front``) over real loopback sockets: non-streamed chat
 completions of open sessions are answered by ``HttpFront``, through the same checks and errors as aiohttp's
 path; everything else on the connection is handed to aiohttp; disconnects cancel the engine request."""
 
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.limits import HttpLimits
 from rollflow.tito import TITOProxy
 
 from .helpers.raw_http import exchange

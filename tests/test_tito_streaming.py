@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from rollflow.inference.client import LocalInferenceClient
-from rollflow.inference.streaming import TextDeltas
+from rollflow.inference.text_deltas import TextDeltas
 from rollflow.messages import GenerateChunk, GenerateRequest
 from rollflow.tito import TITOProxy
 from tests.helpers.tito import MODEL, ScriptedClient
@@ -248,7 +248,7 @@ async def test_text_deltas_hold_back_half_sampled_characters(tiny_chat):
 
 
 async def test_incremental_decoder_sends_stable_text_from_a_short_window(tiny_chat):
-    from rollflow.inference.streaming import IncrementalDecoder
+    from rollflow.inference.text_deltas import IncrementalDecoder
 
     tokenizer = tiny_chat.tokenizer
     text = "漢字 é 🙂 end  " * 20

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 from aiohttp import web
 
-from rollflow.inference.upstream import UpstreamError, UpstreamPool
+from rollflow.http.upstream import UpstreamError, UpstreamPool
 from rollflow.launch.server_group import free_port
 
 from .helpers.waits import wait_until

@@ -107,8 +107,8 @@ def _positive_int(text: str) -> int:
 
 
 def _add_http_limits(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``rollflow.inference.http.HttpLimits`` (the config keys ``inference.http_*``)."""
-    from rollflow.inference.http_limits import HttpLimits
+    """Flags of ``rollflow.http.limits.HttpLimits`` (the config keys ``inference.http_*``)."""
+    from rollflow.http.limits import HttpLimits
 
     defaults = HttpLimits()
     parser.add_argument(
@@ -480,7 +480,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from rollflow.errors import ModelNotFoundError
-    from rollflow.inference.engine.server import main as serve_main
+    from rollflow.inference.engine.server_main import main as serve_main
 
     try:
         return serve_main(args)

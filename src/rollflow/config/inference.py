@@ -139,8 +139,8 @@ class InferenceConfig(Section):
         return "external" if self.external_proxy_url is not None or self.external_server_urls else "managed"
 
     def http_limits(self):
-        """``rollflow.inference.http_limits.HttpLimits`` of the ``http_*`` keys."""
-        from rollflow.inference.http_limits import HttpLimits
+        """``rollflow.http.limits.HttpLimits`` of the ``http_*`` keys."""
+        from rollflow.http.limits import HttpLimits
 
         return HttpLimits(
             header_timeout_s=self.http_header_timeout_s,

@@ -21,13 +21,14 @@ Paths and field names are vLLM 0.33's (``/inference/v1/generate``, ``/pause?mode
 so the same client drives vLLM on GPUs and rollflow's torch engine server on CPUs. The client is picklable
 (its aiohttp session is created lazily per event loop and dropped on pickling) so it can be shipped to other
 processes. This module must not import torch at module scope.
+
+The JSON of requests and answers is translated in ``remote_wire``; the data plane's retry policy is
+``remote_retry``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,192 +37,27 @@ import msgspec
 import structlog
 
 from rollflow.errors import (
-    CONTEXT_LENGTH_EXCEEDED,
-    ENGINE_DEAD,
-    ENGINE_DEAD_TYPE,
-    INTERNAL_ERROR,
-    SERVICE_UNAVAILABLE,
     ControlPlaneError,
-    RemoteContextLengthExceededError,
     RemoteEngineDeadError,
     RemoteInferenceError,
-    RemoteRequestError,
     RemoteUnavailableError,
-    error_code,
 )
+from rollflow.http.sse import iter_sse
 from rollflow.inference.control import PAUSE_MODES, PauseMode, WirePayload, WorldSize
-from rollflow.inference.routed_experts import unpack_routed_experts
-from rollflow.inference.streaming import iter_sse
-from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
+from rollflow.inference.remote_retry import DataRetry
+from rollflow.inference.remote_wire import (
+    error_message,
+    http_error,
+    parse_generate,
+    parse_stream_event,
+    sampling_fields,
+)
+from rollflow.messages import GenerateChunk, GenerateOutput, GenerateRequest
 
 log = structlog.get_logger(__name__)
 
 # Generous: thousands of concurrent generate calls share one session (aiohttp's default of 100 throttles RL).
 DEFAULT_CONNECTION_LIMIT = 10_000
-# The router and servers answer 503 while paused in abort/wait mode; generate polls with this back-off
-# (capped) until resume, so a caller sees the same "wait while paused" as with in-process engines.
-_PAUSED_RETRY_S = (0.02, 0.5)
-
-
-def _kept_counts(
-    choice: Mapping[str, Any], num_tokens: int, params: SamplingParams, url: str
-) -> list[int] | None:
-    """The choice's per-token kept counts (``GenerateOutput.kept_counts``).
-
-    rollflow's server sends ``kept_counts`` when top-k/top-p cut a token's vocabulary. vLLM sends none; its
-    top-k alone keeps ``top_k`` tokens (ties at the boundary aside), so that count is filled in, while a top-p
-    set cannot be rebuilt and stays unrecorded (the trainer then trains the full softmax on those tokens).
-
-    Raises:
-        RemoteInferenceError: ``kept_counts`` is not one non-negative int per token.
-    """
-    counts = choice.get("kept_counts")
-    if counts is None:
-        # rollflow's server omits them when nothing was cut (top_k >= vocabulary): a count that large cuts
-        # nothing for the trainer either.
-        if params.top_k > 0 and params.top_p >= 1.0 and num_tokens:
-            return [params.top_k] * num_tokens
-        return None
-    if (
-        not isinstance(counts, list)
-        or len(counts) != num_tokens
-        or not all(type(count) is int and count >= 0 for count in counts)
-    ):
-        raise RemoteInferenceError(
-            f"kept_counts from {url} must be one integer >= 0 per token ({num_tokens}), got {str(counts)[:200]}",
-            url=url,
-        )
-    return counts
-
-
-def _sampling_fields(params: SamplingParams) -> dict[str, Any]:
-    """vLLM sampling fields of ``params``, with logprobs of the sampled tokens; like in-process engines, the
-    request stops only on its ``stop_token_ids`` (callers add eos there)."""
-    fields: dict[str, Any] = {
-        "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "logprobs": 0,
-        "ignore_eos": True,
-    }
-    if params.seed is not None:
-        fields["seed"] = params.seed
-    if params.stop_token_ids:
-        fields["stop_token_ids"] = list(params.stop_token_ids)
-    return fields
-
-
-def _jittered(delay: float) -> float:
-    """``delay`` scaled by a random factor in [0.5, 1): thousands of requests refused together (a pause, a
-    restarting server) come back spread out instead of all at once."""
-    return delay * (0.5 + 0.5 * random.random())
-
-
-class _DataRetry:
-    """The data plane's retry policy for one call: bounded retries with backoff on connection errors, and
-    waiting (backing off) while the servers answer 503 (paused, or no healthy server behind the router yet),
-    all within ``timeout_s``."""
-
-    def __init__(self, method: str, url: str, timeout_s: float, connect_retries: int):
-        self.method, self.url, self.timeout_s = method, url, timeout_s
-        self.connect_retries = connect_retries
-        self.deadline = time.monotonic() + timeout_s
-        self.connect_failures = 0
-        self.paused_wait = _PAUSED_RETRY_S[0]
-
-    def remaining(self) -> float:
-        """Seconds left for the next attempt.
-
-        Raises:
-            RemoteInferenceError: none are left.
-        """
-        remaining = self.deadline - time.monotonic()
-        if remaining <= 0:
-            raise RemoteUnavailableError(
-                f"{self.method} {self.url} did not complete within request_timeout_s = {self.timeout_s} s",
-                url=self.url,
-            )
-        return remaining
-
-    async def after_connection_error(self, error: BaseException) -> None:
-        """Back off before the next attempt, or raise once the retries are spent."""
-        self.connect_failures += 1
-        if self.connect_failures > self.connect_retries:
-            raise RemoteUnavailableError(
-                f"{self.method} {self.url} failed after {self.connect_failures} connection attempts: {error!r}",
-                url=self.url,
-            ) from error
-        delay = _jittered(min(0.1 * 2**self.connect_failures, 2.0))
-        await asyncio.sleep(min(delay, max(self.deadline - time.monotonic(), 0)))
-
-    async def while_paused(self) -> None:
-        """Wait (doubling up to a cap) before asking a paused server again."""
-        await asyncio.sleep(min(_jittered(self.paused_wait), max(self.deadline - time.monotonic(), 0)))
-        self.paused_wait = min(self.paused_wait * 2, _PAUSED_RETRY_S[1])
-
-
-_FINISH_REASONS = {reason.value: reason for reason in FinishReason}
-
-
-def _routed_experts(choice: Mapping[str, Any], url: str, total_tokens: int | None) -> Any:
-    """A choice's ``routed_experts`` (packed or nested lists) as an array; None when absent.
-
-    Raises:
-        RemoteInferenceError: malformed routes, or (with ``total_tokens``, prompt plus output) a row count that
-            is neither ``total_tokens - 1`` (the last sampled token never ran) nor ``total_tokens``.
-    """
-    try:
-        experts = unpack_routed_experts(choice.get("routed_experts"))
-    except ValueError as error:
-        raise RemoteInferenceError(f"generate response from {url}: {error}", url=url) from None
-    if (
-        experts is not None
-        and total_tokens is not None
-        and experts.shape[0] not in (total_tokens - 1, total_tokens)
-    ):
-        raise RemoteInferenceError(
-            f"generate response from {url} has routed_experts for {experts.shape[0]} tokens; the prompt and "
-            f"output have {total_tokens} (expected {total_tokens - 1} or {total_tokens} rows)",
-            url=url,
-        )
-    return experts
-
-
-def _error_fields(body: Any) -> dict[str, Any]:
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else {}
-
-
-def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteInferenceError:
-    """The error family of an HTTP error answer, the same as a local engine's for the same failure.
-
-    ``status`` is None for an error reported inside a stream (its status is then read from the body's
-    ``type`` and ``code``). A 4xx keeps the server's string ``code`` (vLLM sends the status as ``code``:
-    then it is the status's code); a 503 whose ``type`` is ``EngineDeadError`` is a dead engine; any other
-    5xx, and a 429, is unavailable (retryable).
-    """
-    fields = _error_fields(body)
-    code = fields.get("code") if isinstance(fields.get("code"), str) else None
-    param = fields.get("param") if isinstance(fields.get("param"), str) else None
-    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
-        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
-    if status is None and isinstance(fields.get("code"), int):  # vLLM's stream errors carry the status
-        status = fields["code"]
-    if status is None:
-        status = 500 if code in (None, INTERNAL_ERROR, SERVICE_UNAVAILABLE) else 400
-    if status >= 500 or status == 429:  # 429: over capacity now, not the request's fault
-        return RemoteUnavailableError(message, url=url, status=status, body=body, code=code)
-    kind = RemoteContextLengthExceededError if code == CONTEXT_LENGTH_EXCEEDED else RemoteRequestError
-    return kind(message, url=url, status=status, body=body, code=code or error_code(status), param=param)
-
-
-def _error_message(body: Any, text: str) -> str:
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        return str(body["error"].get("message", body["error"]))
-    if isinstance(body, dict) and "error" in body:
-        return str(body["error"])
-    return text[:500] or "(empty body)"
 
 
 class RemoteInferenceClient:
@@ -365,7 +201,7 @@ class RemoteInferenceClient:
             except msgspec.DecodeError:
                 body = None
         if status >= 400:
-            message = _error_message(body, raw.decode(errors="replace"))
+            message = error_message(body, raw.decode(errors="replace"))
             raise http_error(f"{method} {url} returned HTTP {status}: {message}", url, status, body)
         return body
 
@@ -376,7 +212,7 @@ class RemoteInferenceClient:
         within ``request_timeout_s`` overall."""
         url = f"{self.data_url}{path}"
         headers = {"X-Session-ID": session_id} if session_id else None
-        retry = _DataRetry(method, url, self.request_timeout_s, self.connect_retries)
+        retry = DataRetry(method, url, self.request_timeout_s, self.connect_retries)
         while True:
             remaining = retry.remaining()
             try:
@@ -466,12 +302,12 @@ class RemoteInferenceClient:
             RemoteInferenceError: the server rejected the request (4xx, with its message), or it failed after
                 the bounded connection retries, or ``request_timeout_s`` passed.
         """
-        sampling = {**_sampling_fields(request.sampling), "detokenize": False}
+        sampling = {**sampling_fields(request.sampling), "detokenize": False}
         payload = {"token_ids": request.prompt_token_ids, "sampling_params": sampling, **self._ids(request)}
         body = await self._data_call(
             "POST", "/inference/v1/generate", json=payload, session_id=request.session_id
         )
-        return self._parse_generate(body, request)
+        return parse_generate(body, request, f"{self.data_url}/inference/v1/generate", self.policy_version)
 
     def _ids(self, request: GenerateRequest) -> dict[str, Any]:
         """The request's id, session and the served model name, where set."""
@@ -498,7 +334,7 @@ class RemoteInferenceClient:
         """
         payload = {
             "prompt": request.prompt_token_ids,
-            **_sampling_fields(request.sampling),
+            **sampling_fields(request.sampling),
             "return_token_ids": True,
             "stream": True,
             **self._ids(request),
@@ -509,7 +345,7 @@ class RemoteInferenceClient:
         finished = False
         try:
             async for event in iter_sse(response.content.iter_any()):
-                chunk = self._parse_stream_event(event, url, request, prompt_len)
+                chunk = parse_stream_event(event, url, request, prompt_len, self.policy_version)
                 finished = chunk.finish_reason is not None
                 yield chunk
                 if finished:
@@ -528,7 +364,7 @@ class RemoteInferenceClient:
         """POST ``payload`` and return the response once it is a 200 (retrying like ``_data_call``)."""
         session = self._get_session()
         headers = {"X-Session-ID": session_id} if session_id else None
-        retry = _DataRetry("POST", url, self.request_timeout_s, self.connect_retries)
+        retry = DataRetry("POST", url, self.request_timeout_s, self.connect_retries)
         while True:
             remaining = retry.remaining()
             try:
@@ -550,91 +386,13 @@ class RemoteInferenceClient:
                 body = msgspec.json.decode(raw) if raw else None
             except msgspec.DecodeError:
                 body = None
-            message = _error_message(body, raw.decode(errors="replace"))
+            message = error_message(body, raw.decode(errors="replace"))
             error = http_error(
                 f"POST {url} returned HTTP {response.status}: {message}", url, response.status, body
             )
             if response.status != 503 or not isinstance(error, RemoteUnavailableError):
                 raise error
             await retry.while_paused()
-
-    def _parse_stream_event(
-        self, event: Any, url: str, request: GenerateRequest, prompt_len: int
-    ) -> GenerateChunk:
-        if isinstance(event, dict) and "error" in event:
-            message = f"POST {url}: the stream reported an error: {_error_message(event, str(event))}"
-            raise http_error(message, url, None, event)
-        try:
-            choice = event["choices"][0]
-            token_ids = [int(token) for token in choice["token_ids"]]
-            logprobs = [float(v) for v in (choice.get("logprobs") or {}).get("token_logprobs") or ()]
-            reason = choice.get("finish_reason")
-            finish_reason = _FINISH_REASONS[reason] if reason is not None else None
-        except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise RemoteInferenceError(
-                f"unexpected stream chunk from {url}: {error!r} in {str(event)[:300]}", url=url
-            ) from None
-        policy_versions = self._token_versions(choice, token_ids, logprobs, f"stream chunk from {url}", url)
-        return GenerateChunk(
-            request_id=request.request_id or str(event.get("id") or ""),
-            token_ids=token_ids,
-            logprobs=logprobs,
-            policy_versions=policy_versions,
-            finish_reason=finish_reason,
-            prompt_len=prompt_len,
-            # The whole stream's routes, on its last chunk only; rows are checked against the assembled
-            # output by whoever assembles it.
-            routed_experts=_routed_experts(choice, url, None) if finish_reason is not None else None,
-            kept_counts=_kept_counts(choice, len(token_ids), request.sampling, url),
-        )
-
-    def _token_versions(
-        self, choice: Mapping[str, Any], token_ids: list[int], logprobs: list[float], source: str, url: str
-    ) -> list[int]:
-        """The policy version of each token of ``choice``, after checking there is one logprob per token.
-
-        rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them;
-        without a usable list every token gets this client's ``policy_version``.
-        """
-        if len(logprobs) != len(token_ids):
-            raise RemoteInferenceError(
-                f"{source} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
-            )
-        versions = choice.get("policy_versions") or choice.get("weight_versions")
-        try:
-            policy_versions = [int(version) for version in versions or ()]
-        except (TypeError, ValueError):
-            policy_versions = []
-        if len(policy_versions) != len(token_ids):
-            policy_versions = [self.policy_version] * len(token_ids)
-        return policy_versions
-
-    def _parse_generate(self, body: Any, request: GenerateRequest) -> GenerateOutput:
-        url = f"{self.data_url}/inference/v1/generate"
-        try:
-            choice = body["choices"][0]
-            token_ids = [int(token) for token in choice["token_ids"]]
-            content = (choice.get("logprobs") or {}).get("content") or []
-            logprobs = [float(entry["logprob"]) for entry in content]
-            finish_reason = _FINISH_REASONS[choice.get("finish_reason") or "stop"]
-        except (KeyError, IndexError, TypeError, ValueError) as error:
-            raise RemoteInferenceError(
-                f"unexpected generate response from {url}: {error!r} in {str(body)[:300]}", url=url
-            ) from None
-        policy_versions = self._token_versions(
-            choice, token_ids, logprobs, f"generate response from {url}", url
-        )
-        prompt_len = len(request.prompt_token_ids)
-        return GenerateOutput(
-            request_id=str(body.get("request_id") or request.request_id),
-            token_ids=token_ids,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            policy_versions=policy_versions,
-            prompt_len=prompt_len,
-            routed_experts=_routed_experts(choice, url, prompt_len + len(token_ids)),
-            kept_counts=_kept_counts(choice, len(token_ids), request.sampling, url),
-        )
 
     async def chat_completion(self, body: Mapping[str, Any]) -> dict[str, Any]:
         """``POST /v1/chat/completions`` with ``body`` as given; a ``session_id`` in it also goes in the

@@ -48,13 +48,17 @@ server, so the router can also be a client's whole control plane; see ``rollflow
 
 Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
 request without it has its body decoded, for ``session_id``), read and answered by the router's own small
-HTTP/1.1 front (``rollflow.inference.http_front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
-kept-alive connection of ``rollflow.inference.upstream.UpstreamPool``, a client leaner than aiohttp's.
+HTTP/1.1 front (``rollflow.http.front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
+kept-alive connection of ``rollflow.http.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
 
 Admin and observability: ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /list_workers``,
 ``POST /add_worker?url=``, ``POST /remove_worker?url=``. Streaming responses (``"stream": true``) are passed
 through chunk by chunk. Errors are vLLM-shaped JSON; bad input is a 4xx.
+
+Where the parts live: routing, the proxy and the lifecycle here; health checks in ``router_health``, admin
+endpoints in ``router_admin``, the control fan-out in ``router_control``, the two response sinks of the one
+forward path in ``router_sinks``, and the server table entry (``RouterWorker``) in ``router_workers``.
 
 With an ``api_key`` every path but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <api_key>``
 (401 otherwise), and the router sends the same header to the servers (proxied calls, probes, fan-out), so
@@ -70,9 +74,8 @@ import hashlib
 import hmac
 import math
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -80,33 +83,31 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import ENGINE_DEAD_TYPE, error_body
-from rollflow.inference.http import (
-    JSONErrorAppRunner,
-    bearer_token_matches,
-    json_error,
-    json_errors_middleware,
-    raw_json_response,
-    reason_phrase,
-    warn_if_exposed,
-)
-from rollflow.inference.http_front import (
-    Header,
-    HttpFront,
-    count_connections,
-    serve_with_front,
-    stop_listening,
-)
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.auth import warn_if_exposed
+from rollflow.http.errors import json_error, json_errors_middleware, raw_json_response
+from rollflow.http.front import Header, HttpFront, count_connections, serve_with_front, stop_listening
+from rollflow.http.limits import HttpLimits
+from rollflow.http.runner import JSONErrorAppRunner
+from rollflow.http.upstream import UpstreamError, UpstreamPool
+from rollflow.inference.router_admin import OPEN_PATHS as OPEN_PATHS
+from rollflow.inference.router_admin import RouterAdmin
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
+from rollflow.inference.router_health import HUNG_PROBES as HUNG_PROBES
+from rollflow.inference.router_health import RouterHealth
+from rollflow.inference.router_sinks import HOP_HEADERS, AiohttpSink, FrontSink, ResponseSink
+from rollflow.inference.router_sinks import WORKER_HEADER as WORKER_HEADER
+from rollflow.inference.router_workers import RouterWorker, is_engine_dead, validate_server_url
 from rollflow.inference.session_ids import (
+    SessionField,
     SessionIdError,
     check_body_session_id,
     decode_session_id_header,
     session_id_from_raw_headers,
 )
-from rollflow.inference.upstream import UpstreamError, UpstreamPool
 
 log = structlog.get_logger(__name__)
+# The router's server table entry under the name rollflow.inference.router_control imports.
+_Worker = RouterWorker
 
 VIRTUAL_NODES = 64
 # Data-plane routes proxied to one server; every other path is a 404.
@@ -118,55 +119,7 @@ PROXIED_POST = (
     "/detokenize",
 )
 PROXIED_GET = ("/v1/models",)
-# Response header naming the server that answered (for debugging and affinity checks).
-WORKER_HEADER = "X-Rollflow-Worker"
-# Not forwarded either way (RFC 9110 §7.6.1), plus what aiohttp recomputes.
-_HOP_HEADERS = frozenset(
-    h.lower()
-    for h in (
-        "Connection",
-        "Keep-Alive",
-        "Proxy-Authenticate",
-        "Proxy-Authorization",
-        "TE",
-        "Trailer",
-        "Transfer-Encoding",
-        "Upgrade",
-        "Host",
-        "Content-Length",
-        "Date",
-        "Server",
-    )
-)
-_HOP_HEADER_BYTES = frozenset(name.encode() for name in _HOP_HEADERS)
-_STREAM_HOP_HEADERS = _HOP_HEADERS | {"content-length"}
-# Paths open without the bearer token (probes and scrapers carry no secret).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-_HEALTH_PROBE = msgspec.json.encode(
-    {
-        "token_ids": [0],
-        "sampling_params": {"max_tokens": 1, "temperature": 0.0},
-        "request_id": "router-health",
-    }
-)
-
-
-_WORKER_HEADER_PREFIX = f"{WORKER_HEADER}: ".encode()
-# Timed-out probes in a row, with the server neither paused nor making progress, that take it out as hung:
-# one could be a burst that filled the engine's batch; two, a health_check_timeout_s apart, are a stall.
-HUNG_PROBES = 2
-
-
-def _error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
-    """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
-    body = msgspec.json.encode(error_body(status, message, type=type))
-    return raw_json_response(status, body, content_type=b"application/json; charset=utf-8")
-
-
-class _SessionField(msgspec.Struct):
-    """The only body field the router reads; decoding into it also checks the body is a JSON object."""
-
-    session_id: str | None = None
+_HOP_HEADER_BYTES = frozenset(name.encode() for name in HOP_HEADERS)
 
 
 def _hash(key: str) -> int:
@@ -176,72 +129,14 @@ def _hash(key: str) -> int:
     )
 
 
-def validate_server_url(url: Any) -> str:
-    """``http(s)://host[:port]`` without a path, normalized (no trailing slash).
-
-    Raises:
-        ValueError: anything else; the message says what is wrong.
-    """
-    if not isinstance(url, str) or not url:
-        raise ValueError(f"server URL must be a non-empty string, got {url!r}")
-    parts = urlsplit(url.rstrip("/"))
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"server URL must look like http://host:port, got {url!r}")
-    if parts.path or parts.query or parts.fragment:
-        raise ValueError(f"server URL must have no path or query (give the server's base URL), got {url!r}")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a port outside 0-65535
-    except ValueError:
-        raise ValueError(f"server URL has an invalid port: {url!r}") from None
-    return url.rstrip("/")
-
-
 def _forwarded_headers(headers: Any) -> dict[str, str]:
     """``headers`` less the hop-by-hop ones (checked against their lower-case names, built once)."""
-    return {name: value for name, value in headers.items() if name.lower() not in _HOP_HEADERS}
+    return {name: value for name, value in headers.items() if name.lower() not in HOP_HEADERS}
 
 
 def _forwarded_raw_headers(raw_headers: Any) -> list[tuple[bytes, bytes]]:
     """The request's header lines as received (bytes), less the hop-by-hop ones."""
     return [(name, value) for name, value in raw_headers if name.lower() not in _HOP_HEADER_BYTES]
-
-
-def _is_engine_dead(status: int, body: bytes) -> bool:
-    """Whether an answer says the server's engine died: 503 with error ``type`` ``EngineDeadError``."""
-    if status != 503 or not body:
-        return False
-    try:
-        error = msgspec.json.decode(body).get("error")
-    except (msgspec.DecodeError, AttributeError):
-        return False
-    return isinstance(error, dict) and error.get("type") == ENGINE_DEAD_TYPE
-
-
-class _Worker:
-    __slots__ = (
-        "engine_dead",
-        "failures",
-        "healthy",
-        "hung_probes",
-        "last_progress",
-        "outstanding",
-        "requests",
-        "sessions",
-        "stale",
-        "url",
-    )
-
-    def __init__(self, url: str):
-        self.url = url
-        self.healthy = True
-        self.engine_dead = False  # taken out because the server said its engine died
-        self.stale: str | None = None  # kept out: the policy version it serves, unlike the others'
-        self.hung_probes = 0  # probes in a row that timed out with the server neither paused nor busy
-        self.last_progress = 0.0  # loop time a proxied answer last began, streamed or ended
-        self.outstanding = 0
-        self.requests = 0
-        self.failures = 0  # proxied requests that failed on the connection
-        self.sessions = 0  # sessions pinned to it in the router's table, kept exact by _pin/_unpin
 
 
 def validate_balance_factor(value: Any) -> float:
@@ -263,7 +158,7 @@ def validate_balance_factor(value: Any) -> float:
     return float(value)
 
 
-class InferenceRouter:
+class InferenceRouter(RouterHealth, RouterAdmin):
     """Session-aware reverse proxy over inference servers (see the module docstring).
 
     Args:
@@ -285,7 +180,7 @@ class InferenceRouter:
             router sends it to the servers too. Without one, ``/add_worker`` lets whoever reaches the router
             add a server that then receives prompts: bound to loopback (the default), that is any local user;
             bound elsewhere, ``start`` logs a warning.
-        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        http_limits: read timeouts and the connection cap (``rollflow.http.limits.HttpLimits``).
 
     Raises:
         ValueError: a server URL or ``balance_factor`` is invalid.
@@ -320,10 +215,10 @@ class InferenceRouter:
         self.max_sessions = max_sessions
         self.balance_factor = validate_balance_factor(balance_factor)
         self.api_key = api_key
-        self.workers: dict[str, _Worker] = {}
+        self.workers: dict[str, RouterWorker] = {}
         for url in server_urls:
             url = validate_server_url(url)
-            self.workers[url] = _Worker(url)
+            self.workers[url] = RouterWorker(url)
         # Routing state.
         self._ring: list[tuple[int, str]] = []
         self._ring_keys: list[int] = []
@@ -471,7 +366,7 @@ class InferenceRouter:
             # Answered here: aiohttp would refuse a header line over 8 KB with its own, vaguer 400.
             return self._refuse_fast(front, refused)
         assert session_id is not None
-        return self.proxy_fast(front, "POST", path, session_id, forwarded, body)
+        return self._route(FrontSink(front), session_id, "POST", path, forwarded, body)
 
     @staticmethod
     async def _refuse_fast(front: HttpFront, error: SessionIdError) -> None:
@@ -489,7 +384,7 @@ class InferenceRouter:
         url = validate_server_url(url)
         if url in self.workers:
             return False
-        self.workers[url] = _Worker(url)
+        self.workers[url] = RouterWorker(url)
         self._rebuild_ring()
         log.info("worker added", worker=url)
         return True
@@ -524,7 +419,7 @@ class InferenceRouter:
         self._ring_keys = [key for key, _ in ring]
         self._healthy = len(ring) // VIRTUAL_NODES
 
-    def _pin(self, session_id: str, worker: _Worker) -> None:
+    def _pin(self, session_id: str, worker: RouterWorker) -> None:
         """Remember ``session_id`` on ``worker`` (as most recently used), forgetting the least recently used
         sessions beyond ``max_sessions``."""
         self._unpin(session_id)
@@ -554,70 +449,7 @@ class InferenceRouter:
         if worker is not None:
             worker.sessions = 0
 
-    def _mark_dead(self, worker: _Worker, reason: str, *, engine_dead: bool = False) -> None:
-        if engine_dead and not worker.engine_dead:
-            worker.engine_dead = True
-            self.num_dead_engines += 1
-        if worker.healthy:
-            worker.healthy = False
-            self._forget_sessions_of(worker.url)
-            self._rebuild_ring()
-            pool = self._pools.get(worker.url)
-            given_up = pool.abort(f"{worker.url} was taken out: {reason}") if pool is not None else 0
-            log.warning("worker taken out", worker=worker.url, reason=reason, requests_given_up=given_up)
-
-    async def _answered_probe(self, worker: _Worker) -> None:
-        """``worker`` answered a probe: back into rotation, unless it serves a stale policy version."""
-        if worker.healthy or worker.url not in self.workers:
-            return
-        stale = await self._stale_version(worker)
-        if stale is not None:
-            if worker.stale != stale:
-                log.warning("worker kept out", worker=worker.url, reason=stale)
-            worker.stale = stale
-            return
-        self._mark_alive(worker)
-
-    def _mark_alive(self, worker: _Worker) -> None:
-        if not worker.healthy and worker.url in self.workers:
-            worker.healthy = True
-            worker.engine_dead = False
-            worker.stale = None
-            self._rebuild_ring()
-            log.info("worker back in", worker=worker.url)
-
-    async def _stale_version(self, worker: _Worker) -> str | None:
-        """Why ``worker`` must stay out though it answers: it serves another policy version than the servers
-        in rotation (it was down while they took a weight update). None when it may rejoin: the same version,
-        no server in rotation to compare with, or a server that cannot say (no ``/weight_info``)."""
-        in_rotation = [w for w in self.workers.values() if w.healthy]
-        if not in_rotation:
-            return None
-        versions = await asyncio.gather(*(self._weight_version(w) for w in [worker, *in_rotation]))
-        own, others = versions[0], {v for v in versions[1:] if v is not None}
-        if own is None or not others or own in others:
-            return None
-        return (
-            f"it serves policy version {own} and the servers in rotation {', '.join(sorted(others))}: it was "
-            "down during a weight update; push weights to it again (restart it, or restart the run's "
-            "weight sync) to bring it back"
-        )
-
-    async def _weight_version(self, worker: _Worker) -> str | None:
-        """``/weight_info``'s ``weight_version`` of ``worker``, None when it cannot tell."""
-        assert self._client is not None
-        try:
-            async with self._client.get(
-                f"{worker.url}/weight_info", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
-            ) as response:
-                if response.status != 200:
-                    return None
-                version = (await response.json()).get("weight_version")
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-            return None
-        return None if version is None else str(version)
-
-    def _ring_lookup(self, session_id: str, exclude: set[str]) -> _Worker | None:
+    def _ring_lookup(self, session_id: str, exclude: set[str]) -> RouterWorker | None:
         """A new session's server: the first on the ring walk from its hash, not excluded, below the load
         bound (see the module docstring); the first not excluded when every one is at the bound (only possible
         with some excluded)."""
@@ -627,7 +459,7 @@ class InferenceRouter:
         bound = math.ceil(self.balance_factor * (len(self._sessions) + 1) / self._healthy)
         ring, size = self._ring, len(self._ring)
         start = bisect.bisect(self._ring_keys, _hash(session_id))
-        fallback: _Worker | None = None
+        fallback: RouterWorker | None = None
         seen: set[str] = set()
         for offset in range(size):
             url = ring[(start + offset) % size][1]
@@ -644,7 +476,7 @@ class InferenceRouter:
                 break
         return fallback
 
-    def _least_loaded(self, exclude: set[str]) -> _Worker | None:
+    def _least_loaded(self, exclude: set[str]) -> RouterWorker | None:
         candidates = [w for w in self.workers.values() if w.healthy and w.url not in exclude]
         if not candidates:
             return None
@@ -654,7 +486,7 @@ class InferenceRouter:
         rotated = candidates[offset:] + candidates[:offset]
         return min(rotated, key=lambda worker: worker.outstanding)
 
-    def pick(self, session_id: str | None, exclude: set[str] | None = None) -> _Worker | None:
+    def pick(self, session_id: str | None, exclude: set[str] | None = None) -> RouterWorker | None:
         """The server for a request: sticky per session (a new or re-placed session by consistent hashing
         with bounded loads), else least outstanding; None if none is healthy."""
         exclude = exclude or set()
@@ -685,7 +517,7 @@ class InferenceRouter:
         # validates it); only a request without one is decoded, for a ``session_id`` field.
         if session_id is None and request.method == "POST":
             try:
-                fields = msgspec.json.decode(body, type=_SessionField)
+                fields = msgspec.json.decode(body, type=SessionField)
             except msgspec.ValidationError as error:
                 return json_error(400, f"invalid request body: {error}", param="session_id")
             except msgspec.DecodeError as error:
@@ -696,33 +528,26 @@ class InferenceRouter:
                 session_id = check_body_session_id(fields.session_id)
             except SessionIdError as error:
                 return json_error(400, str(error), param=error.param)
+        sink = AiohttpSink(request)
         headers = _forwarded_raw_headers(request.raw_headers)
-        answered: list[web.StreamResponse] = []
-
-        async def forward(worker: _Worker) -> int | BaseException:
-            response, error = await self._forward(request, worker, body, headers)
-            if response is None:
-                assert error is not None
-                return error
-            answered.append(response)
-            return response.status
-
-        failure = await self._route(session_id, f"{request.method} {request.path}", forward)
-        if failure is None:
-            return answered[0]
-        status, message, error_type = failure
-        return json_error(status, message, type=error_type)
+        await self._route(sink, session_id, request.method, request.path_qs, headers, body, path=request.path)
+        assert sink.response is not None
+        return sink.response
 
     async def _route(
         self,
+        sink: ResponseSink,
         session_id: str | None,
-        what: str,
-        forward: Callable[[_Worker], Awaitable[int | BaseException]],
-    ) -> tuple[int, str, str | None] | None:
+        method: str,
+        path_qs: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        *,
+        path: str | None = None,
+    ) -> None:
         """Send a request to the session's server, and once more elsewhere when that one failed before
-        answering: ``forward(worker)`` answers the caller and returns the status it answered, or returns the
-        error that kept it from doing so. None once a server answered, else the error to send:
-        ``(status, message, type)``.
+        answering (``_forward``); with no server left to try, ``sink`` gets the router's own error. ``path`` is
+        the path errors name (``path_qs`` less its query by default).
 
         A session this request placed is forgotten again when the server refused the request (4xx): a
         refused request opens no session, and pinning it would let refused requests fill the table."""
@@ -737,7 +562,7 @@ class InferenceRouter:
             tried.add(worker.url)
             if attempt:
                 self.num_retries += 1
-            result = await forward(worker)
+            result = await self._forward(sink, worker, method, path_qs, headers, body)
             if isinstance(result, int):
                 if (
                     new_session
@@ -746,18 +571,20 @@ class InferenceRouter:
                     and self._sessions.get(session_id) == worker.url
                 ):
                     self._unpin(session_id)
-                return None
+                return
             last_error = f"{worker.url}: {result!r}"
         self.num_errors += 1
+        what = f"{method} {path if path is not None else path_qs.partition('?')[0]}"
         if self.workers and all(worker.engine_dead for worker in self.workers.values()):
             message = (
                 f"{what} failed: the engine of every inference server ({len(self.workers)}) is dead; "
                 "restart them"
             )
-            return 503, message, ENGINE_DEAD_TYPE
-        return (503 if not tried else 502), f"{what} failed: {last_error}", None
+            sink.error(503, message, type=ENGINE_DEAD_TYPE)
+            return
+        sink.error(503 if not tried else 502, f"{what} failed: {last_error}")
 
-    def _pool(self, worker: _Worker) -> UpstreamPool:
+    def _pool(self, worker: RouterWorker) -> UpstreamPool:
         pool = self._pools.get(worker.url)
         if pool is None:
             pool = self._pools[worker.url] = UpstreamPool(
@@ -765,7 +592,7 @@ class InferenceRouter:
             )
         return pool
 
-    def _upstream_failed(self, worker: _Worker, error: UpstreamError) -> None:
+    def _upstream_failed(self, worker: RouterWorker, error: UpstreamError) -> None:
         worker.failures += 1
         if error.connect:
             self._mark_dead(worker, f"connection failed: {error}")
@@ -777,90 +604,19 @@ class InferenceRouter:
         return await handle_control(self, request, _forwarded_headers(request.headers))
 
     async def _forward(
-        self, request: web.Request, worker: _Worker, body: bytes, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[web.StreamResponse | None, BaseException | None]:
-        """Proxy to ``worker``; ``(None, error)`` when the connection failed before anything was sent back
-        (the caller may retry elsewhere).
-
-        The caller's headers go as they are: with an ``api_key`` the auth middleware already checked that they
-        carry it, so the server gets it too."""
-        pool = self._pool(worker)
-        worker.outstanding += 1
-        worker.requests += 1
-        response: web.StreamResponse | None = None
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                upstream = await pool.request(request.method, request.path_qs, headers, body)
-                loop = asyncio.get_running_loop()
-                worker.last_progress = loop.time()
-                out_headers = [
-                    (name, value) for name, value in upstream.headers if name.lower() not in _HOP_HEADERS
-                ]
-                out_headers.append((WORKER_HEADER, worker.url))
-                if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
-                    data = await upstream.read()
-                    worker.last_progress = loop.time()
-                    if _is_engine_dead(upstream.status, data):
-                        # Nothing reached the caller yet: take the server out and let the caller retry.
-                        self._mark_dead(worker, "its engine died", engine_dead=True)
-                        return None, RuntimeError(f"the engine of {worker.url} is dead")
-                    return web.Response(body=data, status=upstream.status, headers=out_headers), None
-                response = web.StreamResponse(status=upstream.status, headers=out_headers)
-                await response.prepare(request)
-                async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
-                    async for chunk in chunks:
-                        worker.last_progress = loop.time()
-                        await response.write(chunk)
-                await response.write_eof()
-                return response, None
-        except UpstreamError as error:
-            self._upstream_failed(worker, error)
-            if response is not None:
-                raise
-            return None, error
-        except TimeoutError:
-            if response is not None:
-                raise
-            return (
-                json_error(
-                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
-                ),
-                None,
-            )
-        finally:
-            worker.outstanding -= 1
-
-    async def proxy_fast(
         self,
-        front: HttpFront,
+        sink: ResponseSink,
+        worker: RouterWorker,
         method: str,
         path_qs: str,
-        session_id: str,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
-    ) -> None:
-        """``_handle_proxy`` for a request ``HttpFront`` read itself: the same routing, retries, failover and
-        errors, the answer written straight to the caller's connection."""
-
-        async def forward(worker: _Worker) -> int | BaseException:
-            return await self._forward_fast(front, method, path_qs, worker, body, headers)
-
-        failure = await self._route(session_id, f"{method} {path_qs.partition('?')[0]}", forward)
-        if failure is not None:
-            status, message, error_type = failure
-            front.write(_error_bytes(status, message, type=error_type))
-
-    async def _forward_fast(
-        self,
-        front: HttpFront,
-        method: str,
-        path_qs: str,
-        worker: _Worker,
-        body: bytes,
-        headers: list[tuple[bytes, bytes]],
     ) -> int | BaseException:
-        """``_forward`` writing to ``front``: the status answered, or the error when the connection failed
-        before anything was written (the caller may retry elsewhere)."""
+        """Proxy to ``worker``, answering into ``sink``: the status answered, or the error when the connection
+        failed before anything was sent back (the caller may retry elsewhere).
+
+        The caller's headers go as they are: with an ``api_key`` the auth check already found that they carry
+        it, so the server gets it too."""
         pool = self._pool(worker)
         worker.outstanding += 1
         worker.requests += 1
@@ -870,32 +626,23 @@ class InferenceRouter:
                 upstream = await pool.request(method, path_qs, headers, body)
                 loop = asyncio.get_running_loop()
                 worker.last_progress = loop.time()
-                head = bytearray(b"HTTP/1.1 %d %s\r\n" % (upstream.status, reason_phrase(upstream.status)))
-                for name, value in upstream.headers:
-                    if name.lower() not in _STREAM_HOP_HEADERS:
-                        head += f"{name}: {value}\r\n".encode("latin-1")
-                head += _WORKER_HEADER_PREFIX + worker.url.encode() + b"\r\n"
                 if upstream.content_length is not None and "text/event-stream" not in upstream.content_type():
                     data = await upstream.read()
                     worker.last_progress = loop.time()
-                    if _is_engine_dead(upstream.status, data):
+                    if is_engine_dead(upstream.status, data):
                         # Nothing reached the caller yet: take the server out and let the caller retry.
                         self._mark_dead(worker, "its engine died", engine_dead=True)
                         return RuntimeError(f"the engine of {worker.url} is dead")
-                    head += b"Content-Length: %d\r\n\r\n" % len(data)
-                    head += data
-                    front.write(head)
+                    sink.answer(upstream.status, upstream.headers, worker.url, data)
                     return upstream.status
-                head += b"Transfer-Encoding: chunked\r\n\r\n"
-                front.write(head)
                 started = True
+                await sink.start(upstream.status, upstream.headers, worker.url)
                 async with contextlib.aclosing(upstream.iter_chunks()) as chunks:
                     async for chunk in chunks:
                         if chunk:
                             worker.last_progress = loop.time()
-                            front.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                            await front.drain()
-                front.write(b"0\r\n\r\n")
+                            await sink.write(chunk)
+                await sink.end()
                 return upstream.status
         except UpstreamError as error:
             self._upstream_failed(worker, error)
@@ -905,240 +652,12 @@ class InferenceRouter:
         except TimeoutError:
             if started:
                 raise
-            front.write(
-                _error_bytes(
-                    504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
-                )
+            sink.error(
+                504, f"{worker.url} did not answer within request_timeout_s = {self.request_timeout_s} s"
             )
             return 504
         finally:
             worker.outstanding -= 1
-
-    # ------------------------------------------------------------------ health
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_check_interval_s)
-            await asyncio.gather(*(self._probe(worker) for worker in list(self.workers.values())))
-
-    async def _probe(self, worker: _Worker) -> None:
-        """Ask ``worker`` for one token; mark it dead or alive from the answer."""
-        assert self._client is not None
-        started = asyncio.get_running_loop().time()
-        try:
-            async with self._client.post(
-                f"{worker.url}/inference/v1/generate",
-                data=_HEALTH_PROBE,
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(
-                    total=self.health_check_timeout_s, sock_connect=self.connect_timeout_s
-                ),
-            ) as response:
-                body = await response.read()
-                if _is_engine_dead(response.status, body):
-                    self._mark_dead(worker, "its engine died (health probe)", engine_dead=True)
-                    return
-                # 503: paused in abort/wait mode, alive. Other 4xx: alive but rejecting the probe (logged).
-                alive = response.status < 500 or response.status == 503
-                if 400 <= response.status < 500:
-                    log.debug("health probe rejected", worker=worker.url, status=response.status)
-        except aiohttp.ClientConnectorError as error:
-            self._mark_dead(worker, f"health probe could not connect: {error}")
-            return
-        except TimeoutError:
-            reason = await self._why_hung(worker, since=started)
-            if reason is None:
-                await self._answered_probe(worker)
-            else:
-                self._mark_dead(worker, reason)
-            return
-        except aiohttp.ClientError:
-            alive = await self._answers_health(worker)
-        if alive:
-            worker.hung_probes = 0
-            await self._answered_probe(worker)
-        else:
-            self._mark_dead(worker, "health probe failed")
-
-    async def _why_hung(self, worker: _Worker, *, since: float) -> str | None:
-        """After a probe that got no token within ``health_check_timeout_s``: why ``worker`` counts as hung,
-        or None while it is not (yet). Paused (``keep`` mode queues the probe) and busy (an answer through the
-        router began, streamed or ended since the probe was sent) are alive; a server that answers neither
-        ``/is_paused`` nor ``/health`` is dead; one that answers but makes no progress is hung at the
-        ``HUNG_PROBES``-th such probe in a row."""
-        if worker.last_progress >= since:
-            worker.hung_probes = 0
-            return None
-        paused = await self._is_paused(worker)
-        if paused:
-            worker.hung_probes = 0
-            return None
-        if paused is None and not await self._answers_health(worker):
-            return "health probe failed"
-        worker.hung_probes += 1
-        if worker.hung_probes < HUNG_PROBES:
-            return None
-        return (
-            f"its generation is hung: {worker.hung_probes} probes in a row got no token within "
-            f"health_check_timeout_s = {self.health_check_timeout_s:g} s, and it is not paused and finished "
-            "nothing meanwhile"
-        )
-
-    async def _is_paused(self, worker: _Worker) -> bool | None:
-        """``/is_paused`` of ``worker``: False when it has no such endpoint (it cannot be paused), None when it
-        did not answer."""
-        assert self._client is not None
-        try:
-            async with self._client.get(
-                f"{worker.url}/is_paused", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
-            ) as response:
-                if response.status == 404:
-                    return False
-                if response.status != 200:
-                    return None
-                return bool((await response.json()).get("is_paused"))
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-            return None
-
-    async def _answers_health(self, worker: _Worker) -> bool:
-        """A slow probe may just be a busy or keep-paused server: does ``GET /health`` still answer 200?"""
-        assert self._client is not None
-        try:
-            async with self._client.get(
-                f"{worker.url}/health", timeout=aiohttp.ClientTimeout(total=self.connect_timeout_s)
-            ) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    # ------------------------------------------------------------------ admin endpoints
-
-    @web.middleware
-    async def _auth_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if (
-            self.api_key
-            and request.path not in OPEN_PATHS
-            and not bearer_token_matches(request.headers.get("Authorization"), self.api_key)
-        ):
-            return json_error(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
-        return await handler(request)
-
-    async def _url_param(self, request: web.Request) -> str | web.Response:
-        url = request.query.get("url")
-        if url is None and request.can_read_body:
-            try:
-                data = msgspec.json.decode(await request.read())
-            except (msgspec.DecodeError, RecursionError) as error:
-                return json_error(400, f"request body is not valid JSON: {error}")
-            url = data.get("url") if isinstance(data, dict) else None
-        if url is None:
-            return json_error(400, "missing server URL: give ?url=http://host:port", param="url")
-        return url
-
-    async def _handle_add_worker(self, request: web.Request) -> web.Response:
-        """``POST /add_worker?url=``: route to one more server. Behind the API key when one is set; without
-        one, open to whoever reaches the router (local users on loopback), and the server added receives
-        prompts."""
-        url = await self._url_param(request)
-        if isinstance(url, web.Response):
-            return url
-        try:
-            added = self.add_worker(url)
-        except ValueError as error:
-            return json_error(400, str(error), param="url")
-        return web.json_response({"status": "added" if added else "exists", "url": url.rstrip("/")})
-
-    async def _handle_remove_worker(self, request: web.Request) -> web.Response:
-        url = await self._url_param(request)
-        if isinstance(url, web.Response):
-            return url
-        if not isinstance(url, str) or not self.remove_worker(url):
-            return json_error(404, f"no such worker: {url!r}", param="url")
-        return web.json_response({"status": "removed", "url": url.rstrip("/")})
-
-    async def _handle_finish_session(self, request: web.Request) -> web.Response:
-        try:
-            session_id = check_body_session_id(
-                request.query.get("session_id")
-            ) or session_id_from_raw_headers(request.raw_headers)
-        except SessionIdError as error:
-            return json_error(400, str(error), param=error.param)
-        if session_id is None and request.can_read_body:
-            try:
-                fields = msgspec.json.decode(await request.read(), type=_SessionField)
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as error:
-                return json_error(400, f"invalid request body: {error}", param="session_id")
-            try:
-                session_id = check_body_session_id(fields.session_id)
-            except SessionIdError as error:
-                return json_error(400, str(error), param=error.param)
-        if not session_id:
-            return json_error(400, "missing session_id: give ?session_id=…", param="session_id")
-        found = self.finish_session(session_id)
-        return web.json_response({"status": "finished", "session_id": session_id, "found": found})
-
-    async def _handle_health(self, request: web.Request) -> web.Response:
-        healthy = sum(worker.healthy for worker in self.workers.values())
-        if not healthy:
-            return json_error(503, f"no healthy inference server (of {len(self.workers)})")
-        return web.json_response({"status": "ok", "healthy_workers": healthy, "workers": len(self.workers)})
-
-    def worker_table(self) -> list[dict[str, Any]]:
-        """One dict per server: url, healthy, engine_dead, stale (why it is kept out, or None), outstanding,
-        requests, failures, sessions."""
-        return [
-            {
-                "url": worker.url,
-                "healthy": worker.healthy,
-                "engine_dead": worker.engine_dead,
-                "stale": worker.stale,
-                "outstanding": worker.outstanding,
-                "requests": worker.requests,
-                "failures": worker.failures,
-                "sessions": worker.sessions,
-            }
-            for worker in self.workers.values()
-        ]
-
-    async def _handle_list_workers(self, request: web.Request) -> web.Response:
-        return web.json_response({"workers": self.worker_table()})
-
-    async def _handle_metrics(self, request: web.Request) -> web.Response:
-        lines = [
-            "# HELP rollflow_router_requests_total Proxied requests.",
-            "# TYPE rollflow_router_requests_total counter",
-            f"rollflow_router_requests_total {self.num_requests}",
-            "# HELP rollflow_router_retries_total Requests retried on another server after a connection error.",
-            "# TYPE rollflow_router_retries_total counter",
-            f"rollflow_router_retries_total {self.num_retries}",
-            "# HELP rollflow_router_errors_total Requests that failed on every server tried.",
-            "# TYPE rollflow_router_errors_total counter",
-            f"rollflow_router_errors_total {self.num_errors}",
-            "# HELP rollflow_router_dead_engines_total Servers taken out because their engine died.",
-            "# TYPE rollflow_router_dead_engines_total counter",
-            f"rollflow_router_dead_engines_total {self.num_dead_engines}",
-            "# HELP rollflow_router_sessions Sessions pinned to a server.",
-            "# TYPE rollflow_router_sessions gauge",
-            f"rollflow_router_sessions {len(self._sessions)}",
-        ]
-        per_worker = (
-            ("worker_healthy", "gauge", "1 if the server passes health checks.", "healthy"),
-            (
-                "worker_engine_dead",
-                "gauge",
-                "1 if the server was taken out because its engine died.",
-                "engine_dead",
-            ),
-            ("worker_outstanding_requests", "gauge", "Requests in flight on the server.", "outstanding"),
-            ("worker_requests_total", "counter", "Requests sent to the server.", "requests"),
-            ("worker_failures_total", "counter", "Connection failures of the server.", "failures"),
-            ("worker_sessions", "gauge", "Sessions pinned to the server.", "sessions"),
-        )
-        table = self.worker_table()
-        for name, kind, help_text, key in per_worker:
-            lines += [f"# HELP rollflow_router_{name} {help_text}", f"# TYPE rollflow_router_{name} {kind}"]
-            lines += [f'rollflow_router_{name}{{worker="{row["url"]}"}} {int(row[key])}' for row in table]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
 async def serve_router(router: InferenceRouter, ready: Any = None) -> None:

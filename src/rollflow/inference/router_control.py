@@ -32,7 +32,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from rollflow.inference.http import json_error
+from rollflow.http.errors import json_error
 from rollflow.weights.ranks import offsets_after
 
 if TYPE_CHECKING:

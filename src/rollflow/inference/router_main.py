@@ -10,7 +10,7 @@ from typing import Any
 from rollflow import eventloop
 from rollflow.config import api_key_or_env
 from rollflow.errors import ConfigError
-from rollflow.inference.http_limits import limits_from_flags
+from rollflow.http.limits import limits_from_flags
 
 
 def main(args: Any) -> int:
@@ -21,7 +21,7 @@ def main(args: Any) -> int:
         OSError: the address cannot be bound.
         KeyboardInterrupt: Ctrl-C before the loop handles signals.
     """
-    from rollflow.inference.http import raise_open_file_limit
+    from rollflow.http.runner import raise_open_file_limit
     from rollflow.inference.router import InferenceRouter, serve_router
 
     try:

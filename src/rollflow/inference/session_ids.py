@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import msgspec
+
 #: The request header naming a request's session.
 SESSION_ID_HEADER = "X-Session-ID"
 _HEADER_LOWER = SESSION_ID_HEADER.lower().encode()
@@ -83,3 +85,9 @@ def check_body_session_id(session_id: str | None) -> str | None:
                 "session_id",
             )
     return session_id
+
+
+class SessionField(msgspec.Struct):
+    """The only body field the router reads; decoding into it also checks the body is a JSON object."""
+
+    session_id: str | None = None

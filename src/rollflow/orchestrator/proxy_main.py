@@ -26,7 +26,7 @@ def main(args: Any) -> int:
         KeyboardInterrupt: Ctrl-C before the loop handles signals.
     """
     from rollflow.config import load_config
-    from rollflow.inference.http import raise_open_file_limit
+    from rollflow.http.runner import raise_open_file_limit
     from rollflow.orchestrator.builders import serve_proxy
 
     config = load_config(args.configs, args.overrides)

@@ -27,7 +27,7 @@ except 503 when inference itself is gone. A client that disconnects cancels its 
 engine request. This module imports neither torch nor transformers.
 
 Serving cost: a non-streamed chat completion is read and answered by the listener's own small HTTP/1.1 front
-(``rollflow.inference.http_front``) rather than aiohttp's server, through the same checks, the same session
+(``rollflow.http.front``) rather than aiohttp's server, through the same checks, the same session
 and the same errors; everything else (streams, ``/models``, admin endpoints, malformed or refused requests) is
 served by aiohttp on the same port. ``benchmarks/tito_load.py`` measures the proxy against calling the engine
 directly.
@@ -52,16 +52,12 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import RequestError, error_body
+from rollflow.http.auth import bearer_token_matches
+from rollflow.http.errors import raw_json_response
+from rollflow.http.front import Header, HttpFront, count_connections, serve_with_front, stop_listening
+from rollflow.http.limits import HttpLimits
+from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.inference.client import InferenceClient
-from rollflow.inference.http import JSONErrorAppRunner, bearer_token_matches, raw_json_response
-from rollflow.inference.http_front import (
-    Header,
-    HttpFront,
-    count_connections,
-    serve_with_front,
-    stop_listening,
-)
-from rollflow.inference.http_limits import HttpLimits
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.tito.apis.anthropic import count_tokens, create_message
 from rollflow.tito.apis.chat import ChatStream, chat_completion
@@ -174,7 +170,7 @@ class TITOProxy:
         max_model_len: the engines' context length, if known: a request whose message text alone cannot fit
             it is a 400 (``context_length_exceeded``) before it is rendered (``rollflow.inference.
             prompt_limits``). Large requests are rendered in a worker thread either way.
-        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        http_limits: read timeouts and the connection cap (``rollflow.http.limits.HttpLimits``).
         default_top_k: top_k when a request gives none (and always, with ``enforce_sampling``).
         strict_requests: refuse (400) request fields the proxy does not know and values it cannot enforce
             (``tool_choice: "required"``), instead of ignoring and counting them (``stats.unknown_fields``,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from rollflow.inference.streaming import IncrementalDecoder
+from rollflow.inference.text_deltas import IncrementalDecoder
 
 
 class StopMatcher:

@@ -31,7 +31,7 @@ def save_checkpoint(trainer: Any, directory: Path) -> None:
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    from rollflow.train.trainer import OPTIMIZER_FILE, WEIGHTS_FILE, _untied, _write_atomically
+    from rollflow.train.checkpoint_io import OPTIMIZER_FILE, WEIGHTS_FILE, untied, write_atomically
 
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
@@ -42,13 +42,13 @@ def save_checkpoint(trainer: Any, directory: Path) -> None:
     if trainer.parallel.rank != 0:
         return
     # Tied weights: the full state dict holds one tensor under both names, as the model's own does.
-    weights = {name: tensor.contiguous() for name, tensor in _untied(full).items()}
-    _write_atomically(
+    weights = {name: tensor.contiguous() for name, tensor in untied(full).items()}
+    write_atomically(
         directory / WEIGHTS_FILE, lambda path: save_file(weights, path, metadata={"format": "pt"})
     )
     if (model_config := getattr(trainer.model, "config", None)) is not None:
         model_config.save_pretrained(directory)
-    _write_atomically(directory / RNG_FILE, lambda path: torch.save(trainer.generator.get_state(), path))
+    write_atomically(directory / RNG_FILE, lambda path: torch.save(trainer.generator.get_state(), path))
     (directory / OPTIMIZER_FILE).unlink(missing_ok=True)  # never beside trainer_state/: one source of truth
 
 

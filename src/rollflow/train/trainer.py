@@ -16,11 +16,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,143 +25,23 @@ import structlog
 import torch
 
 from rollflow.config import TrainerConfig
-from rollflow.errors import CheckpointError
 from rollflow.messages import PackedBatch, RankBatch, Sample, StepResult
 from rollflow.train import routing_replay, updates
 from rollflow.train.advantages import kl_penalised_advantages
 from rollflow.train.aggregation import UpdateCounts, kl_estimate, token_loss_scale, update_counts
+from rollflow.train.checkpoint_io import OPTIMIZER_FILE as OPTIMIZER_FILE
+from rollflow.train.checkpoint_io import WEIGHTS_FILE as WEIGHTS_FILE
+from rollflow.train.checkpoint_io import TrainerCheckpoints
 from rollflow.train.distributed import SINGLE_PROCESS, DataParallel, SingleProcess
 from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
+from rollflow.train.micro_batch import MicroBatch as MicroBatch
+from rollflow.train.micro_batch import build_micro_batch as build_micro_batch
 from rollflow.train.off_policy import ImportanceWeights, OffPolicy, importance_weights
 
 log = structlog.get_logger(__name__)
 
-WEIGHTS_FILE = "model.safetensors"
-OPTIMIZER_FILE = "optimizer.pt"
 
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """Right-padded tensors of one forward/backward pass.
-
-    Logits at position ``t`` predict token ``t + 1``, so every per-token tensor has length ``time - 1`` and
-    is aligned with ``target_ids = input_ids[:, 1:]``: index ``i`` describes the token at input position ``i + 1``.
-    """
-
-    input_ids: torch.Tensor  # [batch, time] long, padded with pad_token_id
-    attention_mask: torch.Tensor  # [batch, time] long, 1 on real tokens
-    target_ids: torch.Tensor  # [batch, time - 1] long
-    loss_mask: torch.Tensor  # [batch, time - 1] bool, true exactly on the sampled completion tokens
-    old_logprobs: torch.Tensor  # [batch, time - 1] float32 behaviour logprobs, 0 off the loss mask
-    advantages: torch.Tensor  # [batch, time - 1] float32, the sample's advantage on its loss tokens
-    token_versions: (
-        torch.Tensor
-    )  # [batch, time - 1] long, policy version of each completion token, -1 unknown
-    # [batch, time, moe_layers, topk] long expert ids the sampler routed each input token to (-1 unknown), for
-    # MoE routing replay; None when no sample carries routes.
-    routed_experts: torch.Tensor | None = None
-    # [batch, time - 1] long kept count of each completion token (the sampler's top-k/top-p set, 0: nothing
-    # cut), for ``trainer.sampling_mask``; None when no sample carries them.
-    kept_counts: torch.Tensor | None = None
-
-
-def build_micro_batch(
-    samples: Sequence[Sample],
-    advantages: Sequence[float],
-    *,
-    pad_token_id: int,
-    device: torch.device | str = "cpu",
-) -> MicroBatch:
-    """Collate samples into one right-padded micro-batch.
-
-    With an empty prompt, the first completion token has no logits predicting it and is left out of the loss.
-    No samples give one row of two pad tokens without loss tokens: a data-parallel rank with fewer samples
-    than the others still runs the pass, and with it the pass's collectives.
-
-    Raises:
-        ValueError: a sample's ``logprobs`` and ``completion_token_ids`` differ in length, or it has no tokens.
-    """
-    for sample in samples:
-        if len(sample.logprobs) != len(sample.completion_token_ids):
-            raise ValueError(
-                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has "
-                f"{len(sample.logprobs)} logprobs for {len(sample.completion_token_ids)} completion tokens; "
-                "the sampler must record one logprob per sampled token"
-            )
-        if sample.loss_mask is not None and len(sample.loss_mask) != len(sample.completion_token_ids):
-            raise ValueError(
-                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has a "
-                f"loss_mask of {len(sample.loss_mask)} entries for {len(sample.completion_token_ids)} "
-                "completion tokens"
-            )
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-    if min(lengths, default=1) < 1:
-        raise ValueError("every sample of a micro-batch needs at least one token")
-    batch, time_len = max(len(samples), 1), max(lengths, default=2)
-    input_ids = torch.full((batch, time_len), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, time_len), dtype=torch.long)
-    if not samples:
-        attention_mask[:] = 1  # a fully masked row would put NaNs in the (unused) logits
-    loss_mask = torch.zeros((batch, time_len - 1), dtype=torch.bool)
-    old_logprobs = torch.zeros((batch, time_len - 1), dtype=torch.float32)
-    token_advantages = torch.zeros((batch, time_len - 1), dtype=torch.float32)
-    token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
-    routes = routing_replay.collate_routes(samples, time_len)
-    kept_counts = _collate_kept_counts(samples, lengths, time_len)
-    for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
-        prompt_len = len(sample.prompt_token_ids)
-        input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
-        attention_mask[row, :length] = 1
-        # Completion token j sits at input position prompt_len + j, predicted from position prompt_len + j - 1.
-        first = max(prompt_len - 1, 0)
-        skipped = first - (prompt_len - 1)  # 1 when the prompt is empty, else 0
-        if sample.loss_mask is None:
-            loss_mask[row, first : length - 1] = True
-        else:
-            loss_mask[row, first : length - 1] = torch.tensor(sample.loss_mask[skipped:], dtype=torch.bool)
-        old_logprobs[row, first : length - 1] = torch.tensor(sample.logprobs[skipped:], dtype=torch.float32)
-        token_advantages[row, first : length - 1] = advantage
-        if len(sample.policy_versions) == len(sample.completion_token_ids):
-            token_versions[row, first : length - 1] = torch.tensor(sample.policy_versions[skipped:])
-    return MicroBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
-        target_ids=input_ids[:, 1:].to(device),
-        loss_mask=loss_mask.to(device),
-        old_logprobs=old_logprobs.to(device),
-        advantages=token_advantages.to(device),
-        token_versions=token_versions.to(device),
-        routed_experts=None if routes is None else routes.to(device),
-        kept_counts=None if kept_counts is None else kept_counts.to(device),
-    )
-
-
-def _collate_kept_counts(
-    samples: Sequence[Sample], lengths: Sequence[int], time_len: int
-) -> torch.Tensor | None:
-    """``MicroBatch.kept_counts``: each sample's kept counts at its completion positions; None if none has any.
-
-    Raises:
-        ValueError: a sample's ``kept_counts`` and ``completion_token_ids`` differ in length.
-    """
-    if all(sample.kept_counts is None for sample in samples):
-        return None
-    counts = torch.zeros((len(samples), time_len - 1), dtype=torch.long)
-    for row, (sample, length) in enumerate(zip(samples, lengths, strict=True)):
-        if sample.kept_counts is None:
-            continue
-        if len(sample.kept_counts) != len(sample.completion_token_ids):
-            raise ValueError(
-                f"sample (prompt_index={sample.prompt_index}, sample_index={sample.sample_index}) has "
-                f"{len(sample.kept_counts)} kept counts for {len(sample.completion_token_ids)} completion tokens"
-            )
-        first = max(len(sample.prompt_token_ids) - 1, 0)
-        skipped = first - (len(sample.prompt_token_ids) - 1)
-        counts[row, first : length - 1] = torch.tensor(sample.kept_counts[skipped:], dtype=torch.long)
-    return counts
-
-
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Trains a Hugging Face causal LM in this process with AdamW and gradient accumulation.
 
     One ``train_step`` is one optimizer step. The gradients a step computed stay in ``param.grad`` until the
@@ -734,140 +611,6 @@ class Trainer:
     def close(self) -> None:
         """Nothing to release in this process (the handle protocol's ``close``)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model weights, optimizer and learning-rate schedule state and the trainer's RNG state (live
-        tensors, not copies)."""
-        return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng_state": self.generator.get_state(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned.
-
-        Raises:
-            CheckpointError: the state is incomplete or does not fit this model and optimizer.
-        """
-        missing = {"model", "optimizer", "rng_state"} - state.keys()
-        if missing:
-            raise CheckpointError(
-                f"trainer state lacks {sorted(missing)}; pass what Trainer.state_dict() returns"
-            )
-        self._check_weights(state["model"], source="trainer state")
-        self._load_optimizer_and_rng(
-            state["optimizer"], state["rng_state"], state.get("scheduler"), source="trainer state"
-        )
-        self.model.load_state_dict(state["model"], strict=False)
-
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Write ``model.safetensors`` (+ ``config.json`` when the model has one), ``optimizer.pt``, and the
-        Hugging Face model directory ``hf/`` (``rollflow.train.export``: model in the training dtype,
-        tokenizer, ``generation_config.json``) for a ``transformers`` model.
-
-        Tied duplicates are dropped from the safetensors file (the first name of each shared tensor is kept,
-        as ``save_pretrained`` does), so with ``config.json`` the directory also loads with
-        ``from_pretrained``. Each file is written under a temporary name and renamed into place.
-        """
-        from safetensors.torch import save_file
-
-        from rollflow.train.export import HF_DIR, save_hf_model
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        weights = {name: tensor.contiguous() for name, tensor in _untied(self.model.state_dict()).items()}
-        _write_atomically(
-            directory / WEIGHTS_FILE, lambda path: save_file(weights, path, metadata={"format": "pt"})
-        )
-        if (model_config := getattr(self.model, "config", None)) is not None:
-            model_config.save_pretrained(directory)
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng_state": self.generator.get_state(),
-        }
-        _write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
-        if hasattr(self.model, "save_pretrained"):
-            save_hf_model(self.model, directory / HF_DIR)
-
-    def load_checkpoint(self, directory: str | Path) -> None:
-        """Restore weights, optimizer state and RNG state written by ``save_checkpoint``.
-
-        Both files are read and checked before anything is changed, so a bad checkpoint leaves the trainer
-        as it was. The reference model (KL penalty) is not part of a checkpoint: it stays the model this
-        trainer was built from, which should be the run's initial policy. A sharded checkpoint that
-        data-parallel workers wrote (``rollflow.train.sharded``) loads too, whatever their number.
-
-        Raises:
-            CheckpointError: a file is missing, unreadable, or does not fit this model and optimizer.
-        """
-        from safetensors.torch import load_file
-
-        from rollflow.train import sharded
-
-        directory = Path(directory)
-        weights_path, optimizer_path = directory / WEIGHTS_FILE, directory / OPTIMIZER_FILE
-        if not optimizer_path.is_file() and sharded.has_sharded_state(directory):
-            sharded.load_checkpoint(self, directory)  # written by data-parallel workers (any number)
-            return
-        for path in (weights_path, optimizer_path):
-            if not path.is_file():
-                raise CheckpointError(
-                    f"checkpoint {directory} has no {path.name}: it is incomplete or not a rollflow checkpoint; "
-                    "resume from a checkpoint directory written by Trainer.save_checkpoint"
-                )
-        try:
-            weights = load_file(weights_path, device=str(self.device))
-        except Exception as error:
-            raise CheckpointError(f"cannot read {weights_path} (corrupt or truncated?): {error}") from error
-        try:
-            state = torch.load(optimizer_path, map_location=self.device, weights_only=True)
-            optimizer_state, rng_state = state["optimizer"], state["rng_state"]
-            scheduler_state = state.get("scheduler")  # absent in checkpoints older than lr schedules
-        except Exception as error:
-            raise CheckpointError(
-                f"cannot read {optimizer_path} (corrupt or truncated?): {error!r}"
-            ) from error
-
-        self._check_weights(weights, source=str(weights_path))
-        self._load_optimizer_and_rng(
-            optimizer_state, rng_state.cpu(), scheduler_state, source=str(optimizer_path)
-        )
-        self.model.load_state_dict(weights, strict=False)
-
-    def _check_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
-        """Names and shapes must match the model (tied duplicates may be absent) before anything is loaded."""
-        expected = self.model.state_dict()
-        required = _untied(expected)
-        missing = sorted(set(required) - set(weights))
-        unexpected = sorted(set(weights) - set(expected))
-        wrong_shape = sorted(
-            f"{name} {tuple(weights[name].shape)} != {tuple(expected[name].shape)}"
-            for name in set(weights) & set(expected)
-            if weights[name].shape != expected[name].shape
-        )
-        if missing or unexpected or wrong_shape:
-            raise CheckpointError(
-                f"{source} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
-                f"wrong shape {wrong_shape[:5]}; resume with the model the checkpoint was trained from"
-            )
-
-    def _load_optimizer_and_rng(
-        self, optimizer_state: dict, rng_state: torch.Tensor, scheduler_state: dict | None, source: str
-    ) -> None:
-        if scheduler_state is not None and not isinstance(scheduler_state.get("last_epoch"), int):
-            raise CheckpointError(f"{source}: the learning-rate schedule state has no step count")
-        try:
-            # Validates the parameter groups before changing anything.
-            self.optimizer.load_state_dict(optimizer_state)
-        except (ValueError, KeyError, RuntimeError) as error:
-            raise CheckpointError(f"{source}: optimizer state does not fit this model: {error}") from error
-        if scheduler_state is not None:
-            # The step count and base rates; the optimizer's groups already hold the current rate.
-            self.scheduler.load_state_dict(scheduler_state)
-        self.generator.set_state(rng_state)
-
 
 def _lr_scheduler(
     optimizer: torch.optim.Optimizer, config: TrainerConfig, total_steps: int | None
@@ -879,24 +622,6 @@ def _lr_scheduler(
     return get_scheduler(
         name, optimizer, num_warmup_steps=config.warmup_steps, num_training_steps=total_steps
     )
-
-
-def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict without later names of tensors that share memory with an earlier one."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    untied = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key not in seen:
-            seen.add(key)
-            untied[name] = tensor
-    return untied
-
-
-def _write_atomically(path: Path, write) -> None:
-    partial = path.with_name(path.name + ".partial")
-    write(partial)
-    os.replace(partial, path)
 
 
 def _max_or_zero(values: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,10 @@ from any running asyncio loop (several at once, or one per test) and never block
 (``generate_stream``) also gets each sampled token that way, into a queue on its caller's loop; the caller
 merges whatever arrived since it last looked into one chunk, so a slow consumer never slows the worker.
 
+Where the parts live: the public API, the inbox and the worker loop here; the control messages the loop
+applies in ``control_messages``; one step (admission, forwards, sampling, finishing) in ``steps``; sequences,
+replies and the fair wait queue in ``sequences``.
+
 Fair scheduling: sequences that share a ``request_id`` (the ``n`` samples and prompts of one HTTP request) are
 one request; a sequence without an id is a request of its own. Admission serves the waiting request holding the
 fewest slots first (ties: the one served least recently), rather than sequences in arrival order, and when every
@@ -54,14 +58,9 @@ engine: every pending and later call then raises ``EngineDeadError`` instead of 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import heapq
-import math
 import threading
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import anyio
@@ -69,245 +68,23 @@ import numpy as np
 import structlog
 import torch
 
-from rollflow.errors import ContextLengthExceededError, EngineDeadError, EngineError, EngineGenerateError
+from rollflow.errors import ContextLengthExceededError, EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES, LogprobsMode, PauseMode
+from rollflow.inference.engine.control_messages import SLEEP_MEMORY_TAGS, EngineControlMessages
 from rollflow.inference.engine.model_runner import ModelRunner
-from rollflow.inference.engine.sampler import Sampled, sample
+from rollflow.inference.engine.sequences import EngineSequence, InboxMessage, Reply, StreamReply, WaitQueue
+from rollflow.inference.engine.steps import EngineSteps
 from rollflow.messages import (
-    FinishReason,
     GenerateChunk,
     GenerateOutput,
     GenerateRequest,
-    SamplingParams,
     sampling_error,
 )
 
 log = structlog.get_logger(__name__)
 
-# What sleep releases, in vLLM's wake_up tags.
-SLEEP_MEMORY_TAGS = ("weights", "kv_cache")
 
-
-def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
-    # Runs on the caller's loop; the caller may have been cancelled meanwhile.
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
-
-
-def _common_prefix_len(a: list[int], b: list[int], limit: int) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``, at most ``limit``; a binary search over slice
-    comparisons, which run in C (a Python loop over thousands of tokens per free slot would not)."""
-    hi = min(len(a), len(b), limit)
-    if a[:hi] == b[:hi]:
-        return hi
-    lo = 0  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@dataclass(eq=False)
-class _Reply:
-    """Where the worker sends the outcome of one call: a future on the caller's loop."""
-
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-    @classmethod
-    def create(cls) -> _Reply:
-        loop = asyncio.get_running_loop()
-        return cls(loop, loop.create_future())
-
-    def send(self, result: Any = None, error: BaseException | None = None) -> None:
-        # A closed loop raises RuntimeError: its caller is gone, nobody waits for this any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
-
-
-@dataclass(eq=False)
-class _StreamReply:
-    """Where the worker sends a streamed request's tokens and its outcome: a queue on the caller's loop.
-
-    The queue receives batches (lists) of items, in order: ``(token, logprob, policy_version, kept_count)``
-    per sampled token, then one final ``(GenerateOutput | None, error | None)``. ``call_soon_threadsafe`` callbacks run
-    in the order they were scheduled, so the caller sees tokens in sampling order and the outcome last.
-    """
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    # Worker-owned: tokens sampled but not sent yet, and when tokens were last sent (time.monotonic()).
-    pending: list[tuple[int, float, int, int]] = field(default_factory=list)
-    last_sent: float = 0.0
-
-    @classmethod
-    def create(cls) -> _StreamReply:
-        return cls(asyncio.get_running_loop(), asyncio.Queue())
-
-    def send(self, result: Any = None, error: BaseException | None = None) -> None:
-        batch: list[Any] = self.pending
-        self.pending = []
-        batch.append((result, error))  # after the tokens still pending
-        with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, batch)
-
-
-def _put_batches(batches: list[tuple[asyncio.Queue, list[Any]]]) -> None:
-    for queue, batch in batches:
-        queue.put_nowait(batch)
-
-
-@dataclass(eq=False, slots=True)
-class _Sequence:
-    """One request's generation state, owned by the worker thread."""
-
-    request: GenerateRequest
-    params: SamplingParams
-    reply: _Reply | _StreamReply
-    generator: torch.Generator | None
-    stop_token_ids: frozenset[int]
-    prompt_len: int
-    # Output length at which the request ends with "length": max_tokens, or what the context has left.
-    max_output_len: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)
-    # The sampler's kept count of each token (0: nothing cut); see ``rollflow.inference.engine.sampler``.
-    kept_counts: list[int] = field(default_factory=list)
-    slot: int = -1
-    # Prompt tokens whose keys and values the slot already held at admission (prefix cache); 0 for a prefill.
-    cached_len: int = 0
-    # The engine's weights generation at admission: keys and values computed under older weights (a request
-    # kept running through a weight update) never become a cached prefix.
-    weights_generation: int = 0
-    # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
-    # engine does not record them.
-    routes: list[np.ndarray] | None = None
-    # The request it belongs to for fair scheduling: its request_id, or the sequence itself when it has none.
-    group: Any = None
-    # The tokens its admission runs: the prompt, or after a preemption the prompt and the tokens sampled so far.
-    run_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.group is None:
-            self.group = self.request.request_id or self
-        if not self.run_ids:
-            self.run_ids = self.request.prompt_token_ids
-
-    def routed_experts(self) -> np.ndarray | None:
-        """The routes joined into one array (kept joined); None if not recorded or never admitted."""
-        if not self.routes:
-            return None
-        if len(self.routes) > 1:
-            self.routes[:] = [np.concatenate(self.routes)]
-        joined = self.routes[0]
-        joined.flags.writeable = False  # shared by the output and the prefix cache
-        return joined
-
-    def output(self, finish_reason: FinishReason) -> GenerateOutput:
-        return GenerateOutput(
-            request_id=self.request.request_id,
-            token_ids=self.token_ids,
-            logprobs=self.logprobs,
-            finish_reason=finish_reason,
-            policy_versions=self.policy_versions,
-            prompt_len=self.prompt_len,
-            routed_experts=self.routed_experts(),
-            kept_counts=self.kept_counts if any(self.kept_counts) else None,
-        )
-
-
-class _WaitQueue:
-    """Sequences waiting for a slot, by request (``_Sequence.group``), each request's in arrival order.
-
-    Worker-owned; ``len`` may be read from other threads (a plain int).
-    """
-
-    def __init__(self) -> None:
-        self._groups: dict[Any, deque[_Sequence]] = {}
-        self._count = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __bool__(self) -> bool:
-        return self._count > 0
-
-    def __iter__(self):
-        for queue in list(self._groups.values()):
-            yield from list(queue)
-
-    def groups(self) -> Iterable[Any]:
-        """The requests with sequences waiting."""
-        return self._groups.keys()
-
-    def append(self, sequence: _Sequence) -> None:
-        self._groups.setdefault(sequence.group, deque()).append(sequence)
-        self._count += 1
-
-    def appendleft(self, sequence: _Sequence) -> None:
-        """Put a preempted sequence back at the head of its request's queue."""
-        self._groups.setdefault(sequence.group, deque()).appendleft(sequence)
-        self._count += 1
-
-    def peek(self, group: Any) -> _Sequence:
-        return self._groups[group][0]
-
-    def pop(self, group: Any) -> _Sequence:
-        """The first waiting sequence of ``group``."""
-        queue = self._groups[group]
-        sequence = queue.popleft()
-        if not queue:
-            del self._groups[group]
-        self._count -= 1
-        return sequence
-
-    def popleft(self) -> _Sequence:
-        """The first waiting sequence of the request that has waited longest."""
-        return self.pop(next(iter(self._groups)))
-
-    def remove(self, sequence: _Sequence) -> None:
-        """Raises ValueError when ``sequence`` is not waiting."""
-        queue = self._groups.get(sequence.group)
-        if queue is None:
-            raise ValueError("not waiting")
-        queue.remove(sequence)
-        if not queue:
-            del self._groups[sequence.group]
-        self._count -= 1
-
-    def take_where(self, predicate: Callable[[_Sequence], bool]) -> list[_Sequence]:
-        """Remove and return every waiting sequence for which ``predicate`` holds, in queue order."""
-        taken: list[_Sequence] = []
-        for group in list(self._groups):
-            queue = self._groups[group]
-            kept = deque(s for s in queue if not predicate(s))
-            taken += [s for s in queue if predicate(s)]
-            if kept:
-                self._groups[group] = kept
-            else:
-                del self._groups[group]
-        self._count -= len(taken)
-        return taken
-
-
-# One forward of a group of sequences: their last-position logits [n, vocab], and per sequence the routes of
-# the tokens it ran (None unless recorded). It changes nothing in the engine's bookkeeping.
-_Forward = Callable[[list[_Sequence]], tuple[torch.Tensor, list[np.ndarray] | None]]
-
-# Inbox messages: (kind, payload, reply). Kinds: "add", "cancel", "abort", "pause", "resume", "load",
-# "reset_prefix_cache", "shutdown".
-_Message = tuple[str, Any, _Reply | None]
-
-
-class TorchEngine:
+class TorchEngine(EngineControlMessages, EngineSteps):
     """Continuous-batching generation with a KV cache on a Hugging Face Llama-style causal LM (CPU float32).
 
     Args:
@@ -397,15 +174,15 @@ class TorchEngine:
         # Runtime state shared with callers: the inbox, under _lock.
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
-        self._inbox: deque[_Message] = deque()
+        self._inbox: deque[InboxMessage] = deque()
         self._thread: threading.Thread | None = None
         self._closing = False
         self._dead: BaseException | None = None
 
         # Runtime state owned by the worker thread (callers only read it for metrics).
         self.policy_version = policy_version
-        self._waiting = _WaitQueue()
-        self._slots: list[_Sequence | None] = [None] * max_batch_size
+        self._waiting = WaitQueue()
+        self._slots: list[EngineSequence | None] = [None] * max_batch_size
         # Fair scheduling (see the module docstring): slots held per request, and when each was last served.
         self._running_per_group: dict[Any, int] = {}
         self._last_served: dict[Any, int] = {}
@@ -413,7 +190,9 @@ class TorchEngine:
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}
-        self._weights_generation = 0  # += 1 at every load of new weights (see _Sequence.weights_generation)
+        self._weights_generation = (
+            0  # += 1 at every load of new weights (see EngineSequence.weights_generation)
+        )
         # With routed experts: free slot -> the routes of its cached tokens (row i belongs to token i).
         self._cached_routes: dict[int, np.ndarray] = {}
         self._slot_last_used = [0] * max_batch_size
@@ -423,8 +202,8 @@ class TorchEngine:
         self._frozen = False
         # Memory released by sleep (tags "weights", "kv_cache"): nothing is admitted until both are back.
         self._asleep: set[str] = set()
-        self._drain_waiters: list[_Reply] = []
-        self._unsent_streams: set[_StreamReply] = set()  # streams with tokens not sent yet
+        self._drain_waiters: list[Reply] = []
+        self._unsent_streams: set[StreamReply] = set()  # streams with tokens not sent yet
         self._stopping = False  # set by the worker when it handles "shutdown"
         self._shared_generator = torch.Generator(device=self.runner.device)
         self._shared_generator.seed()
@@ -503,7 +282,7 @@ class TorchEngine:
                 serving the others.
             EngineDeadError: the engine was shut down or its loop died.
         """
-        sequence = self._sequence(request, _Reply.create())
+        sequence = self._sequence(request, Reply.create())
         self._post(("add", sequence, None))
         try:
             return await sequence.reply.future
@@ -523,7 +302,7 @@ class TorchEngine:
             EngineError: the request is invalid (as ``generate``).
             EngineDeadError: the engine was shut down or its loop died (also mid-stream).
         """
-        reply = _StreamReply.create()
+        reply = StreamReply.create()
         sequence = self._sequence(request, reply)
         self._post(("add", sequence, None))
         finished = False
@@ -554,7 +333,7 @@ class TorchEngine:
             if not finished:  # the consumer left early or was cancelled: abort the engine request
                 self._post(("cancel", sequence, None), quiet=True)
 
-    def _sequence(self, request: GenerateRequest, reply: _Reply | _StreamReply) -> _Sequence:
+    def _sequence(self, request: GenerateRequest, reply: Reply | StreamReply) -> EngineSequence:
         self._validate(request)
         params = request.sampling
         generator = None
@@ -562,7 +341,7 @@ class TorchEngine:
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(params.seed)
         prompt_len = len(request.prompt_token_ids)
-        return _Sequence(
+        return EngineSequence(
             request=request,
             params=params,
             reply=reply,
@@ -704,7 +483,7 @@ class TorchEngine:
         if problem is not None:
             raise EngineError(f"{where}sampling.{problem[1]}")
 
-    def _post(self, message: _Message, *, quiet: bool = False) -> None:
+    def _post(self, message: InboxMessage, *, quiet: bool = False) -> None:
         with self._lock:
             if self._dead is not None or self._closing:
                 if quiet:
@@ -712,7 +491,7 @@ class TorchEngine:
                 raise self._dead_error()
             self._post_locked(message)
 
-    def _post_locked(self, message: _Message) -> None:
+    def _post_locked(self, message: InboxMessage) -> None:
         self._inbox.append(message)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="rollflow-torch-engine", daemon=True)
@@ -721,7 +500,7 @@ class TorchEngine:
             self._wakeup.notify()
 
     async def _call(self, kind: str, payload: Any) -> Any:
-        reply = _Reply.create()
+        reply = Reply.create()
         self._post((kind, payload, reply))
         return await reply.future
 
@@ -770,7 +549,7 @@ class TorchEngine:
         can_admit = not self._paused and not self._asleep and self._waiting and self._free_slots
         return bool(self._inbox or can_admit or (self._num_running and not self._frozen))
 
-    def _take_inbox(self) -> list[_Message] | None:
+    def _take_inbox(self) -> list[InboxMessage] | None:
         """The next messages, once there is work; None when the worker should exit for lack of work."""
         with self._lock:
             while not self._has_work():
@@ -780,579 +559,6 @@ class TorchEngine:
             messages = list(self._inbox)
             self._inbox.clear()
         return messages
-
-    def _handle_safely(self, kind: str, payload: Any, reply: _Reply | None) -> None:
-        """``_handle``, with a failure answered to that message's caller instead of ending the loop."""
-        try:
-            self._handle(kind, payload, reply)
-        except Exception as exc:
-            log.exception("engine call failed", kind=kind)
-            if reply is not None:
-                reply.send(
-                    error=EngineGenerateError(f"engine call {kind!r} failed: {type(exc).__name__}: {exc}")
-                )
-
-    def _handle(self, kind: str, payload: Any, reply: _Reply | None) -> None:
-        if kind == "add":
-            self._waiting.append(payload)
-        elif kind == "cancel":
-            self._cancel(payload)
-        elif kind == "abort":
-            reply.send(self._abort(payload))
-        elif kind == "reset_prefix_cache":
-            self._cached_prefixes.clear()
-            self._cached_routes.clear()
-            reply.send(True)
-        elif kind == "pause":
-            self._pause(payload, reply)
-        elif kind == "resume":
-            self._paused = self._frozen = False
-            reply.send()
-        elif kind == "sleep":
-            self._sleep(payload, reply)
-        elif kind == "wake_up":
-            if "weights" in payload and "weights" in self._asleep:
-                self.runner.restore_weights()
-            if "kv_cache" in payload and "kv_cache" in self._asleep:
-                self.runner.allocate_kv_cache()
-            self._asleep -= payload
-            reply.send()
-        elif kind == "load":
-            named_tensors, policy_version = payload
-            if named_tensors and "weights" in self._asleep:
-                reply.send(
-                    error=EngineError(
-                        "load_weights while the weights are asleep: wake_up(['weights']) first (after a level 2 "
-                        "sleep they come back zeroed, and the load fills them)"
-                    )
-                )
-                return
-            try:
-                self._load(named_tensors)
-            except EngineError as exc:
-                reply.send(error=exc)
-            else:
-                self.policy_version = policy_version
-                reply.send()
-        elif kind == "shutdown":
-            for slot, sequence in enumerate(self._slots):
-                if sequence is not None:
-                    self._finish(slot, FinishReason.ABORT)
-            while self._waiting:
-                sequence = self._waiting.popleft()
-                sequence.reply.send(sequence.output(FinishReason.ABORT))
-            self._reply_drained()
-            self._stopping = True
-
-    def _pause(self, mode: str, reply: _Reply) -> None:
-        self._paused = True
-        if mode == "abort":
-            self._frozen = False
-            for slot, sequence in enumerate(self._slots):
-                if sequence is not None:
-                    self._finish(slot, FinishReason.ABORT)
-            reply.send()
-        elif mode == "keep":
-            self._frozen = True
-            reply.send()
-        else:  # wait: running requests continue (even if frozen before) until none is left
-            self._frozen = False
-            self._drain_waiters.append(reply)
-            self._reply_drained()
-
-    def _sleep(self, level: int, reply: _Reply) -> None:
-        if self._num_running:
-            reply.send(
-                error=EngineError(
-                    f"cannot sleep with {self._num_running} request(s) running: their keys and values live in the "
-                    "KV cache that sleep frees; pause with mode 'abort' or 'wait' first"
-                )
-            )
-            return
-        self._cached_prefixes.clear()
-        self._cached_routes.clear()
-        self.runner.release_kv_cache()
-        self.runner.release_weights(keep=level == 1)
-        self._asleep = set(SLEEP_MEMORY_TAGS)
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()  # back to the driver, where the trainer's process can take it
-        reply.send()
-
-    def _reply_drained(self) -> None:
-        if self._drain_waiters and not self._num_running:
-            for reply in self._drain_waiters:
-                reply.send()
-            self._drain_waiters.clear()
-
-    def _cancel(self, sequence: _Sequence) -> None:
-        if sequence.slot >= 0:
-            if self._slots[sequence.slot] is sequence:
-                self._free(sequence.slot)
-                self.num_cancelled_requests += 1
-        else:
-            with contextlib.suppress(ValueError):  # not waiting: it already finished
-                self._waiting.remove(sequence)
-                self.num_cancelled_requests += 1
-
-    def _abort(self, request_ids: frozenset[str] | None) -> int:
-        aborted = 0
-        for slot, sequence in enumerate(self._slots):
-            if sequence is not None and (request_ids is None or sequence.request.request_id in request_ids):
-                self._finish(slot, FinishReason.ABORT)
-                aborted += 1
-        for sequence in self._waiting.take_where(
-            lambda s: request_ids is None or s.request.request_id in request_ids
-        ):
-            sequence.reply.send(sequence.output(FinishReason.ABORT))
-            aborted += 1
-        self._reply_drained()
-        return aborted
-
-    def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        state = self.model.state_dict(keep_vars=True)
-        unknown = [name for name, _ in named_tensors if name not in state]
-        if unknown:
-            raise EngineError(
-                f"load_weights got {len(unknown)} unknown weight name(s): {', '.join(unknown[:10])}"
-                f"{' …' if len(unknown) > 10 else ''}; expected Hugging Face state-dict names such as "
-                f"{next(iter(state))!r}"
-            )
-        mismatched = [
-            f"{name} {tuple(tensor.shape)} != {tuple(state[name].shape)}"
-            for name, tensor in named_tensors
-            if tuple(tensor.shape) != tuple(state[name].shape)
-        ]
-        if mismatched:
-            raise EngineError(f"load_weights got tensors of the wrong shape: {'; '.join(mismatched[:10])}")
-        if not named_tensors:
-            return  # only the policy version changes
-        # Before anything is copied: one NaN or inf weight makes every later generation fail, and the old
-        # weights keep serving when the update is refused.
-        not_numbers = [
-            name for name, tensor in named_tensors if tensor.is_complex() or tensor.dtype == torch.bool
-        ]
-        if not_numbers:
-            raise EngineError(
-                f"load_weights got non-real tensors (complex or bool): {', '.join(not_numbers[:10])}"
-            )
-        non_finite = [
-            name
-            for name, tensor in named_tensors
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
-        ]
-        if non_finite:
-            raise EngineError(
-                f"load_weights got {len(non_finite)} tensor(s) with inf or NaN values: "
-                f"{', '.join(non_finite[:10])}{' …' if len(non_finite) > 10 else ''}; the weights were not "
-                "changed (the trainer's weights have diverged: lower trainer.lr or check the loss)"
-            )
-        named_tensors = self._cast_finite(named_tensors, state)
-        with torch.inference_mode(False), torch.no_grad():
-            for name, tensor in named_tensors:
-                state[name].copy_(tensor)
-        self.runner.refresh_weights()
-        self._weights_generation += 1
-        self._cached_prefixes.clear()  # computed under the old weights
-        self._cached_routes.clear()
-
-    @staticmethod
-    def _cast_finite(
-        named_tensors: list[tuple[str, torch.Tensor]], state: dict[str, torch.Tensor]
-    ) -> list[tuple[str, torch.Tensor]]:
-        """The tensors cast to the dtypes they are served in, once each is checked to be finite there: a
-        finite float64 value beyond float32's range (1e300) becomes inf on the cast, and inf weights make every
-        later request fail with non-finite logits.
-
-        Raises:
-            EngineError: a tensor that is not finite in its serving dtype (the message names it, its dtypes and
-                its largest magnitude); nothing was copied.
-        """
-        cast: list[tuple[str, torch.Tensor]] = []
-        overflowing: list[str] = []
-        for name, tensor in named_tensors:
-            target = state[name]
-            if tensor.dtype != target.dtype:
-                served = tensor.to(dtype=target.dtype)
-                if served.is_floating_point() and not bool(torch.isfinite(served).all()):
-                    largest = float(tensor.abs().max()) if tensor.numel() else 0.0
-                    overflowing.append(
-                        f"{name} ({str(tensor.dtype).removeprefix('torch.')} -> "
-                        f"{str(target.dtype).removeprefix('torch.')}, largest magnitude {largest:.3g} > "
-                        f"{torch.finfo(target.dtype).max:.3g})"
-                    )
-                tensor = served
-            cast.append((name, tensor))
-        if overflowing:
-            raise EngineError(
-                f"load_weights got {len(overflowing)} tensor(s) that overflow to inf when cast to the dtype the "
-                f"engine serves them in: {'; '.join(overflowing[:10])}{' …' if len(overflowing) > 10 else ''}; "
-                "the weights were not changed (the trainer's weights have diverged: lower trainer.lr or check "
-                "the loss)"
-            )
-        return cast
-
-    # ------------------------------------------------------------------ scheduling
-
-    def _step(self) -> None:
-        fresh: list[_Sequence] = []
-        resumed: list[_Sequence] = []
-        if not self._paused and not self._asleep and self._waiting:
-            self._admit(fresh, resumed)
-        if fresh:
-            self._advance(fresh, self._forward_prefill)
-        if resumed:
-            self._advance(resumed, self._forward_extend)
-        if self._num_running and not self._frozen:
-            self._advance([s for s in self._slots if s is not None], self._forward_decode)
-        self.num_steps += 1
-
-    def _admit(self, fresh: list[_Sequence], resumed: list[_Sequence]) -> None:
-        """Admit waiting sequences fairly between requests (the module docstring's bound): the waiting request
-        holding the fewest slots first (ties: the one served least recently), into free slots, then, with
-        every slot taken, into slots preempted from requests above their fair share."""
-        running = self._running_per_group
-        if not self._free_slots:
-            # Nothing to preempt unless some request holds more than its share: skip the heap (the common case
-            # of a long queue of one-sequence requests behind a full batch). Counting a request both running
-            # and waiting twice gives a share no larger than the true one, without looking at every request.
-            if not running:
-                return
-            most = max(running.values())
-            if most <= max(1, self.max_batch_size // (len(running) + len(self._waiting.groups()))):
-                return
-            share = self._fair_share()
-            if most <= share:
-                return
-        else:
-            share = 0  # computed only if it comes to preempting
-        last_served = self._last_served
-        heap = [
-            (running.get(g, 0), last_served.get(g, 0), i, g) for i, g in enumerate(self._waiting.groups())
-        ]
-        heapq.heapify(heap)
-        admitted: set[int] = set()  # ids of the sequences admitted in this step (not run yet)
-        while heap:
-            held, _, order, group = heapq.heappop(heap)
-            if held != running.get(group, 0):  # a victim of a preemption since it was pushed
-                heapq.heappush(heap, (running.get(group, 0), self._last_served.get(group, 0), order, group))
-                continue
-            if not self._free_slots:
-                share = share or self._fair_share()
-                if held >= share or not self._preempt(share, admitted, fresh, resumed):
-                    break
-            # Popped once it holds its slot: a failure here still reaches it.
-            sequence = self._waiting.peek(group)
-            sequence.slot, cached_len, cached_routes = self._take_slot(sequence.run_ids)
-            self._waiting.pop(group)
-            self._slots[sequence.slot] = sequence
-            self._num_running += 1
-            running[group] = held + 1
-            self._admissions += 1
-            self._last_served[group] = self._admissions
-            admitted.add(id(sequence))
-            if cached_len and sequence.routes is not None and not sequence.token_ids:
-                sequence.routes.append(cached_routes[:cached_len])  # a resumed sequence has its routes
-            sequence.cached_len = cached_len
-            sequence.weights_generation = self._weights_generation
-            (resumed if cached_len else fresh).append(sequence)
-            if group in self._waiting.groups():
-                heapq.heappush(heap, (held + 1, self._admissions, order, group))
-        if len(self._last_served) > 2 * (len(self._waiting.groups()) + self.max_batch_size) + 64:
-            # Requests cancelled or aborted while waiting leave their entry behind: forget those.
-            waiting = self._waiting.groups()
-            self._last_served = {g: t for g, t in self._last_served.items() if g in waiting or g in running}
-
-    def _fair_share(self) -> int:
-        """Slots each request may hold while others wait: ``max_batch_size`` over the requests with sequences
-        running or waiting, at least 1."""
-        groups = len(self._running_per_group) + sum(
-            1 for g in self._waiting.groups() if g not in self._running_per_group
-        )
-        return max(1, self.max_batch_size // max(1, groups))
-
-    def _preempt(
-        self, share: int, admitted: set[int], fresh: list[_Sequence], resumed: list[_Sequence]
-    ) -> bool:
-        """Free one slot of the request holding the most slots, if it holds more than ``share``: its cheapest
-        sequence to recompute (one admitted in this step and not run yet, else the fewest tokens) goes back to
-        the head of its request's queue with the tokens it has. Returns whether a slot was freed."""
-        running = self._running_per_group
-        group = max(running, key=running.__getitem__)
-        if running[group] <= share:
-            return False
-        candidates = [s for s in self._slots if s is not None and s.group == group]
-        victim = min(candidates, key=lambda s: (id(s) not in admitted, s.prompt_len + len(s.token_ids)))
-        if id(victim) in admitted:
-            admitted.discard(id(victim))
-            (resumed if victim in resumed else fresh).remove(victim)
-            if victim.routes is not None and victim.cached_len and not victim.token_ids:
-                victim.routes.clear()  # the cached prefix's routes come back with its next admission
-        self._release(victim.slot)
-        victim.slot = -1
-        victim.cached_len = 0
-        victim.run_ids = (
-            victim.request.prompt_token_ids + victim.token_ids
-            if victim.token_ids
-            else victim.request.prompt_token_ids
-        )
-        self._waiting.appendleft(victim)
-        self.num_preemptions += 1
-        return True
-
-    def _forward_prefill(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
-        logits = self.runner.prefill([s.slot for s in sequences], [s.run_ids for s in sequences])
-        return logits, self._admission_routes(sequences)
-
-    def _forward_extend(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
-        logits = self.runner.extend(
-            [s.slot for s in sequences],
-            [s.run_ids for s in sequences],
-            [s.cached_len for s in sequences],
-        )
-        return logits, self._admission_routes(sequences)
-
-    def _admission_routes(self, sequences: list[_Sequence]) -> list[np.ndarray] | None:
-        """The routes of the tokens an admission ran that the sequences do not have yet: all of them for a
-        new sequence; for one resumed after a preemption, only its last sampled token's (the tokens before it
-        kept their routes)."""
-        routes = self._routes(range(len(sequences)), [len(s.run_ids) - s.cached_len for s in sequences])
-        if routes is None:
-            return None
-        for i, sequence in enumerate(sequences):
-            if sequence.token_ids:
-                recorded = sequence.prompt_len + len(sequence.token_ids) - 1
-                routes[i] = routes[i][recorded - sequence.cached_len :]
-        return routes
-
-    def _forward_decode(self, sequences: list[_Sequence]) -> tuple[torch.Tensor, list[np.ndarray] | None]:
-        # Sequences are in slot order; the runner decodes slots 0..num_rows-1, empty or other slots at -1.
-        num_rows = sequences[-1].slot + 1
-        token_ids = [0] * num_rows
-        positions = [-1] * num_rows  # -1: a slot whose cache the runner leaves alone
-        for sequence in sequences:
-            token_ids[sequence.slot] = sequence.token_ids[-1]
-            positions[sequence.slot] = sequence.prompt_len + len(sequence.token_ids) - 1
-        logits = self.runner.decode(token_ids, positions)
-        routes = self._routes([s.slot for s in sequences], [1] * len(sequences))
-        if len(sequences) < num_rows:  # the other rows computed garbage
-            logits = logits[torch.tensor([s.slot for s in sequences], device=logits.device)]
-        return logits, routes
-
-    def _routes(self, rows: Iterable[int], lengths: list[int]) -> list[np.ndarray] | None:
-        """The routes of the tokens each row ran in the last forward: the first ``lengths[i]`` positions of
-        runner row ``rows[i]`` (the rest is padding); None when routes are not recorded."""
-        if not self.return_routed_experts:
-            return None
-        routes = self.runner.last_routed_experts.cpu().numpy()  # [rows, positions, moe_layers, topk]
-        return [routes[row, :length] for row, length in zip(rows, lengths, strict=True)]
-
-    def _advance(self, sequences: list[_Sequence], forward: _Forward) -> None:
-        """Run ``forward`` on ``sequences`` and sample one token each, so that a failure fails only the requests
-        it belongs to: rows whose logits are not finite fail alone, and when the batched forward or sampling
-        raises, each sequence is retried on its own (a forward only rewrites its rows' own cache positions, so
-        running a row again is safe) and those that still fail are failed; the engine keeps serving the rest."""
-        try:
-            logits, routes = forward(sequences)
-            finite, good, kept, sampled = self._sample_finite_rows(sequences, logits)
-        except Exception as exc:
-            if len(sequences) == 1:
-                log.exception(
-                    "engine step failed for one request", request_id=sequences[0].request.request_id
-                )
-                self._fail(
-                    sequences[0],
-                    EngineGenerateError(
-                        f"the request failed inside the engine: {type(exc).__name__}: {exc}; "
-                        "the engine keeps serving other requests"
-                    ),
-                )
-                return
-            log.warning("batched engine step failed; retrying its requests one at a time", error=repr(exc))
-            for sequence in sequences:
-                if self._slots[sequence.slot] is sequence:
-                    self._advance([sequence], forward)
-            return
-        for i, ok in enumerate(finite):
-            if not ok:
-                self._fail(
-                    sequences[i],
-                    EngineError(
-                        f"the model produced non-finite logits (inf or NaN) for request "
-                        f"{sequences[i].request.request_id!r} at output position {len(sequences[i].token_ids)}: "
-                        "its weights may have diverged; load finite weights that do not overflow"
-                    ),
-                )
-        for i, sequence in zip(good, kept, strict=True):
-            if routes is not None:
-                sequence.routes.append(routes[i])
-            if not sequence.token_ids:  # its first token: the prompt was run
-                self.total_prompt_tokens += sequence.prompt_len
-        self._append_samples(kept, sampled)
-
-    def _sample_finite_rows(
-        self, sequences: list[_Sequence], logits: torch.Tensor
-    ) -> tuple[list[bool], list[int], list[_Sequence], Sampled]:
-        """Sample the rows whose logits have a finite maximum and no NaN: ``(finite per row, indices of those
-        rows, their sequences, what was sampled for them)``.
-
-        On the CPU rows are checked only when sampling says something is wrong (it raised, or gave a non-finite
-        logprob, which is what a NaN or +inf logit, or a row of -inf, leads to), so a healthy step pays nothing.
-        """
-        params = [s.params for s in sequences]
-        generators = [s.generator for s in sequences]
-        # Off the CPU, rows are checked first: CUDA's sampling asserts on the device instead of raising.
-        if logits.device.type == "cpu":
-            try:
-                sampled = self._sample(logits, params, generators)
-                if all(math.isfinite(v) for v in sampled.logprobs):
-                    return [True] * len(sequences), list(range(len(sequences))), sequences, sampled
-            except RuntimeError:
-                pass
-        finite = torch.isfinite(logits.amax(dim=-1)).tolist()  # a NaN anywhere makes amax NaN
-        if all(finite):  # not the logits' fault: sample again so that a failure raises
-            sampled = self._sample(logits, params, generators)
-            if not all(math.isfinite(v) for v in sampled.logprobs):
-                raise RuntimeError(f"sampling gave non-finite logprobs {sampled.logprobs} from finite logits")
-            return finite, list(range(len(sequences))), sequences, sampled
-        good = [i for i, ok in enumerate(finite) if ok]
-        kept = [sequences[i] for i in good]
-        if not kept:
-            return finite, good, kept, Sampled([], [], [])
-        index = torch.tensor(good, dtype=torch.long, device=logits.device)
-        sampled = self._sample(logits[index], [s.params for s in kept], [s.generator for s in kept])
-        return finite, good, kept, sampled
-
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-    ) -> Sampled:
-        return sample(
-            logits,
-            params,
-            generators,
-            self._shared_generator,
-            raw_logprobs=self.logprobs_mode == "raw_logprobs",
-        )
-
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
-        """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,
-        and the routes of the slot's cached tokens (None unless recorded).
-
-        The slot with the longest cached prefix of the prompt wins (at least one prompt token is left to run,
-        for the logits); without one, the lowest unlabelled slot (low slots keep decode rows dense), else the
-        least recently used labelled slot, whose label is evicted.
-        """
-        best_slot, best_len = -1, 0
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += 1
-            self.prefix_cache_query_tokens += len(prompt)
-            limit = len(prompt) - 1
-            for slot, cached in self._cached_prefixes.items():
-                if cached[0] == prompt[0]:
-                    length = _common_prefix_len(cached, prompt, limit)
-                    if length > best_len:
-                        best_slot, best_len = slot, length
-        if best_len:
-            self.prefix_cache_hits += 1
-            self.prefix_cache_hit_tokens += best_len
-            slot = best_slot
-        else:
-            unlabelled = [s for s in self._free_slots if s not in self._cached_prefixes]
-            if unlabelled:
-                slot = min(unlabelled)
-            else:
-                slot = min(self._free_slots, key=self._slot_last_used.__getitem__)
-        self._free_slots.remove(slot)
-        self._cached_prefixes.pop(slot, None)
-        cached_routes = self._cached_routes.pop(slot, None)
-        self._clock += 1
-        self._slot_last_used[slot] = self._clock
-        return slot, best_len, cached_routes
-
-    def _append_samples(self, sequences: list[_Sequence], sampled: Sampled) -> None:
-        version = self.policy_version
-        self.total_generated_tokens += len(sampled.tokens)
-        finished: list[tuple[int, FinishReason]] = []
-        for sequence, token, logprob, kept_count in zip(sequences, *sampled, strict=True):
-            sequence.token_ids.append(token)
-            sequence.logprobs.append(logprob)
-            sequence.policy_versions.append(version)
-            sequence.kept_counts.append(kept_count)
-            if token in sequence.stop_token_ids:
-                finished.append((sequence.slot, FinishReason.STOP))
-            elif len(sequence.token_ids) >= sequence.max_output_len:
-                finished.append((sequence.slot, FinishReason.LENGTH))
-            if type(sequence.reply) is _StreamReply:
-                sequence.reply.pending.append((token, logprob, version, kept_count))
-                self._unsent_streams.add(sequence.reply)
-        for slot, reason in finished:
-            self._finish(slot, reason)  # a stream's outcome goes out with its pending tokens
-
-    def _fail(self, sequence: _Sequence, error: BaseException) -> None:
-        """End one running request with ``error``; its slot is freed without a prefix-cache label (its keys
-        and values may be partly written)."""
-        slot = sequence.slot
-        if slot >= 0 and self._slots[slot] is sequence:
-            self._release(slot)
-        self.num_failed_requests += 1
-        sequence.reply.send(error=error)
-
-    def _send_stream_tokens(self, *, force: bool) -> None:
-        """Send streams' pending tokens, those last sent ``stream_interval_s`` ago (all with ``force``): one
-        ``call_soon_threadsafe`` per caller loop."""
-        if not self._unsent_streams:
-            return
-        now = time.monotonic()
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, list[Any]]]] = {}
-        for reply in list(self._unsent_streams):
-            if not reply.pending:  # sent with its outcome meanwhile
-                self._unsent_streams.discard(reply)
-            elif force or now - reply.last_sent >= self.stream_interval_s:
-                by_loop.setdefault(reply.loop, []).append((reply.queue, reply.pending))
-                reply.pending, reply.last_sent = [], now
-                self._unsent_streams.discard(reply)
-        for loop, batches in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody reads this
-                loop.call_soon_threadsafe(_put_batches, batches)
-
-    def _finish(self, slot: int, reason: FinishReason) -> None:
-        sequence = self._slots[slot]
-        self._free(slot)
-        self.num_finished_requests += 1
-        sequence.reply.send(sequence.output(reason))
-
-    def _release(self, slot: int) -> None:
-        """Free ``slot`` without a prefix-cache label (its keys and values may be partly written)."""
-        sequence = self._slots[slot]
-        self._slots[slot] = None
-        self._free_slots.add(slot)
-        self._num_running -= 1
-        self._cached_prefixes.pop(slot, None)
-        self._cached_routes.pop(slot, None)
-        if sequence is not None:
-            group = sequence.group
-            held = self._running_per_group.get(group, 0) - 1
-            if held > 0:
-                self._running_per_group[group] = held
-            else:
-                self._running_per_group.pop(group, None)
-                if group not in self._waiting.groups():
-                    self._last_served.pop(group, None)
-
-    def _free(self, slot: int) -> None:
-        sequence = self._slots[slot]
-        self._release(slot)
-        if (
-            self.enable_prefix_caching
-            and sequence is not None
-            and sequence.weights_generation == self._weights_generation
-        ):
-            # The last sampled token was never fed back, so its keys and values are not in the cache.
-            tokens = sequence.request.prompt_token_ids + sequence.token_ids[:-1]
-            self._cached_prefixes[slot] = tokens
-            if sequence.routes is not None:  # one row per cached token: the last token's route is unknown too
-                self._cached_routes[slot] = sequence.routed_experts()
-            self._clock += 1
-            self._slot_last_used[slot] = self._clock
 
     def _die(self, exc: BaseException) -> None:
         with self._lock:

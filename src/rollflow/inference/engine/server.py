@@ -1,9 +1,10 @@
 """``rollflow serve``: an aiohttp server over one ``TorchEngine`` that speaks the RL subset of vLLM 0.33's HTTP API.
 
 The same ``RemoteInferenceClient`` and router drive vLLM on GPUs and this server on CPUs, so paths, field names,
-status codes and the error JSON follow vLLM (``shared/reference/vllm-http-api.md``). The data-plane handlers live
-in ``server_routes``; this module holds the server's state, the control plane, the middlewares and the process
-entry point. Where it departs from vLLM:
+status codes and the error JSON follow vLLM (``shared/reference/vllm-http-api.md``). This module holds the
+server's state, the middlewares and the weight-transfer endpoints; the data plane is in ``server_routes``,
+health, metrics and engine control (pause, sleep, aborts) in ``server_admin``, the process entry point in
+``server_main``. Where it departs from vLLM:
 
 - One worker: ``/get_world_size`` is 1.
 - ``/sleep?level=1`` frees the KV cache and prefix cache and keeps the weights (on a GPU in CPU memory, as
@@ -33,8 +34,8 @@ aiohttp rejects before routing (a bad ``Content-Length``): the server's request 
 Run the app with ``handler_cancellation=True`` (``EngineServer.start`` does) so that a client that disconnects
 cancels its handler, which aborts its engine request. Clients that stall in a request's line, headers or
 body get a 408 and are disconnected, and connections beyond a cap get a 503 (``HttpLimits``, enforced by
-``rollflow.inference.http``); bodies over ``max_body_bytes`` get a 413. A generation request asking for more sequences (prompts x ``n``) or
-tokens than ``request_limits`` allow is a 400 before any of it is done (``--max-request-sequences``,
+``rollflow.http.runner``); bodies over ``max_body_bytes`` get a 413. A generation request asking for more
+sequences (prompts x ``n``) or tokens than ``request_limits`` allow is a 400 before any of it is done (``--max-request-sequences``,
 ``--max-request-tokens``), and the engine shares its batch fairly between the requests it accepted (see
 ``TorchEngine``), so one large request cannot hold the server.
 
@@ -47,51 +48,32 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
-import signal
-import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
-import msgspec
 import structlog
 from aiohttp import web
 
-from rollflow import eventloop
-from rollflow.errors import (
-    ConfigError,
-    EngineDeadError,
-    EngineError,
-    ModelNotFoundError,
-    RollflowError,
-    WeightReceiveError,
-)
-from rollflow.inference.client import PAUSE_MODES
+from rollflow.errors import ConfigError, EngineDeadError, EngineError, WeightReceiveError
+from rollflow.http.auth import bearer_token_matches
+from rollflow.http.limits import HttpLimits
+from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.inference.engine.engine import TorchEngine
+from rollflow.inference.engine.server_admin import EngineServerAdmin
 from rollflow.inference.engine.server_protocol import (
-    AbortBody,
     ApiError,
     FinishWeightUpdateBody,
-    InferenceAbortBody,
     InitWeightTransferBody,
-    ResetPrefixCacheBody,
     StartWeightUpdateBody,
     UpdateWeightsBody,
     bad_request,
     decode_body,
     engine_dead,
     error_response,
+    json_response,
 )
-from rollflow.inference.http import (
-    HttpLimits,
-    JSONErrorAppRunner,
-    bearer_token_matches,
-    raise_open_file_limit,
-    warn_if_exposed,
-)
-from rollflow.inference.http_limits import limits_from_flags
 from rollflow.inference.prompt_limits import max_prompt_chars
 from rollflow.inference.request_limits import RequestLimits
 from rollflow.weights.server.receiver import create_receiver, init_timeout_s
@@ -101,8 +83,6 @@ log = structlog.get_logger(__name__)
 
 # Request bodies above this are refused with 413 (a 128k-token prompt is about 1 MB of JSON).
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
-MEMORY_TAGS = ("weights", "kv_cache")
 # Entries kept by the control log (the oldest go first).
 CONTROL_LOG_SIZE = 10_000
 # Paths open without the bearer token when the server has an API key: probes and scrapers carry no secret.
@@ -112,24 +92,7 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 WEIGHT_ERROR_STATUS = {"invalid": 400, "conflict": 409, "failed": 502}
 
 
-def json_response(payload: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(payload), content_type="application/json")
-
-
-def query_bool(request: web.Request, name: str, default: bool) -> bool:
-    """A boolean query parameter as FastAPI parses it (true/false, 1/0, yes/no, on/off)."""
-    value = request.query.get(name)
-    if value is None:
-        return default
-    lowered = value.lower()
-    if lowered in ("true", "1", "yes", "on"):
-        return True
-    if lowered in ("false", "0", "no", "off"):
-        return False
-    raise bad_request(f"query parameter {name}={value!r} is not a boolean; use true or false", name)
-
-
-class EngineServer:
+class EngineServer(EngineServerAdmin):
     """State and handlers of one engine server. Build with ``from_model`` (blocking: loads the model) or
     directly around an engine; ``await start(host, port)`` serves, ``await close()`` stops.
 
@@ -143,7 +106,7 @@ class EngineServer:
             ``rollflow.weights.server.receiver.create_receiver``. Tests inject fakes here.
         eos_token_ids: token ids that end a generation unless ``ignore_eos``; default: the tokenizer's eos.
         max_body_bytes: larger request bodies get 413.
-        http_limits: read timeouts and the connection cap (``rollflow.inference.http.HttpLimits``).
+        http_limits: read timeouts and the connection cap (``rollflow.http.limits.HttpLimits``).
         request_limits: the most sequences and tokens one generation request may ask for
             (``rollflow.inference.request_limits.RequestLimits``); more is a 400.
     """
@@ -403,94 +366,7 @@ class EngineServer:
             raise ApiError(401, "missing or wrong bearer token; send 'Authorization: Bearer <api key>'")
         return await handler(request)
 
-    # ------------------------------------------------------------------ health and metrics
-
-    async def health(self, request: web.Request) -> web.Response:
-        """200 with an empty body while the engine runs (paused or asleep included), as vLLM; 503 with the error
-        JSON, ``type`` ``EngineDeadError``, once its loop died (vLLM's 503 for a dead engine)."""
-        if self.engine.is_dead:
-            raise engine_dead(self.engine.dead_reason)
-        return web.Response(status=200)
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        engine = self.engine
-        label = '{model_name="' + self.served_model_name.replace("\\", "\\\\").replace('"', '\\"') + '"}'
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, value: float, labels: str = label) -> None:
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.append(f"{name}{'_total' if kind == 'counter' else ''}{labels} {value}")
-
-        metric("vllm:num_requests_running", "gauge", "Requests holding a KV-cache slot.", engine.num_running)
-        metric(
-            "vllm:num_requests_waiting", "gauge", "Requests waiting for a KV-cache slot.", engine.num_waiting
-        )
-        metric(
-            "vllm:kv_cache_usage_perc",
-            "gauge",
-            "Fraction of KV-cache slots in use.",
-            engine.num_running / engine.max_batch_size,
-        )
-        metric(
-            "vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
-            engine.prefix_cache_query_tokens,
-        )  # fmt: skip
-        metric(
-            "vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
-            engine.prefix_cache_hit_tokens,
-        )  # fmt: skip
-        metric(
-            "rollflow:prefix_cache_query_requests", "counter", "Requests looked up in the prefix cache.",
-            engine.prefix_cache_queries,
-        )  # fmt: skip
-        metric(
-            "rollflow:prefix_cache_hit_requests", "counter", "Requests that reused a cached prefix.",
-            engine.prefix_cache_hits,
-        )  # fmt: skip
-        metric("vllm:prompt_tokens", "counter", "Prompt tokens processed.", engine.total_prompt_tokens)
-        metric("vllm:generation_tokens", "counter", "Tokens generated.", engine.total_generated_tokens)
-        metric(
-            "vllm:request_success", "counter", "Requests finished.", engine.num_finished_requests
-        )  # fmt: skip
-        metric(
-            "rollflow:policy_version", "gauge", "Policy version of the loaded weights.", engine.policy_version
-        )
-        metric(
-            "rollflow:engine_steps", "counter", "Engine loop iterations (admission and one decode step each).",
-            engine.num_steps,
-        )  # fmt: skip
-        metric(
-            "vllm:num_preemptions", "counter",
-            "Sequences that gave up their KV-cache slot to a request below its fair share.",
-            engine.num_preemptions,
-        )  # fmt: skip
-        metric(
-            "rollflow:request_failures", "counter", "Requests failed inside the engine, which kept serving.",
-            engine.num_failed_requests,
-        )  # fmt: skip
-        metric(
-            "rollflow:engine_dead",
-            "gauge",
-            "1 once the engine loop died (restart the server).",
-            int(engine.is_dead),
-        )
-        for event in ("sleep", "wake_up", "update_weights"):
-            metric(
-                f"rollflow:{event}_calls", "counter", f"/{event} calls handled (see GET /control_log).",
-                self._control_counts[event],
-            )  # fmt: skip
-        lines.append("# HELP vllm:engine_sleep_state Engine sleep state (1 for the current one).")
-        lines.append("# TYPE vllm:engine_sleep_state gauge")
-        current = {None: "awake", 0: "awake", 1: "weights_offloaded", 2: "discard_all"}[self.sleep_level]
-        for state in ("awake", "weights_offloaded", "discard_all"):
-            model_label = label[1:-1]
-            lines.append(
-                f'vllm:engine_sleep_state{{{model_label},sleep_state="{state}"}} {int(state == current)}'
-            )
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8")
-
-    # ------------------------------------------------------------------ pause, resume, sleep
+    # ------------------------------------------------------------------ shared by the control endpoints
 
     async def _read(self, request: web.Request, type_: type, *, empty_ok: bool = False) -> Any:
         return decode_body(await request.read(), type_, empty_ok=empty_ok)
@@ -500,142 +376,6 @@ class EngineServer:
             return await call
         except EngineDeadError as error:
             raise engine_dead(error) from None
-
-    async def _stop_engine(self, mode: str) -> None:
-        await self._engine_call(self.engine.pause(mode))
-        if mode == "abort":
-            # The engine's abort pause ends running requests; vLLM's also ends those still queued.
-            await self._engine_call(self.engine.abort())
-
-    def record(self, event: str, **fields: Any) -> None:
-        """Append a control event to ``control_log`` (with the requests finished and tokens generated so far,
-        and the loaded policy version) and count it for ``/metrics``."""
-        self._control_counts[event] += 1
-        self.control_log.append(
-            {
-                "event": event,
-                **fields,
-                "requests_finished": self.engine.num_finished_requests,
-                "tokens_generated": self.engine.total_generated_tokens,
-                "policy_version": self.engine.policy_version,
-                "time": time.time(),
-            }
-        )
-
-    async def get_control_log(self, request: web.Request) -> web.Response:
-        """``GET /control_log``: the control calls this server handled, oldest first (``?clear=true`` empties
-        the log after reading it)."""
-        entries = list(self.control_log)
-        if query_bool(request, "clear", False):
-            self.control_log.clear()
-        return json_response({"entries": entries})
-
-    async def pause(self, request: web.Request) -> web.Response:
-        mode = request.query.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise bad_request(
-                f"mode={mode!r} is not a pause mode; use one of {', '.join(PAUSE_MODES)}", "mode"
-            )
-        clear_cache = query_bool(request, "clear_cache", True)
-        async with self._control_lock:
-            self.pause_mode = mode  # before waiting: new requests get 503 while running ones drain
-            await self._stop_engine(mode)
-            if clear_cache and mode != "keep":
-                await self._engine_call(self.engine.reset_prefix_cache())
-            self.record("pause", mode=mode)
-        return json_response({"status": "paused"})
-
-    async def resume(self, request: web.Request) -> web.Response:
-        async with self._control_lock:
-            self.pause_mode = None
-            if not self.sleeping_tags:
-                await self._engine_call(self.engine.resume())
-            self.record("resume")
-        return json_response({"status": "resumed"})
-
-    async def is_paused(self, request: web.Request) -> web.Response:
-        return json_response({"is_paused": self.pause_mode is not None or bool(self.sleeping_tags)})
-
-    async def sleep(self, request: web.Request) -> web.Response:
-        """``POST /sleep?level=&mode=``: level 0 pauses scheduling; 1 also frees the KV cache (weights kept);
-        2 frees the weights too. Running requests are handled by ``mode`` first (``keep`` only at level 0)."""
-        raw_level = request.query.get("level", "1")
-        try:
-            level = int(raw_level)
-        except ValueError:
-            level = -1
-        if level not in (0, 1, 2):
-            raise bad_request(f"level={raw_level!r} is not a sleep level; use 0, 1 or 2", "level")
-        mode = request.query.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise bad_request(
-                f"mode={mode!r} is not a pause mode; use one of {', '.join(PAUSE_MODES)}", "mode"
-            )
-        if mode == "keep" and level >= 1:
-            raise bad_request(
-                f"mode=keep cannot be used with level={level}: that level frees the KV cache, which frozen "
-                "requests need to continue; use mode=abort or mode=wait (or level=0)",
-                "mode",
-            )
-        async with self._control_lock:
-            self.sleep_mode, self.sleep_level = mode, level
-            self.sleeping_tags = {"scheduling"} if level == 0 else {"scheduling", *MEMORY_TAGS}
-            await self._stop_engine(mode)
-            if level >= 1:
-                await self._engine_call(self.engine.sleep(level))
-            self.record("sleep", level=level, mode=mode)
-        return json_response({"status": "sleeping", "level": level})
-
-    async def wake_up(self, request: web.Request) -> web.Response:
-        """``POST /wake_up?tags=…``: restore ``weights`` and/or ``kv_cache`` (none: everything). As in vLLM,
-        scheduling resumes once no memory is asleep, whichever tags were asked for."""
-        tags = request.query.getall("tags", [])
-        unknown = [tag for tag in tags if tag not in SLEEP_TAGS]
-        if unknown:
-            raise bad_request(f"unknown wake_up tags {unknown}; use {', '.join(SLEEP_TAGS)}", "tags")
-        async with self._control_lock:
-            if self.sleeping_tags:
-                memory = set(tags or MEMORY_TAGS) & set(MEMORY_TAGS) & self.sleeping_tags
-                if memory:
-                    await self._engine_call(self.engine.wake_up(memory))
-                self.sleeping_tags -= memory
-                if not self.sleeping_tags & set(MEMORY_TAGS):  # scheduling resumes once all memory is back
-                    self.sleeping_tags.clear()
-                    self.sleep_mode = self.sleep_level = None
-            # Recorded before scheduling resumes: the log's counters then hold nothing generated after it.
-            self.record("wake_up", tags=tags or None, awake=not self.sleeping_tags)
-            if not self.sleeping_tags and self.pause_mode is None:
-                await self._engine_call(self.engine.resume())
-        status = "sleeping" if self.sleeping_tags else "awake"
-        return json_response({"status": status, "tags": tags or None})
-
-    async def is_sleeping(self, request: web.Request) -> web.Response:
-        return json_response({"is_sleeping": bool(self.sleeping_tags)})
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        query_bool(request, "reset_running_requests", False)
-        query_bool(request, "reset_external", False)
-        await self._read(request, ResetPrefixCacheBody, empty_ok=True)
-        success = await self._engine_call(self.engine.reset_prefix_cache())
-        return json_response({"success": bool(success)})
-
-    async def abort_requests(self, request: web.Request) -> web.Response:
-        """``POST /abort_requests``: abort the listed requests, or every request when no ids are given. Behind
-        the API key when one is set; without one, open to whoever reaches the server (on loopback: every
-        local user), who can abort everyone's requests."""
-        body = await self._read(request, AbortBody, empty_ok=True)
-        aborted = await self._engine_call(self.engine.abort(body.request_ids or None))
-        return json_response({"status": "aborted", "aborted": aborted})
-
-    async def inference_abort_requests(self, request: web.Request) -> web.Response:
-        body = await self._read(request, InferenceAbortBody)
-        if body.request_ids:
-            await self._engine_call(self.engine.abort(body.request_ids))
-        return web.Response(status=200)
-
-    async def get_world_size(self, request: web.Request) -> web.Response:
-        query_bool(request, "include_dp", True)
-        return json_response({"world_size": 1})
 
     # ------------------------------------------------------------------ weight transfer
 
@@ -725,114 +465,3 @@ class EngineServer:
     async def weight_info(self, request: web.Request) -> web.Response:
         version = self.engine.policy_version
         return json_response({"weight_version": str(version), "policy_version": version})
-
-
-# ------------------------------------------------------------------ process entry point
-
-
-async def serve(
-    model: str,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_batch_size: int = 64,
-    max_model_len: int | None = None,
-    served_model_name: str | None = None,
-    api_key: str | None = None,
-    return_routed_experts: bool = False,
-    http_limits: HttpLimits | None = None,
-    device: str = "auto",
-    logprobs_mode: str = "processed_logprobs",
-    ready: Callable[[dict[str, Any]], None] | None = None,
-    request_limits: RequestLimits | None = None,
-) -> None:
-    """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
-
-    Once listening, calls ``ready`` with ``{"event": "ready", "url", "host", "port", "model"}``. Bound to an
-    address other than loopback without an ``api_key``, it logs a warning: every endpoint is then open to
-    whoever reaches the port (aborting everyone's requests, loading weights from any path or URL).
-
-    Raises:
-        ModelNotFoundError: the model cannot be resolved or its files cannot be read.
-        EngineError, ValueError: as ``EngineServer.from_model``.
-        OSError: the address cannot be bound.
-    """
-    try:
-        server = await asyncio.to_thread(
-            EngineServer.from_model,
-            model,
-            max_batch_size=max_batch_size,
-            max_model_len=max_model_len,
-            served_model_name=served_model_name,
-            api_key=api_key,
-            return_routed_experts=return_routed_experts,
-            http_limits=http_limits,
-            device=device,
-            logprobs_mode=logprobs_mode,
-            request_limits=request_limits,
-        )
-    except RollflowError:
-        raise
-    except OSError as error:  # unreadable model files: the model's fault, not the address's
-        raise ModelNotFoundError(f"could not load model {model!r}: {error}") from error
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    try:
-        url = await server.start(host, port)
-        bound_port = int(url.rsplit(":", 1)[1])
-        log.info("serving", url=url, model=server.served_model_name)
-        warn_if_exposed("rollflow serve", host, api_key)
-        if ready is not None:
-            ready(
-                {
-                    "event": "ready",
-                    "url": url,
-                    "host": host,
-                    "port": bound_port,
-                    "model": server.served_model_name,
-                }
-            )
-        await stop.wait()
-        log.info("shutting down", url=url)
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-        await server.close()
-
-
-def main(args: Any) -> int:
-    """``rollflow serve``: prints one JSON ready line on stdout once listening; returns the exit status."""
-
-    def ready(event: dict[str, Any]) -> None:
-        eventloop.tune_gc_for_serving()  # model loaded: keep it out of GC passes
-        sys.stdout.write(json.dumps(event) + "\n")
-        sys.stdout.flush()
-
-    from rollflow.config import api_key_or_env
-
-    raise_open_file_limit()
-    eventloop.run(
-        serve(
-            args.model,
-            host=args.host,
-            port=args.port,
-            max_batch_size=args.max_batch_size,
-            max_model_len=args.max_model_len,
-            served_model_name=args.served_model_name,
-            api_key=api_key_or_env(args.api_key),
-            return_routed_experts=args.return_routed_experts,
-            http_limits=limits_from_flags(args),
-            device=args.device,
-            logprobs_mode=args.logprobs_mode,
-            ready=ready,
-            request_limits=RequestLimits(
-                max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens
-            ),
-        )
-    )
-    return 0
-
-
-__all__ = ["OPEN_PATHS", "EngineServer", "main", "serve"]

@@ -323,3 +323,23 @@ class FinishWeightUpdateBody(msgspec.Struct, kw_only=True):
     """``POST /finish_weight_update``: ``weight_version`` labels the new weights (an integer policy version)."""
 
     weight_version: str | int | None = None
+
+
+# ------------------------------------------------------------------ answers and query flags
+
+
+def json_response(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(payload), content_type="application/json")
+
+
+def query_bool(request: web.Request, name: str, default: bool) -> bool:
+    """A boolean query parameter as FastAPI parses it (true/false, 1/0, yes/no, on/off)."""
+    value = request.query.get(name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise bad_request(f"query parameter {name}={value!r} is not a boolean; use true or false", name)

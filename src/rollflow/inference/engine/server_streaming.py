@@ -27,6 +27,7 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import EngineDeadError, EngineError
+from rollflow.http.sse import SSE_DONE, sse_event
 from rollflow.inference.engine.server_protocol import (
     ApiError,
     StreamOptions,
@@ -35,7 +36,7 @@ from rollflow.inference.engine.server_protocol import (
     engine_error,
 )
 from rollflow.inference.routed_experts import pack_routed_experts
-from rollflow.inference.streaming import SSE_DONE, IncrementalDecoder, TextDeltas, sse_event
+from rollflow.inference.text_deltas import IncrementalDecoder, TextDeltas
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:

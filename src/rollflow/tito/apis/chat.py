@@ -9,7 +9,7 @@ import structlog
 from aiohttp import web
 
 from rollflow.errors import RequestError
-from rollflow.inference.streaming import SSE_DONE, sse_event
+from rollflow.http.sse import SSE_DONE, sse_event
 from rollflow.tito.apis.streaming import StreamedText, open_event_stream
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import TurnProgress, arguments_text

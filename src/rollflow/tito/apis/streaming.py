@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from rollflow.errors import RequestError, RollflowError, TraceSealedError
-from rollflow.inference.streaming import TextDeltas
+from rollflow.inference.text_deltas import TextDeltas
 from rollflow.tito.renderer import TITORenderer, normalize_tools
 from rollflow.tito.session import Session, TurnProgress
 from rollflow.tito.stops import hold_back

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from rollflow.inference.http import raw_error_response
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.errors import raw_error_response
+from rollflow.http.limits import HttpLimits
 
 log = structlog.get_logger(__name__)
 

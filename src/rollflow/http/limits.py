@@ -1,5 +1,5 @@
 """``HttpLimits``: what rollflow's HTTP listeners tolerate from slow clients (enforced in
-``rollflow.inference.http``), and the limits a parsed command line's ``--http-*`` flags ask for
+``rollflow.http.runner``), and the limits a parsed command line's ``--http-*`` flags ask for
 (``limits_from_flags``; ``rollflow.launch.server_group.http_limit_flags`` writes them). Apart so that the
 command line can show the defaults without importing aiohttp."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    """What one rollflow HTTP listener tolerates from its clients (``rollflow.inference.http`` says how each
+    """What one rollflow HTTP listener tolerates from its clients (``rollflow.http.runner`` says how each
     limit is enforced; the config keys are ``inference.http_header_timeout_s``, ``inference.http_body_timeout_s``
     and ``inference.http_max_connections``, the flags ``--http-header-timeout-s`` … of ``serve`` and ``router``).
 

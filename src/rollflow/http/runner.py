@@ -1,5 +1,5 @@
-"""Small aiohttp helpers shared by rollflow's HTTP listeners (``rollflow serve``, the router, the TITO proxy):
-vLLM-style JSON errors everywhere, and limits that keep slow or idle clients from holding a server.
+"""The app runner of rollflow's aiohttp listeners (``rollflow serve``, the router, the TITO proxy): vLLM-style
+JSON errors everywhere, and limits that keep slow or idle clients from holding a server.
 
 aiohttp answers requests it cannot parse (a bad ``Content-Length``, a malformed request line) from its protocol
 layer with a plain-text body before any handler runs; ``JSONErrorAppRunner`` makes those JSON too, so every
@@ -23,9 +23,6 @@ each (no polling):
 from __future__ import annotations
 
 import asyncio
-import hmac
-import ipaddress
-import json
 from http import HTTPStatus
 from typing import Any
 
@@ -33,103 +30,10 @@ import structlog
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from rollflow.errors import error_body
-from rollflow.inference.http_limits import HttpLimits
+from rollflow.http.errors import json_error, raw_error_response
+from rollflow.http.limits import HttpLimits
 
 log = structlog.get_logger(__name__)
-
-
-def json_error(
-    status: int,
-    message: str,
-    *,
-    type: str | None = None,
-    param: str | None = None,
-    code: str | None = None,
-) -> web.Response:
-    """The JSON error response of every rollflow listener (``rollflow.errors.error_body``)."""
-    return web.json_response(error_body(status, message, type=type, param=param, code=code), status=status)
-
-
-@web.middleware
-async def json_errors_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn aiohttp's HTTP exceptions (404, 405, 413 …) and unexpected errors into JSON errors."""
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        return json_error(exc.status, f"{request.method} {request.path}: {message}")
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # a bug: say so, keep serving
-        log.exception("unhandled error in request handler", path=request.path)
-        return json_error(500, f"internal error: {exc!r}")
-
-
-def bearer_token_matches(header: str | bytes | None, token: str | bytes) -> bool:
-    """Whether an ``Authorization`` header value is ``Bearer <token>`` (the scheme in any case), compared in
-    constant time. aiohttp decodes header bytes that are not UTF-8 with surrogate escapes; they are encoded
-    back to those bytes here, so such a header is a wrong token (401), not an encoding error (500)."""
-    if not header:
-        return False
-    raw = header if isinstance(header, bytes) else header.encode("utf-8", "surrogateescape")
-    expected = token if isinstance(token, bytes) else token.encode("utf-8", "surrogateescape")
-    scheme, _, given = raw.partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(given, expected)
-
-
-def reason_phrase(status: int) -> bytes:
-    """The status line's reason phrase for ``status`` (``Status`` for a code without one)."""
-    try:
-        return HTTPStatus(status).phrase.encode()
-    except ValueError:
-        return b"Status"
-
-
-def raw_json_response(
-    status: int, body: bytes, *, close: bool = False, content_type: bytes = b"application/json"
-) -> bytes:
-    """A complete HTTP/1.1 response with the JSON ``body``, written straight to a transport where no aiohttp
-    response object can be used; ``close`` adds ``Connection: close``."""
-    return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s" % (
-        status,
-        reason_phrase(status),
-        content_type,
-        len(body),
-        b"Connection: close\r\n" if close else b"",
-        body,
-    )
-
-
-def raw_error_response(status: int, message: str) -> bytes:
-    """A complete HTTP/1.1 response carrying the JSON error, that closes the connection."""
-    return raw_json_response(status, json.dumps(error_body(status, message)).encode(), close=True)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or name to bind) reaches only this machine."""
-    if host in ("localhost", "localhost.localdomain"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def warn_if_exposed(what: str, host: str, api_key: str | None) -> None:
-    """Log a warning when ``what`` listens beyond loopback without an API key: its control endpoints
-    (aborting every request, loading weights from any path or URL, adding workers) are then open to anyone
-    who reaches the port, not only to local users."""
-    if api_key or is_loopback(host):
-        return
-    log.warning(
-        f"{what} listens on {host} without an API key: anyone who can reach it may abort every request, "
-        "load weights from any path or URL, or (router) add a worker that receives prompts; set --api-key "
-        "or ROLLFLOW_API_KEY (inference.api_key), or bind 127.0.0.1",
-        host=host,
-    )
 
 
 def raise_open_file_limit() -> int | None:

@@ -1,6 +1,4 @@
-"""Server-sent events and incremental text, shared by the engine server, the HTTP client and the TITO proxy.
-
-SSE as OpenAI and vLLM stream it: one ``data: <json>\\n\\n`` event per chunk, then ``data: [DONE]\\n\\n``.
+"""Incremental text for streamed replies, shared by the engine server and the TITO proxy.
 
 Streamed text is never decoded token by token: a byte-level BPE token may hold half of a UTF-8 character, and
 parsers (reasoning, tool calls) may change how earlier text reads. Parsed replies are parsed whole each time
@@ -10,20 +8,10 @@ tokens (``IncrementalDecoder``). Both check at the end that what they sent adds 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import Callable
 
-import msgspec
-
-SSE_DONE = b"data: [DONE]\n\n"
-_ENCODER = msgspec.json.Encoder()
 # What a decoder shows for an incomplete UTF-8 sequence at the end of the tokens so far.
 _REPLACEMENT = "\ufffd"
-
-
-def sse_event(payload: Any) -> bytes:
-    """One SSE event carrying ``payload`` as JSON."""
-    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
 
 
 class TextDeltas:
@@ -86,32 +74,3 @@ class IncrementalDecoder:
 
     def finish(self, token_ids: list[int]) -> str:
         return self.text.update(self.decode(token_ids), final=True)
-
-
-async def iter_sse(chunks: AsyncIterator[bytes]) -> AsyncIterator[Any]:
-    """The JSON payloads of an SSE byte stream, given in chunks of any size (``aiohttp``'s
-    ``response.content.iter_any()``), up to ``[DONE]``. Comments and fields other than ``data`` are skipped.
-
-    Lines are split here rather than by ``aiohttp``'s ``readline``, which refuses lines over 128 KiB: a last
-    chunk with routed experts or many logprobs can be longer.
-
-    Raises:
-        ValueError: a ``data`` field that is not JSON.
-    """
-    buffer = bytearray()
-    async for data in chunks:
-        searched = len(buffer)
-        buffer += data
-        while (end := buffer.find(b"\n", searched)) >= 0:
-            line = bytes(buffer[:end]).rstrip(b"\r")
-            del buffer[: end + 1]
-            searched = 0
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return
-            try:
-                yield msgspec.json.decode(payload)
-            except msgspec.DecodeError as error:
-                raise ValueError(f"malformed SSE data: {payload[:200]!r}: {error}") from None
