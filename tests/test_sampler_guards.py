@@ -234,8 +234,8 @@ async def test_a_row_of_non_finite_logits_fails_its_request_alone(engine):
 
 
 def test_draws_follow_the_distribution_and_never_pick_a_cut_token():
-    # The CPU draw inverts each row's cumulative sum (torch.multinomial cost 40% of a full-batch step): its
-    # frequencies must be those of the distribution, and a token top-k cut (probability 0) never comes up.
+    # The draw's frequencies are those of the distribution, and a token top-k cut (probability 0) never
+    # comes up.
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 5.0, -3.0]])
     params = [SamplingParams(temperature=1.0, top_k=4)]
     draws = 40_000

@@ -17,7 +17,7 @@ from one shared generator.
 
 Numerics: everything is computed in float32, and every row keeps its most likely token through top-k and
 top-p. Logits are divided by the temperature as they are (the old arithmetic, bit for bit, and no extra pass)
-unless the draw refuses the result: huge logits over a small temperature overflow to inf, and
+unless ``torch.multinomial`` refuses the result: huge logits over a small temperature overflow to inf, and
 inf - inf is NaN. The batch is then sampled again on logits whose row maximum was subtracted first, so the
 largest scaled logit is exactly 0 and the others at most -inf, and a row that still has no finite positive mass
 is drawn as its argmax. With parameters inside ``rollflow.messages.sampling_error``'s bounds and rows with a
@@ -74,7 +74,7 @@ def sample(
     else:
         try:
             sampled = _sample(logits, params, generators, shared_generator, guarded=False)
-        except RuntimeError:  # the draw refused a row: inf or NaN from an overflow, or no mass left
+        except RuntimeError:  # torch.multinomial refused a row: inf or NaN from an overflow, or no mass left
             sampled = _sample(logits, params, generators, shared_generator, guarded=True)
     if raw_logprobs:
         tokens = torch.tensor(sampled.tokens, device=logits.device)
@@ -156,7 +156,7 @@ def _sample(
 
 def _argmax_where_massless(probs: torch.Tensor) -> torch.Tensor:
     """``probs`` with every row that has no finite positive mass (or a NaN) replaced by a one-hot at its
-    largest entry, so every row is a valid distribution to draw from."""
+    largest entry, so ``torch.multinomial`` always gets a valid distribution."""
     mass = probs.sum(dim=-1)
     broken = ~(torch.isfinite(mass) & (mass > 0))
     if not bool(broken.any()):
@@ -200,42 +200,14 @@ def _filtered_probs(
 def _draw(
     probs: torch.Tensor, generators: Sequence[torch.Generator | None], shared_generator: torch.Generator
 ) -> torch.Tensor:
-    """One index per row of ``probs`` (unnormalized is fine): seeded rows alone, the others in one call.
-
-    Raises:
-        RuntimeError: a row has no finite positive mass (inf or NaN from an overflow, or nothing kept), as
-            ``torch.multinomial`` does; ``sample`` then draws again, guarded.
-    """
+    """One index per row of ``probs`` (unnormalized is fine): seeded rows alone, the others in one call."""
     seeded = [i for i, g in enumerate(generators) if g is not None]
     if not seeded:
-        return _pick(probs, shared_generator)
+        return torch.multinomial(probs, 1, generator=shared_generator)[:, 0]
     picks = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
     for i in seeded:
-        picks[i] = _pick(probs[i : i + 1], generators[i])[0]
+        picks[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
     if len(seeded) < len(generators):
         unseeded = torch.tensor([i for i, g in enumerate(generators) if g is None], device=probs.device)
-        picks[unseeded] = _pick(probs[unseeded], shared_generator)
+        picks[unseeded] = torch.multinomial(probs[unseeded], 1, generator=shared_generator)[:, 0]
     return picks
-
-
-def _pick(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row of ``probs`` [n, vocab], drawn in proportion to its entries.
-
-    On the CPU by inverting each row's cumulative sum at a uniform draw: ``torch.multinomial`` costs 4.9 ms
-    for 64 rows of the tiny model's 1.6k-token vocabulary on a 2-core CPU, 40% of a full-batch decode step,
-    and this 0.2 ms. A draw lands on the first entry whose cumulative sum exceeds it, so zero entries (cut by
-    top-k/top-p) are never picked; float32 rounding of the sums moves a token's chance by about 1e-7.
-    Elsewhere ``torch.multinomial`` (fast there; on CUDA an invalid row is a device assert, which the guarded
-    path in ``sample`` rules out before).
-    """
-    if probs.device.type != "cpu":
-        return torch.multinomial(probs, 1, generator=generator)[:, 0]
-    cdf = probs.cumsum(dim=-1)
-    total = cdf[:, -1:]
-    if not bool((torch.isfinite(total) & (total > 0)).all()):
-        raise RuntimeError("invalid multinomial distribution (a row without finite positive mass)")
-    draws = torch.rand(probs.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
-    picks = torch.searchsorted(cdf, draws, right=True)
-    # A draw rounded up to the total would fall past the end: the last entry with mass takes it.
-    last = (cdf < total).sum(dim=-1, keepdim=True)
-    return torch.minimum(picks, last)[:, 0]
