@@ -8,10 +8,10 @@ import json
 import threading
 from typing import Any
 
-import aiohttp
 import pytest
 
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, message_text_chars, rendered_chars
+from tests.helpers.posts import post_json
 from tests.helpers.tito import MODEL, ScriptedClient
 
 LONG = "hello world " * (OFFLOAD_CHARS // 12 + 10)  # over OFFLOAD_CHARS, far under the prompt cap
@@ -110,23 +110,18 @@ async def server(tiny_chat, uncached_engine):
         await server._runner.cleanup()
 
 
-async def _post(url: str, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as http, http.post(url, json=body) as response:
-        return response.status, await response.json()
-
-
 @pytest.mark.parametrize("case", list(CASES))
 async def test_server_renders_large_chat_parts_off_the_loop(server, case):
     url, renderer = server
     main = threading.current_thread().name
-    status, reply = await _post(url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    status, reply = await post_json(url + "/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
     assert status == 200, reply
     assert renderer.threads[-1] == main  # small: inline
     messages, tools = CASES[case]
     body: dict[str, Any] = {"messages": messages}
     if tools:
         body["tools"] = tools
-    status, reply = await _post(url + "/tokenize", body)
+    status, reply = await post_json(url + "/tokenize", body)
     assert status == 200, reply
     assert len(renderer.threads) == 2 and renderer.threads[-1] != main  # large: in a worker thread
 
@@ -143,7 +138,7 @@ async def test_tito_proxy_renders_a_long_assistant_turn_off_the_loop(tiny_chat):
     ) as proxy:
         session = await proxy.open_session()
         messages, _ = CASES["assistant content"]
-        status, reply = await _post(
+        status, reply = await post_json(
             f"{session.base_url}/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 4}
         )
         assert adapter.renderer.threads, reply

@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import aiohttp
 import pytest
 
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, max_prompt_chars, max_token_chars
+from tests.helpers.posts import post_json
 from tests.helpers.tito import MODEL, ScriptedClient
 from tests.helpers.waits import wait_until
 
@@ -65,11 +65,6 @@ async def server(tiny_chat, uncached_engine):
         await server._runner.cleanup()
 
 
-async def _post(url: str, body: dict) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as http, http.post(url, json=body) as response:
-        return response.status, await response.json()
-
-
 async def test_text_over_the_cap_is_refused_without_tokenizing(server):
     server, url, tokenizer, renderer = server
     over = "x" * (server.max_prompt_chars + 1)
@@ -84,7 +79,7 @@ async def test_text_over_the_cap_is_refused_without_tokenizing(server):
             "messages",
         ),
     ):
-        status, reply = await _post(url + path, body)
+        status, reply = await post_json(url + path, body)
         assert status == 400, (path, reply)
         assert reply["error"]["param"] == param
         assert f"{len(over)} characters" in reply["error"]["message"]
@@ -94,7 +89,7 @@ async def test_text_over_the_cap_is_refused_without_tokenizing(server):
 async def test_token_ids_over_max_model_len_are_refused_by_their_count(server):
     server, url, _, _ = server
     too_many = [10**9] * server.engine.max_model_len  # out of the vocabulary too: the count is checked first
-    status, reply = await _post(url + "/inference/v1/generate", {"token_ids": too_many})
+    status, reply = await post_json(url + "/inference/v1/generate", {"token_ids": too_many})
     assert status == 400
     assert f"has {len(too_many)} tokens" in reply["error"]["message"]
 
@@ -104,14 +99,14 @@ async def test_long_text_is_tokenized_and_rendered_in_a_worker_thread(server):
     main = threading.current_thread().name
     long_text = "hello world " * (OFFLOAD_CHARS // 12 + 10)
     assert OFFLOAD_CHARS < len(long_text) <= server.max_prompt_chars
-    status, _ = await _post(url + "/tokenize", {"prompt": "short"})
+    status, _ = await post_json(url + "/tokenize", {"prompt": "short"})
     assert status == 200
-    status, reply = await _post(url + "/tokenize", {"prompt": long_text})
+    status, reply = await post_json(url + "/tokenize", {"prompt": long_text})
     assert status == 200 and reply["count"] > 1000
     assert tokenizer.threads[0][1] == main  # short: inline
     assert tokenizer.threads[-1][1] != main  # long: off the event loop
     messages = [{"role": "user", "content": long_text}]
-    status, reply = await _post(url + "/tokenize", {"messages": messages})
+    status, reply = await post_json(url + "/tokenize", {"messages": messages})
     assert status == 200
     assert renderer.threads[-1][1] != main
 
@@ -129,14 +124,16 @@ async def test_tito_proxy_refuses_messages_over_the_cap_and_renders_long_ones_of
         session = await proxy.open_session()
         url = f"{session.base_url}/chat/completions"
         over = "x" * (proxy.max_prompt_chars + 1)
-        status, reply = await _post(url, {"model": MODEL, "messages": [{"role": "user", "content": over}]})
+        status, reply = await post_json(
+            url, {"model": MODEL, "messages": [{"role": "user", "content": over}]}
+        )
         assert status == 400
         assert reply["error"]["code"] == "context_length_exceeded"
         assert reply["error"]["param"] == "messages"
         assert adapter.renderer.threads == []
         assert session.trace.stats.context_exceeded == 1  # as when the engine refuses the prompt
         long_text = "hello world " * (OFFLOAD_CHARS // 12 + 10)
-        status, reply = await _post(
+        status, reply = await post_json(
             url, {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "max_tokens": 4}
         )
         # Under the cap: rendered, off the event loop.

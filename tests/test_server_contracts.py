@@ -6,16 +6,15 @@ control endpoints."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
 
-import aiohttp
 import pytest
 
 from rollflow.inference.token_bytes import token_bytes
 from rollflow.tito import TITOProxy
+from tests.helpers.posts import post_json
 from tests.helpers.tito import MODEL, ScriptedClient
 from tests.helpers.waits import wait_until
 
@@ -28,13 +27,6 @@ DEEP_TOOLS = (
     + b'", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
     b'"function", "function": {"name": "f", "parameters": {"x": ' + b"[" * 1000 + b"]" * 1000 + b"}}}]}"
 )
-
-
-async def _post(url: str, body: bytes | dict | None = None, headers: dict | None = None):
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **(headers or {})}
-    async with aiohttp.ClientSession() as http, http.post(url, data=data, headers=headers) as response:
-        return response.status, await response.json(content_type=None)
 
 
 class FakeReceiver:
@@ -79,17 +71,17 @@ async def test_a_close_while_another_drains_returns_the_same_samples(tiny_chat):
     ) as proxy:
         session = await proxy.open_session("closing")
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
-        in_flight = asyncio.create_task(_post(f"{session.base_url}/chat/completions", chat))
+        in_flight = asyncio.create_task(post_json(f"{session.base_url}/chat/completions", chat))
         await wait_until(lambda: scripted.requests, "the request is sampling")
         close = {"reward": 1.0, "max_seq_len": 256}
         auth = {"Authorization": f"Bearer {KEY}"}
         url = f"{proxy.base_url}/sessions/closing/close"
-        first, second = await asyncio.gather(_post(url, close, auth), _post(url, close, auth))
+        first, second = await asyncio.gather(post_json(url, close, auth), post_json(url, close, auth))
         assert (await in_flight)[0] == 200  # drained, not cut off
         assert first[0] == second[0] == 200
         assert len(first[1]["samples"]) == 1
         assert second[1]["samples"] == first[1]["samples"]
-        status, body = await _post(url, close, auth)  # once closed: 409
+        status, body = await post_json(url, close, auth)  # once closed: 409
         assert status == 409 and body["error"]["code"] == "session_closed"
 
 
@@ -100,18 +92,18 @@ async def test_deeply_nested_json_is_400_on_serve_router_and_proxy(engine_server
     from rollflow.inference.router import InferenceRouter
 
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
-        status, body = await _post(engine_server.url + path, DEEP)
+        status, body = await post_json(engine_server.url + path, DEEP)
         assert status == 400, (path, body)
         assert "nested too deeply" in body["error"]["message"]
     async with InferenceRouter([engine_server.url], health_check_interval_s=60) as router:
         for path in ("/v1/chat/completions", "/add_worker", "/finish_session"):
-            status, body = await _post(router.url + path, DEEP)
+            status, body = await post_json(router.url + path, DEEP)
             assert status == 400, (path, body)
     async with TITOProxy(
         ScriptedClient(tiny_chat.tokenizer), tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL
     ) as proxy:
         session = await proxy.open_session()
-        status, body = await _post(f"{session.base_url}/chat/completions", DEEP_TOOLS)
+        status, body = await post_json(f"{session.base_url}/chat/completions", DEEP_TOOLS)
         assert status == 400 and "nested too deeply" in body["error"]["message"]
         deep_arguments = "[" * 5000 + "]" * 5000  # a JSON string field: decodes, then parsed as arguments
         messages = [
@@ -125,7 +117,7 @@ async def test_deeply_nested_json_is_400_on_serve_router_and_proxy(engine_server
             },
             {"role": "tool", "tool_call_id": "c", "content": "ok"},
         ]
-        status, body = await _post(
+        status, body = await post_json(
             f"{session.base_url}/chat/completions", {"model": MODEL, "messages": messages}
         )
         assert status in (200, 400), body  # never a 500
@@ -196,7 +188,7 @@ async def test_proxy_logprob_bytes_are_the_tokens_own(tiny_chat):
     async with TITOProxy(scripted, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
         chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}
-        status, body = await _post(f"{session.base_url}/chat/completions", chat)
+        status, body = await post_json(f"{session.base_url}/chat/completions", chat)
     assert status == 200
     content = body["choices"][0]["logprobs"]["content"]
     assert any("\ufffd" in item["token"] for item in content)  # the reply splits characters
@@ -217,7 +209,7 @@ async def test_serve_logprob_bytes_are_the_tokens_own(engine_server, tiny_chat):
         "ignore_eos": True,
         "seed": 3,
     }
-    status, body = await _post(engine_server.url + "/v1/chat/completions", chat)
+    status, body = await post_json(engine_server.url + "/v1/chat/completions", chat)
     assert status == 200, body
     choice = body["choices"][0]
     for token_id, item in zip(choice["token_ids"], choice["logprobs"]["content"], strict=True):
@@ -237,12 +229,12 @@ async def test_idempotency_key_reused_with_another_body_is_refused(tiny_chat):
         headers = {"Idempotency-Key": "k1"}
         first = {"model": MODEL, "messages": [{"role": "user", "content": "first"}]}
         other = {"model": MODEL, "messages": [{"role": "user", "content": "other"}]}
-        status, answer = await _post(url, first, headers)
+        status, answer = await post_json(url, first, headers)
         assert status == 200
-        status, body = await _post(url, other, headers)
+        status, body = await post_json(url, other, headers)
         assert status == 422
         assert body["error"]["param"] == "Idempotency-Key" and "k1" in body["error"]["message"]
-        status, replay = await _post(url, first, headers)  # the same body: the recorded reply
+        status, replay = await post_json(url, first, headers)  # the same body: the recorded reply
         assert status == 200 and replay["id"] == answer["id"]
         assert len(scripted.requests) == 1
 
@@ -254,24 +246,24 @@ async def test_update_weights_refuses_an_older_policy_version(engine_server):
     url = engine_server.url
 
     async def update(version: int) -> tuple[int, dict]:
-        assert (await _post(url + "/start_weight_update"))[0] == 200
-        status, body = await _post(url + "/update_weights", {"update_info": {"policy_version": version}})
-        finish = await _post(url + "/finish_weight_update")
+        assert (await post_json(url + "/start_weight_update"))[0] == 200
+        status, body = await post_json(url + "/update_weights", {"update_info": {"policy_version": version}})
+        finish = await post_json(url + "/finish_weight_update")
         assert finish[0] == 200, finish
         return status, body
 
-    assert (await _post(url + "/init_weight_transfer_engine", {"init_info": {}}))[0] == 200
+    assert (await post_json(url + "/init_weight_transfer_engine", {"init_info": {}}))[0] == 200
     assert (await update(5))[0] == 200
     status, body = await update(3)
     assert status == 409 and body["error"]["param"] == "update_info"
     assert "older than policy version 5" in body["error"]["message"]
     assert engine_server.engine.policy_version == 5
-    assert (await _post(url + "/start_weight_update"))[0] == 200
-    status, body = await _post(url + "/finish_weight_update", {"weight_version": 4})
+    assert (await post_json(url + "/start_weight_update"))[0] == 200
+    status, body = await post_json(url + "/finish_weight_update", {"weight_version": 4})
     assert status == 409 and body["error"]["param"] == "weight_version"
-    assert (await _post(url + "/finish_weight_update"))[0] == 200  # the round ends without a version
+    assert (await post_json(url + "/finish_weight_update"))[0] == 200  # the round ends without a version
     # A new transfer session (a new trainer, a resumed run) may start from any version.
-    assert (await _post(url + "/init_weight_transfer_engine", {"init_info": {}}))[0] == 200
+    assert (await post_json(url + "/init_weight_transfer_engine", {"init_info": {}}))[0] == 200
     assert (await update(0))[0] == 200
     assert engine_server.engine.policy_version == 0
 
@@ -302,7 +294,7 @@ async def test_api_key_guards_abort_update_weights_and_add_worker(tiny_chat, unc
             ]
             for url, body in calls:
                 for headers in ({}, {"Authorization": "Bearer wrong"}):
-                    status, reply = await _post(url, body, headers)
+                    status, reply = await post_json(url, body, headers)
                     assert status == 401, (url, reply)
             assert [row["url"] for row in router.worker_table()] == [server.url]
     finally:

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from rollflow.tito import TITOProxy
-from tests.helpers.tito import MODEL, ScriptedPolicy, assert_parity
+from tests.helpers.tito import ADD_PARAMETERS, MODEL, ScriptedPolicy, assert_parity, tool_call_text
 
 pytestmark = pytest.mark.asyncio
 
@@ -28,17 +28,9 @@ ADD_TOOL = {
     "function": {
         "name": "add",
         "description": "Add two integers.",
-        "parameters": {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"],
-        },
+        "parameters": ADD_PARAMETERS,
     },
 }
-
-
-def tool_call(name: str, **arguments) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _policy(client, chat, script) -> ScriptedPolicy:
@@ -56,7 +48,7 @@ async def _episode_trace(proxy: TITOProxy, session) -> object:
 
 
 async def test_openai_sdk_tool_episode(inference_client, tiny_chat):
-    script = {0: tool_call("add", a=2, b=3)}
+    script = {0: tool_call_text("add", a=2, b=3)}
     policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
@@ -84,7 +76,7 @@ async def test_openai_sdk_tool_episode(inference_client, tiny_chat):
 @pytest.mark.slow
 async def test_litellm_tool_episode(inference_client, tiny_chat):
     litellm = pytest.importorskip("litellm")
-    script = {0: tool_call("add", a=4, b=1)}
+    script = {0: tool_call_text("add", a=4, b=1)}
     policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
@@ -123,7 +115,7 @@ async def test_openai_agents_sdk_tool_episode(inference_client, tiny_chat):
         added.append((a, b))
         return a + b
 
-    script = {0: tool_call("add", a=20, b=22)}
+    script = {0: tool_call_text("add", a=20, b=22)}
     policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
@@ -159,8 +151,8 @@ async def test_smolagents_tool_calling_agent_episode(inference_client, tiny_chat
     # The first reply calls the tool and then makes up an observation: the stop string smolagents sends
     # ("Observation:") ends it there. The second calls smolagents' final_answer tool.
     script = {
-        0: tool_call("add", a=2, b=40) + "\nObservation: 42",
-        1: tool_call("final_answer", answer="42"),
+        0: tool_call_text("add", a=2, b=40) + "\nObservation: 42",
+        1: tool_call_text("final_answer", answer="42"),
     }
     policy = _policy(inference_client, tiny_chat, lambda call, _: script.get(call))
     async with TITOProxy(

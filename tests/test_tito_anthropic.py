@@ -5,20 +5,21 @@ the branch, and bad input answered in Anthropic's error shape while the session 
 
 from __future__ import annotations
 
-import json
-
-import aiohttp
 import anthropic
 import openai
 import pytest
 
 from rollflow.tito import TITOProxy
+from tests.helpers.posts import post_json
 from tests.helpers.tito import (
+    ADD_PARAMETERS,
     MODEL,
     ScriptedClient,
     ScriptedPolicy,
     assert_logprobs_recomputed,
     assert_parity,
+    scripted_tito_proxy,
+    tool_call_text,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -26,16 +27,8 @@ pytestmark = pytest.mark.asyncio
 ADD = {
     "name": "add",
     "description": "Add two integers.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-    },
+    "input_schema": ADD_PARAMETERS,
 }
-
-
-def _tool_call(name: str, **arguments) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _agent(session) -> anthropic.AsyncAnthropic:
@@ -104,7 +97,7 @@ async def test_tool_episode_with_thinking_trains_exactly_the_sampled_tokens(
     inference_client, tiny_chat, stream
 ):
     reasoned = tiny_chat.renderer_with(enable_thinking=True)
-    script = {0: "<think>\nadd them\n</think>\n\n" + _tool_call("add", a=2, b=3), 1: "five\n\nEND more"}
+    script = {0: "<think>\nadd them\n</think>\n\n" + tool_call_text("add", a=2, b=3), 1: "five\n\nEND more"}
     policy = ScriptedPolicy(inference_client, tiny_chat.tokenizer, lambda call, _: script.get(call))
     async with TITOProxy(policy, reasoned, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
@@ -148,18 +141,8 @@ async def test_tool_episode_with_thinking_trains_exactly_the_sampled_tokens(
 
 @pytest.fixture
 async def scripted_proxy(tiny_chat):
-    client = ScriptedClient(tiny_chat.tokenizer)
-    async with TITOProxy(
-        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, max_body_bytes=4096
-    ) as proxy:
-        proxy.scripted = client
+    async with scripted_tito_proxy(tiny_chat) as proxy:
         yield proxy
-
-
-async def _post(url: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession() as http, http.post(url, data=data) as response:
-        return response.status, await response.json(content_type=None)
 
 
 GOOD = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
@@ -227,13 +210,13 @@ async def test_bad_input_is_an_anthropic_400_naming_the_field_and_the_session_st
 ):
     session = await scripted_proxy.open_session()
     url = f"{session.base_url}/messages"
-    status, body = await _post(url, GOOD | change)
+    status, body = await post_json(url, GOOD | change)
     assert status == 400 and body["type"] == "error", body
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"].startswith(where), (
         body
     )
     assert scripted_proxy.scripted.requests == []
-    status, body = await _post(url, GOOD)
+    status, body = await post_json(url, GOOD)
     assert status == 200 and body["content"] == [{"type": "text", "text": "reply 0"}], body
 
 
@@ -245,9 +228,11 @@ async def test_errors_keep_the_anthropic_shape_for_the_sdk(scripted_proxy):
         (GOOD | {"messages": [{"role": "user", "content": "x" * 5000}]}, 413, "request_too_large"),
         (GOOD | {"model": "claude-opus-4"}, 404, "not_found_error"),
     ]:
-        answer = await _post(url, body)
+        answer = await post_json(url, body)
         assert (answer[0], answer[1]["error"]["type"]) == (status, kind), answer
-    assert (await _post(url.replace(session.token, "nobody"), GOOD))[1]["error"]["type"] == "not_found_error"
+    assert (await post_json(url.replace(session.token, "nobody"), GOOD))[1]["error"][
+        "type"
+    ] == "not_found_error"
     async with _agent(session) as agent:
         with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
             await agent.messages.create(
@@ -255,7 +240,7 @@ async def test_errors_keep_the_anthropic_shape_for_the_sdk(scripted_proxy):
             )
         assert (await agent.messages.create(**GOOD)).content[0].text == "reply 0"
     await scripted_proxy.close_session(session)
-    status, body = await _post(url, GOOD)
+    status, body = await post_json(url, GOOD)
     assert (status, body["type"]) == (409, "error")
 
 
@@ -268,7 +253,7 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
     switchless = tiny_chat.renderer_with(renderer="default")
     async with TITOProxy(client, switchless, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
-        status, body = await _post(
+        status, body = await post_json(
             f"{session.base_url}/messages", unknown | {"thinking": {"type": "disabled"}}
         )
         assert status == 200, body
@@ -286,7 +271,7 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
             ({"messages": unknown["messages"]}, "unsupported field 'messages[0].content[0].x'"),
             ({"thinking": {"type": "disabled"}}, "chat_template_kwargs.enable_thinking"),
         ]:
-            status, body = await _post(f"{session.base_url}/messages", GOOD | field)
+            status, body = await post_json(f"{session.base_url}/messages", GOOD | field)
             assert status == 400 and body["error"]["message"].startswith(where), body
             assert "strict_requests" in body["error"]["message"]
     assert len(client.requests) == 1

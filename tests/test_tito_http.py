@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 
 import aiohttp
 import pytest
 
 from rollflow.tito import TITOProxy
-from tests.helpers.tito import MODEL, ScriptedClient
+from tests.helpers.posts import post_json
+from tests.helpers.tito import MODEL, ScriptedClient, scripted_tito_proxy
 
 pytestmark = pytest.mark.asyncio
 
@@ -18,18 +18,8 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
 
 @pytest.fixture
 async def proxy(tiny_chat):
-    client = ScriptedClient(tiny_chat.tokenizer)
-    async with TITOProxy(
-        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, max_body_bytes=4096
-    ) as p:
-        p.scripted = client
-        yield p
-
-
-async def _post(url: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession() as http, http.post(url, data=data, headers=headers or {}) as response:
-        return response.status, await response.json(content_type=None)
+    async with scripted_tito_proxy(tiny_chat) as proxy:
+        yield proxy
 
 
 @pytest.mark.parametrize(
@@ -77,7 +67,7 @@ async def _post(url: str, body: bytes | dict, headers: dict | None = None) -> tu
 )
 async def test_unsupported_fields_are_400_naming_the_field(proxy, change, param):
     session = await proxy.open_session()
-    status, body = await _post(f"{session.base_url}/chat/completions", GOOD | change)
+    status, body = await post_json(f"{session.base_url}/chat/completions", GOOD | change)
     assert status == 400, body
     assert body["error"]["param"] == param, body
     assert param.split(".")[-1].split("[")[0] in body["error"]["message"]
@@ -96,7 +86,7 @@ async def test_unknown_fields_are_ignored_and_counted_or_refused_when_strict(tin
     client = ScriptedClient(tiny_chat.tokenizer)
     async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
-        status, body = await _post(f"{session.base_url}/chat/completions", GOOD | UNKNOWN)
+        status, body = await post_json(f"{session.base_url}/chat/completions", GOOD | UNKNOWN)
         assert status == 200, body
         stats = session.trace.stats
         assert (stats.unknown_fields, stats.ignored_values) == (2, 2)
@@ -117,7 +107,7 @@ async def test_unknown_fields_are_ignored_and_counted_or_refused_when_strict(tin
             ({"tool_choice": "required"}, "tool_choice"),
             ({"chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs.add_vision_id"),
         ]:
-            status, body = await _post(url, GOOD | field)
+            status, body = await post_json(url, GOOD | field)
             assert (status, body["error"]["param"]) == (400, param), body
             assert "strict_requests" in body["error"]["message"]
     assert len(client.requests) == 1
@@ -126,11 +116,11 @@ async def test_unknown_fields_are_ignored_and_counted_or_refused_when_strict(tin
 async def test_malformed_bodies_and_lengths(proxy):
     session = await proxy.open_session()
     url = f"{session.base_url}/chat/completions"
-    status, body = await _post(url, b"{not json")
+    status, body = await post_json(url, b"{not json")
     assert (status, body["error"]["code"]) == (400, "invalid_json")
-    status, body = await _post(url, b"")
+    status, body = await post_json(url, b"")
     assert status == 400
-    status, body = await _post(url, GOOD | {"messages": [{"role": "user", "content": "x" * 5000}]})
+    status, body = await post_json(url, GOOD | {"messages": [{"role": "user", "content": "x" * 5000}]})
     assert (status, body["error"]["code"]) == (413, "request_too_large")
 
     async def chunks():
@@ -159,19 +149,19 @@ async def test_malformed_content_length_is_400(proxy):
 
 async def test_unknown_model_session_and_closed_session(proxy):
     session = await proxy.open_session()
-    status, body = await _post(f"{session.base_url}/chat/completions", GOOD | {"model": "gpt-4o"})
+    status, body = await post_json(f"{session.base_url}/chat/completions", GOOD | {"model": "gpt-4o"})
     assert (status, body["error"]["param"], body["error"]["code"]) == (404, "model", "model_not_found")
 
     bogus = session.base_url.replace(session.token, "not-a-session")
-    status, body = await _post(f"{bogus}/chat/completions", GOOD)
+    status, body = await post_json(f"{bogus}/chat/completions", GOOD)
     assert (status, body["error"]["code"]) == (404, "session_not_found")
     async with aiohttp.ClientSession() as http, http.get(f"{proxy.base_url}/nowhere") as response:
         assert response.status == 404 and "error" in await response.json()
 
-    status, _ = await _post(f"{session.base_url}/chat/completions", GOOD)
+    status, _ = await post_json(f"{session.base_url}/chat/completions", GOOD)
     assert status == 200
     await proxy.close_session(session)
-    status, body = await _post(f"{session.base_url}/chat/completions", GOOD)
+    status, body = await post_json(f"{session.base_url}/chat/completions", GOOD)
     assert (status, body["error"]["code"]) == (409, "session_closed")
 
 
@@ -188,12 +178,12 @@ async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
         client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, admin_token="sesame"
     ) as p:
         auth = {"Authorization": "Bearer sesame"}
-        status, body = await _post(f"{p.base_url}/sessions", {})
+        status, body = await post_json(f"{p.base_url}/sessions", {})
         assert (status, body["error"]["type"]) == (401, "AuthenticationError")
-        status, body = await _post(f"{p.base_url}/sessions", {"session_id": "agent-1"}, auth)
+        status, body = await post_json(f"{p.base_url}/sessions", {"session_id": "agent-1"}, auth)
         assert status == 200 and body["session_id"] == "agent-1"
         base_url = body["base_url"]
-        assert (await _post(f"{base_url}/chat/completions", GOOD))[0] == 200
+        assert (await post_json(f"{base_url}/chat/completions", GOOD))[0] == 200
 
         async with aiohttp.ClientSession(headers=auth) as http:
             async with http.get(f"{p.base_url}/sessions/agent-1/trace") as response:
@@ -202,21 +192,21 @@ async def test_admin_endpoints_need_the_bearer_token(tiny_chat):
             async with http.get(f"{p.base_url}/sessions/nobody/trace") as response:
                 assert response.status == 404
 
-        status, body = await _post(f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0}, auth)
+        status, body = await post_json(f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0}, auth)
         assert (status, body["error"]["code"]) == (400, "invalid_request")
         assert "max_seq_len" in body["error"]["message"]
-        status, body = await _post(
+        status, body = await post_json(
             f"{p.base_url}/sessions/agent-1/close", {"reward": 1.0, "mode": "x", "max_seq_len": 9}, auth
         )
         assert (status, body["error"]["param"]) == (400, "mode")
         close = {"reward": 0.5, "mode": "per_branch", "max_seq_len": 256}
-        status, body = await _post(f"{p.base_url}/sessions/agent-1/close", close, auth)
+        status, body = await post_json(f"{p.base_url}/sessions/agent-1/close", close, auth)
         assert status == 200, body
         (sample,) = body["samples"]
         assert sample["reward"] == 0.5 and sum(sample["loss_mask"]) == len(client.outputs[0].token_ids)
         assert body["metrics"]["num_branches"] == 1.0
-        assert (await _post(f"{p.base_url}/sessions/agent-1/close", close, auth))[0] == 409
-        assert (await _post(f"{base_url}/chat/completions", GOOD))[0] == 409
+        assert (await post_json(f"{p.base_url}/sessions/agent-1/close", close, auth))[0] == 409
+        assert (await post_json(f"{base_url}/chat/completions", GOOD))[0] == 409
 
 
 async def test_start_failure_releases_everything(tiny_chat):
@@ -237,7 +227,7 @@ async def test_enable_thinking_on_a_renderer_without_the_switch_is_ignored_and_c
     body = GOOD | {"chat_template_kwargs": {"enable_thinking": False}}
     async with TITOProxy(client, switchless, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
-        status, reply = await _post(f"{session.base_url}/chat/completions", body)
+        status, reply = await post_json(f"{session.base_url}/chat/completions", body)
         assert status == 200, reply
         assert session.trace.ignored == {"chat_template_kwargs.enable_thinking": 1}
         assert session.trace.turns[0].options == {}  # nothing of it was applied
@@ -245,7 +235,7 @@ async def test_enable_thinking_on_a_renderer_without_the_switch_is_ignored_and_c
         client, switchless, tiny_chat.tokenizer, model_name=MODEL, strict_requests=True
     ) as proxy:
         session = await proxy.open_session()
-        status, reply = await _post(f"{session.base_url}/chat/completions", body)
+        status, reply = await post_json(f"{session.base_url}/chat/completions", body)
         assert (status, reply["error"]["param"]) == (400, "chat_template_kwargs.enable_thinking"), reply
         assert "strict_requests" in reply["error"]["message"]
     assert len(client.requests) == 1

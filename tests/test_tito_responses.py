@@ -8,17 +8,20 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import openai
 import pytest
 
 from rollflow.tito import TITOProxy
+from tests.helpers.posts import post_json
 from tests.helpers.tito import (
+    ADD_PARAMETERS,
     MODEL,
     ScriptedClient,
     ScriptedPolicy,
     assert_logprobs_recomputed,
     assert_parity,
+    scripted_tito_proxy,
+    tool_call_text,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -27,16 +30,8 @@ ADD = {
     "type": "function",
     "name": "add",
     "description": "Add two integers.",
-    "parameters": {
-        "type": "object",
-        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"],
-    },
+    "parameters": ADD_PARAMETERS,
 }
-
-
-def _tool_call(name: str, **arguments) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _sent_back(response) -> list[dict]:
@@ -105,7 +100,7 @@ async def test_tool_episode_with_reasoning_items_trains_exactly_the_sampled_toke
     inference_client, tiny_chat, stream
 ):
     reasoned = tiny_chat.renderer_with(enable_thinking=True)
-    script = {0: "<think>\nadd them\n</think>\n\n" + _tool_call("add", a=2, b=3)}
+    script = {0: "<think>\nadd them\n</think>\n\n" + tool_call_text("add", a=2, b=3)}
     policy = ScriptedPolicy(inference_client, tiny_chat.tokenizer, lambda call, _: script.get(call))
     async with TITOProxy(
         policy, reasoned, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
@@ -142,18 +137,8 @@ async def test_tool_episode_with_reasoning_items_trains_exactly_the_sampled_toke
 
 @pytest.fixture
 async def scripted_proxy(tiny_chat):
-    client = ScriptedClient(tiny_chat.tokenizer)
-    async with TITOProxy(
-        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, max_body_bytes=4096
-    ) as proxy:
-        proxy.scripted = client
+    async with scripted_tito_proxy(tiny_chat) as proxy:
         yield proxy
-
-
-async def _post(url: str, body: bytes | dict) -> tuple[int, dict]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with aiohttp.ClientSession() as http, http.post(url, data=data) as response:
-        return response.status, await response.json(content_type=None)
 
 
 GOOD = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
@@ -186,25 +171,25 @@ async def test_bad_input_is_a_400_naming_the_field_and_the_session_stays_usable(
 ):
     session = await scripted_proxy.open_session()
     url = f"{session.base_url}/responses"
-    status, body = await _post(url, GOOD | change)
+    status, body = await post_json(url, GOOD | change)
     assert (status, body["error"]["param"]) == (400, param), body
     assert scripted_proxy.scripted.requests == []
-    status, body = await _post(url, GOOD)
+    status, body = await post_json(url, GOOD)
     assert status == 200 and body["output"][0]["content"][0]["text"] == "reply 0", body
 
 
 async def test_malformed_oversized_and_unknown_session(scripted_proxy):
     session = await scripted_proxy.open_session()
     url = f"{session.base_url}/responses"
-    status, body = await _post(url, b"{not json")
+    status, body = await post_json(url, b"{not json")
     assert (status, body["error"]["code"]) == (400, "invalid_json")
-    status, body = await _post(url, GOOD | {"input": "x" * 5000})
+    status, body = await post_json(url, GOOD | {"input": "x" * 5000})
     assert (status, body["error"]["code"]) == (413, "request_too_large")
-    status, body = await _post(url.replace(session.token, "nobody"), GOOD)
+    status, body = await post_json(url.replace(session.token, "nobody"), GOOD)
     assert (status, body["error"]["code"]) == (404, "session_not_found")
-    status, body = await _post(url, GOOD | {"model": "gpt-5"})
+    status, body = await post_json(url, GOOD | {"model": "gpt-5"})
     assert (status, body["error"]["param"]) == (404, "model")
-    assert (await _post(url, GOOD))[0] == 200
+    assert (await post_json(url, GOOD))[0] == 200
 
 
 async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_chat):
@@ -218,7 +203,7 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
     switchless = tiny_chat.renderer_with(renderer="default")
     async with TITOProxy(client, switchless, tiny_chat.tokenizer, model_name=MODEL) as proxy:
         session = await proxy.open_session()
-        status, body = await _post(f"{session.base_url}/responses", unknown)
+        status, body = await post_json(f"{session.base_url}/responses", unknown)
         assert status == 200, body
         assert session.trace.ignored == {
             "frobnicate": 1,
@@ -236,7 +221,7 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
             ({"truncation": "auto"}, "truncation"),
             ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
         ]:
-            status, body = await _post(f"{session.base_url}/responses", GOOD | field)
+            status, body = await post_json(f"{session.base_url}/responses", GOOD | field)
             assert (status, body["error"]["param"]) == (400, param), body
             assert "strict_requests" in body["error"]["message"]
     assert len(client.requests) == 1

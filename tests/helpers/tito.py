@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -16,6 +17,12 @@ from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest
 from rollflow.tito.testing import TinyChat, as_history_message, make_session  # noqa: F401 - re-exported
 
 MODEL = "rollflow:tiny"
+# The JSON schema of the tool the TITO tests call: ``add(a, b)`` of two integers.
+ADD_PARAMETERS = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
 
 
 @pytest.fixture(scope="session")
@@ -214,3 +221,23 @@ def assert_logprobs_recomputed(trace: Any, model_dir: Any) -> int:
                     assert abs(logprobs[offset + i - 1, token].item() - recorded) < 1e-4, (mode, i)
                     checked += 1
     return checked
+
+
+def tool_call_text(name: str, **arguments: Any) -> str:
+    """The text the tiny model's template parses as one call of ``name`` (what a script has it sample)."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@contextlib.asynccontextmanager
+async def scripted_tito_proxy(tiny_chat: TinyChat, **options: Any) -> AsyncIterator[Any]:
+    """A TITO proxy over a ``ScriptedClient`` (``proxy.scripted``), for tests of what the proxy refuses and
+    answers without the model; small bodies (``max_body_bytes=4096``) unless ``options`` say otherwise."""
+    from rollflow.tito import TITOProxy
+
+    client = ScriptedClient(tiny_chat.tokenizer)
+    options.setdefault("max_body_bytes", 4096)
+    async with TITOProxy(
+        client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, **options
+    ) as proxy:
+        proxy.scripted = client
+        yield proxy
