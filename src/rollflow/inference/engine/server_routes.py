@@ -99,6 +99,20 @@ def _unsupported(**fields: tuple[Any, Any]) -> None:
             )
 
 
+def _penalties_and_stops(body: CompletionBody | ChatBody) -> dict[str, tuple[Any, Any]]:
+    """The OpenAI sampling fields both text endpoints share that the torch engine does not implement, each with
+    the one value it accepts (for ``_unsupported``)."""
+    return {
+        "min_p": (body.min_p or None, 0.0),
+        "min_tokens": (body.min_tokens, 0),
+        "repetition_penalty": (body.repetition_penalty, 1.0),
+        "presence_penalty": (body.presence_penalty or None, 0.0),
+        "frequency_penalty": (body.frequency_penalty or None, 0.0),
+        "logit_bias": (body.logit_bias or None, None),
+        "stop": (body.stop or None, None),
+    }
+
+
 @dataclass(slots=True)
 class _Sampling:
     """Sampling values of one request, normalized across the three endpoints (``prefix`` names the fields)."""
@@ -384,13 +398,7 @@ class DataPlane:
             echo=(body.echo or None, False),
             logprobs=(body.logprobs if body.logprobs else None, 0),
             prompt_logprobs=(body.prompt_logprobs, None),
-            min_p=(body.min_p or None, 0.0),
-            min_tokens=(body.min_tokens, 0),
-            repetition_penalty=(body.repetition_penalty, 1.0),
-            presence_penalty=(body.presence_penalty or None, 0.0),
-            frequency_penalty=(body.frequency_penalty or None, 0.0),
-            logit_bias=(body.logit_bias or None, None),
-            stop=(body.stop or None, None),
+            **_penalties_and_stops(body),
         )
         check_stream_options(body.stream, body.stream_options)
         if body.logprobs is not None and body.logprobs < 0:
@@ -529,13 +537,7 @@ class DataPlane:
             top_logprobs=(body.top_logprobs or None, 0),
             continue_final_message=(body.continue_final_message or None, False),
             chat_template=(body.chat_template, None),
-            min_p=(body.min_p or None, 0.0),
-            min_tokens=(body.min_tokens, 0),
-            repetition_penalty=(body.repetition_penalty, 1.0),
-            presence_penalty=(body.presence_penalty or None, 0.0),
-            frequency_penalty=(body.frequency_penalty or None, 0.0),
-            logit_bias=(body.logit_bias or None, None),
-            stop=(body.stop or None, None),
+            **_penalties_and_stops(body),
         )
         check_stream_options(body.stream, body.stream_options)
         if not body.messages:
