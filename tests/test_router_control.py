@@ -183,7 +183,11 @@ async def test_unreachable_worker_is_named_then_left_out(servers, http):
             await proxy_only.resume()
         assert await proxy_only.get_world_size() == 2  # the dead worker was taken out by the failure
         await proxy_only.close()
+        status, answer = await call(http, "POST", f"{router.url}/resume")
+        assert status == 200 and set(answer["workers"]) == set(servers.urls)
+        assert answer["skipped"] == {dead: "unhealthy: its health probes fail"}  # said, not hidden
     async with InferenceRouter([dead], health_check_interval_s=60) as router:
         assert (await call(http, "POST", f"{router.url}/resume"))[0] == 502
         status, answer = await call(http, "POST", f"{router.url}/resume")
         assert status == 503 and "no healthy inference server" in answer["error"]["message"]
+        assert f"{dead}': 'unhealthy" in answer["error"]["message"]

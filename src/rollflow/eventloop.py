@@ -49,3 +49,14 @@ def tune_gc_for_serving() -> None:
     gc.freeze()
     _, *older = gc.get_threshold()
     gc.set_threshold(SERVING_GEN0_THRESHOLD, *older)
+
+
+def announce_ready(event: dict[str, object]) -> None:
+    """A serving process is set up: tune its garbage collector (``tune_gc_for_serving``), then write ``event``
+    as one JSON line on stdout: the line the process that started it waits for."""
+    import json
+    import sys
+
+    tune_gc_for_serving()
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()

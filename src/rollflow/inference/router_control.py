@@ -3,7 +3,9 @@
 This is what makes "proxy only" work with a rollflow router as the proxy (the client's ``server_urls`` is then
 just the router, SkyRL's "the proxy is also the control plane" case). Each call goes to every healthy worker
 at once, with the caller's query, body and ``Authorization`` header. The answer combines the workers' answers
-in vLLM's shape (below) and adds ``"workers": {url: body}``; if any worker fails, the answer is an error that
+in vLLM's shape (below) and adds ``"workers": {url: body}``, and ``"skipped": {url: why}`` for the workers
+left out as unhealthy (a weight update they miss keeps them out as stale when they return, so the call
+succeeds, but the caller sees who did not get it, and the router logs it); if any worker fails, the answer is an error that
 names each failing worker (its 4xx status when all failures share it, else 502), and the others keep what
 they did (a partly paused fleet is the caller's to resume).
 
@@ -30,13 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
+import structlog
 from aiohttp import web
 
 from rollflow.http.errors import json_error
 from rollflow.weights.ranks import offsets_after
 
 if TYPE_CHECKING:
-    from rollflow.inference.router import InferenceRouter, _Worker
+    from rollflow.inference.router import InferenceRouter
+    from rollflow.inference.router_workers import RouterWorker
+
+_log = structlog.get_logger("rollflow.inference.router")
 
 CONTROL_POST = (
     "/pause",
@@ -101,7 +107,7 @@ class _Call(msgspec.Struct, frozen=True):
     headers: dict[str, str]
 
 
-async def _call(router: InferenceRouter, worker: _Worker, call: _Call, body: bytes) -> Any:
+async def _call(router: InferenceRouter, worker: RouterWorker, call: _Call, body: bytes) -> Any:
     """``call`` on ``worker``; its decoded JSON body ({} when empty).
 
     Raises:
@@ -133,7 +139,7 @@ async def _call(router: InferenceRouter, worker: _Worker, call: _Call, body: byt
 
 
 async def _fan_out(
-    router: InferenceRouter, workers: list[_Worker], call: _Call, bodies: list[bytes]
+    router: InferenceRouter, workers: list[RouterWorker], call: _Call, bodies: list[bytes]
 ) -> list[Any] | web.Response:
     """``call`` on every worker at once (worker ``i`` gets ``bodies[i]``); their answers, or the error."""
     results = await asyncio.gather(
@@ -158,7 +164,7 @@ async def _fan_out(
 
 
 async def _init_bodies(
-    router: InferenceRouter, workers: list[_Worker], headers: dict[str, str], raw: bytes
+    router: InferenceRouter, workers: list[RouterWorker], headers: dict[str, str], raw: bytes
 ) -> list[bytes] | web.Response:
     """Per-worker bodies of ``/init_weight_transfer_engine``: ``rank_offset`` advanced by the sizes of the
     workers before (process-group payloads); other payloads go to every worker unchanged."""
@@ -220,8 +226,9 @@ async def handle_control(
     hop-by-hop ones), and combine the answers (see the module docstring)."""
     raw = await request.read()
     workers = [worker for worker in router.workers.values() if worker.healthy]
+    skipped = {worker.url: _why_out(worker) for worker in router.workers.values() if not worker.healthy}
     if not workers:
-        return json_error(503, f"no healthy inference server (of {len(router.workers)})")
+        return json_error(503, f"no healthy inference server (of {len(router.workers)}): {skipped}")
     bodies: list[bytes] | web.Response = [raw] * len(workers)
     if request.path == INIT_PATH:
         bodies = await _init_bodies(router, workers, headers, raw)
@@ -237,4 +244,16 @@ async def handle_control(
     except (KeyError, TypeError, ValueError) as error:
         return json_error(502, f"{request.path}: a worker's answer lacks a field: {error!r}")
     by_worker = {worker.url: answer for worker, answer in zip(workers, answers, strict=True)}
-    return web.json_response({**combined, "workers": by_worker})
+    if not skipped:
+        return web.json_response({**combined, "workers": by_worker})
+    _log.warning("control call skipped unhealthy workers", path=request.path, skipped=skipped)
+    return web.json_response({**combined, "workers": by_worker, "skipped": skipped})
+
+
+def _why_out(worker: RouterWorker) -> str:
+    """Why an unhealthy worker is out of the fan-out, as ``/list_workers`` would say it."""
+    if worker.engine_dead:
+        return "its engine died"
+    if worker.stale is not None:
+        return f"stale: it serves weight version {worker.stale}"
+    return "unhealthy: its health probes fail"

@@ -3,8 +3,6 @@ SIGTERM or SIGINT, with one JSON ready line on stdout once it listens (what ``Ro
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 from rollflow import eventloop
@@ -39,9 +37,7 @@ def main(args: Any) -> int:
         raise ConfigError(f"rollflow router: {error}") from None
 
     def ready(url: str) -> None:
-        eventloop.tune_gc_for_serving()  # set up: what is alive now stays out of GC passes
-        sys.stdout.write(json.dumps({"event": "ready", "url": url}) + "\n")
-        sys.stdout.flush()
+        eventloop.announce_ready({"event": "ready", "url": url})
 
     raise_open_file_limit()
     eventloop.run(serve_router(router, ready))

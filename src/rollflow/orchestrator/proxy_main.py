@@ -6,10 +6,8 @@ prints."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import sys
 from typing import Any
 
 from rollflow import eventloop
@@ -35,12 +33,10 @@ def main(args: Any) -> int:
     token = token or secrets.token_urlsafe(24)
 
     def ready(proxy: Any) -> None:
-        eventloop.tune_gc_for_serving()  # model and tokenizer loaded: keep them out of GC passes
         line = {"event": "ready", "url": proxy.base_url, "model": proxy.model_name}
         if generated:
             line["admin_token"] = token
-        sys.stdout.write(json.dumps(line) + "\n")
-        sys.stdout.flush()
+        eventloop.announce_ready(line)  # model and tokenizer loaded
 
     raise_open_file_limit()
     try:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -97,11 +95,6 @@ async def serve(
 def main(args: Any) -> int:
     """``rollflow serve``: prints one JSON ready line on stdout once listening; returns the exit status."""
 
-    def ready(event: dict[str, Any]) -> None:
-        eventloop.tune_gc_for_serving()  # model loaded: keep it out of GC passes
-        sys.stdout.write(json.dumps(event) + "\n")
-        sys.stdout.flush()
-
     from rollflow.config import api_key_or_env
 
     raise_open_file_limit()
@@ -118,7 +111,7 @@ def main(args: Any) -> int:
             http_limits=limits_from_flags(args),
             device=args.device,
             logprobs_mode=args.logprobs_mode,
-            ready=ready,
+            ready=eventloop.announce_ready,  # model loaded
             request_limits=RequestLimits(
                 max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens
             ),
