@@ -46,7 +46,7 @@ from rollflow.errors import (
     RollflowError,
 )
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
-from rollflow.metrics import JsonlWriter, MetricsSink
+from rollflow.metrics import PIPELINE_OVERLAP, PIPELINE_WAIT_INPUT, JsonlWriter, MetricsSink
 from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.checkpoint import (
     OrchestratorState,
@@ -54,7 +54,7 @@ from rollflow.orchestrator.checkpoint import (
 )
 from rollflow.orchestrator.colocation import Colocation
 from rollflow.orchestrator.packing import pack_for_trainer
-from rollflow.orchestrator.pipeline import OVERLAP, WAIT_INPUT, PipelineMeter, StepPipeline
+from rollflow.orchestrator.pipeline import PipelineMeter, StepPipeline
 from rollflow.orchestrator.run_dir import (
     RunLock,
 )
@@ -420,7 +420,7 @@ class Orchestrator(OrchestratorSetup):
             task_status.started()
             while True:
                 # The feeder's input: a prompt to start, and the schedule's admission of it.
-                waiting = meter.wait_started("prompts", WAIT_INPUT)
+                waiting = meter.wait_started("prompts", PIPELINE_WAIT_INPUT)
                 try:
                     index = await self._next_prompt_index(fresh)
                     await self.schedule.admit()
@@ -471,7 +471,7 @@ class Orchestrator(OrchestratorSetup):
             generator_idle_fraction=(self.schedule.generator_idle_s() - idle_before) / step_time,
             **self._meter.take(),
         )
-        metrics[OVERLAP] = published.overlap_fraction
+        metrics[PIPELINE_OVERLAP] = published.overlap_fraction
         if self._eval_due():
             metrics.update(await self._evaluate())
         self._record(batch, metrics)

@@ -48,7 +48,6 @@ from rollflow.messages import (
 from rollflow.metrics import (
     PIPELINE_DEPTH,
     PIPELINE_DEPTH_MAX,
-    PIPELINE_OVERLAP,
     PIPELINE_WAIT_INPUT,
     PIPELINE_WAIT_OUTPUT,
 )
@@ -59,13 +58,6 @@ from rollflow.orchestrator.schedules import StalenessSchedule
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-# Metric names (see rollflow.metrics).
-WAIT_INPUT = PIPELINE_WAIT_INPUT
-WAIT_OUTPUT = PIPELINE_WAIT_OUTPUT
-DEPTH = PIPELINE_DEPTH
-DEPTH_MAX = PIPELINE_DEPTH_MAX
-OVERLAP = PIPELINE_OVERLAP
 
 
 class PipelineMeter:
@@ -89,8 +81,8 @@ class PipelineMeter:
     def stage(self, name: str, tasks: int = 1) -> None:
         """Report ``name``'s waits every step (0 when it did not wait), shared by ``tasks`` tasks."""
         self._tasks[name] = tasks
-        self._waits.setdefault(WAIT_INPUT + name, 0.0)
-        self._waits.setdefault(WAIT_OUTPUT + name, 0.0)
+        self._waits.setdefault(PIPELINE_WAIT_INPUT + name, 0.0)
+        self._waits.setdefault(PIPELINE_WAIT_OUTPUT + name, 0.0)
 
     def channel(self, name: str, message_type: type[T], capacity: int) -> Channel[T]:
         """A bounded channel (``rollflow.channels.channel``) whose depth is reported as ``name``."""
@@ -100,7 +92,7 @@ class PipelineMeter:
         return made
 
     def wait_started(self, stage: str, prefix: str) -> int:
-        """``stage`` starts waiting (``WAIT_INPUT`` or ``WAIT_OUTPUT``); returns the token that ends it."""
+        """``stage`` starts waiting (``PIPELINE_WAIT_INPUT`` or ``PIPELINE_WAIT_OUTPUT``); returns the token that ends it."""
         token = self._next_token
         self._next_token += 1
         self._open[token] = (prefix + stage, time.perf_counter())
@@ -121,7 +113,7 @@ class PipelineMeter:
             return stream.receive_nowait()
         except anyio.WouldBlock:
             pass
-        token = self.wait_started(stage, WAIT_INPUT)
+        token = self.wait_started(stage, PIPELINE_WAIT_INPUT)
         try:
             return await stream.receive()
         finally:
@@ -136,7 +128,7 @@ class PipelineMeter:
         try:
             stream.send_nowait(message)
         except anyio.WouldBlock:
-            token = self.wait_started(stage, WAIT_OUTPUT)
+            token = self.wait_started(stage, PIPELINE_WAIT_OUTPUT)
             try:
                 await stream.send(message)
             finally:
@@ -157,8 +149,8 @@ class PipelineMeter:
             metrics[key] = seconds / self._tasks.get(stage, 1)
         for name, stream in self._channels.items():
             depth = stream.statistics().current_buffer_used
-            metrics[DEPTH + name] = float(depth)
-            metrics[DEPTH_MAX + name] = float(max(self._max_depth[name], depth))
+            metrics[PIPELINE_DEPTH + name] = float(depth)
+            metrics[PIPELINE_DEPTH_MAX + name] = float(max(self._max_depth[name], depth))
             self._max_depth[name] = depth
         self._waits = dict.fromkeys(self._waits, 0.0)
         return metrics
