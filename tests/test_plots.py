@@ -69,7 +69,10 @@ def test_plot_compares_runs_in_pngs(two_runs, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     line = json.loads(result.stdout.strip().splitlines()[-1])
-    expected = {"reward.png", "loss.png", "kl.png", "staleness.png", "throughput.png", "timings.png"}
+    expected = {
+        *("reward.png", "loss.png", "kl.png", "staleness.png", "throughput.png", "timings.png"),
+        "pipeline.png",
+    }
     # No [eval] section in these runs: no eval figure.
     assert set(line["files"]) == expected == {p.name for p in out.iterdir()}
     for name in expected:

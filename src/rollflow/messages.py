@@ -237,6 +237,52 @@ class StepResult(msgspec.Struct):
     updated: bool = True
 
 
+# ---------------------------------------------------------------- one training step between its stages
+# (rollflow.orchestrator.pipeline): batch wanted ▸ batch ready ▸ step trained ▸ version published.
+
+
+class BatchWanted(msgspec.Struct, frozen=True):
+    """The run asks the batcher for the groups of one more step (sent once the previous step is complete,
+    so a batch is never collected, and checked for staleness, against weights about to change)."""
+
+    step: int
+
+
+class BatchReady(msgspec.Struct):
+    """A step's groups, checked against the staleness bound: the trainer stage's input."""
+
+    batch: TrainBatch
+    # The policy version the batch trains on (the weights the engines hold while it is trained).
+    policy_version: int
+    # Seconds the batcher waited for the groups (the trainer's wait for generation).
+    collect_time_s: float = 0.0
+    # Groups beyond the staleness bound, dropped and queued for regeneration.
+    dropped_stale_groups: int = 0
+    # Per trained sample, policy versions behind the weights it trains on.
+    staleness: list[int] = []
+
+
+class StepTrained(msgspec.Struct):
+    """A step the trainer took: the barrier stage's input."""
+
+    ready: BatchReady
+    result: StepResult
+    # Seconds the servers took to go to sleep before the step (inference.colocate), else 0.
+    sleep_time_s: float = 0.0
+
+
+class VersionPublished(msgspec.Struct):
+    """The barrier's output: the step is complete and the engines hold ``policy_version``; generation
+    admission (``StalenessSchedule.published``) moves on from it."""
+
+    trained: StepTrained
+    policy_version: int
+    # The barrier's timings in seconds (barrier_time_s, pause_time_s, transfer_time_s, wake_time_s).
+    barrier: dict[str, float] = {}
+    # Fraction of the train-and-barrier time during which some group was generating (0 in sync mode).
+    overlap_fraction: float = 0.0
+
+
 class TrainSample(msgspec.Struct):
     """A sample as the trainer trains it: with the advantage its group's baseline gave it."""
 

@@ -13,6 +13,18 @@ from typing import Any, Protocol, TextIO
 
 from rollflow.errors import StorageError, describe_os_error
 
+#: Step metrics of the step pipeline (``rollflow.orchestrator.pipeline``), one per stage or channel: seconds
+#: a stage waited for its next input, seconds it waited to hand its output on (back-pressure), a channel's
+#: unread messages at the step's end and at most during the step; and the fraction of the train-and-barrier
+#: time during which generation went on (0 in sync mode). ``rollflow plot`` draws them as one figure.
+PIPELINE_WAIT_INPUT = "pipeline/wait_input_s/"
+PIPELINE_WAIT_OUTPUT = "pipeline/wait_output_s/"
+PIPELINE_DEPTH = "pipeline/depth/"
+PIPELINE_DEPTH_MAX = "pipeline/depth_max/"
+PIPELINE_OVERLAP = "pipeline/overlap_fraction"
+#: The stages in the order a message passes them (the plot's order).
+PIPELINE_STAGES = ("prompts", "generation", "batcher", "trainer", "barrier", "admission")
+
 
 class MetricsSink(Protocol):
     """Receives each step's metrics once the step is complete."""

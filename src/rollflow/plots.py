@@ -1,7 +1,8 @@
 """``rollflow plot``: PNG figures of one or more runs' ``metrics.jsonl``, runs compared on the same axes.
 
 Each figure is a group of related metrics (reward, evaluation, loss, KL and logprob mismatch, staleness,
-throughput, timings), one panel per metric against the step, one line per run. A figure none of the runs has a
+throughput, timings), one panel per metric against the step, one line per run; the ``pipeline`` figure
+stacks each stage's waits per step instead, with the overlap fraction (is an async run overlapping?). A figure none of the runs has a
 metric of is not written (``eval`` without an ``[eval]`` section). matplotlib is an optional extra
 (``pip install 'rollflow[plot]'``), imported only here and only when plotting.
 """
@@ -16,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from rollflow.errors import ConfigError
+from rollflow.metrics import (
+    PIPELINE_DEPTH_MAX,
+    PIPELINE_OVERLAP,
+    PIPELINE_STAGES,
+    PIPELINE_WAIT_INPUT,
+    PIPELINE_WAIT_OUTPUT,
+)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,6 +37,60 @@ class FigureSpec:
     """Metrics in this order, where a run has them."""
     match: Callable[[str], bool] | None = None
     """Further metrics by name (sorted), for families whose names are not known in advance (``eval/*``)."""
+    draw: Callable[[Any, str, list[str], list[RunMetrics]], Any] | None = None
+    """Draws the figure of these metrics (default: one panel per metric, one line per run)."""
+
+
+def _draw_pipeline(Figure: Any, title: str, keys: list[str], runs: list[RunMetrics]) -> Any:
+    """ "Is my async run actually overlapping?": per run, each stage's wait on its input and on its output,
+    stacked per step (a stage that waits on its input is starved, one that waits on its output is ahead of
+    the next); and the overlap fraction and fullest group channel of every run."""
+    from matplotlib.ticker import MaxNLocator
+
+    stages = [stage for stage in PIPELINE_STAGES if any(key.endswith("/" + stage) for key in keys)]
+    stages += sorted({key.rsplit("/", 1)[1] for key in keys if "/wait_" in key} - set(stages))
+    colors = {stage: f"C{index}" for index, stage in enumerate(stages)}
+    figure = Figure(figsize=(11.0, 3.0 * (len(runs) + 1) + 0.6), layout="constrained")
+    axes = figure.subplots(len(runs) + 1, 2, squeeze=False)
+    for row, run in enumerate(runs):
+        for column, (prefix, what) in enumerate(
+            ((PIPELINE_WAIT_INPUT, "waiting on input (starved)"), (PIPELINE_WAIT_OUTPUT, "waiting on output"))
+        ):
+            ax = axes[row][column]
+            bottom: dict[float, float] = {}
+            for stage in stages:
+                steps, values = run.series(prefix + stage)
+                if not steps:
+                    continue
+                base = [bottom.get(step, 0.0) for step in steps]
+                ax.bar(steps, values, bottom=base, color=colors[stage], label=stage, width=0.8)
+                for step, value in zip(steps, values, strict=True):
+                    bottom[step] = bottom.get(step, 0.0) + value
+            ax.set_title(f"{run.label}: seconds {what}", fontsize=10)
+            ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if bottom:
+                ax.legend(fontsize=7, ncols=2)
+    for column, (key, name) in enumerate(
+        (
+            (PIPELINE_OVERLAP, "generation during train + barrier (fraction)"),
+            (PIPELINE_DEPTH_MAX + "groups", ""),
+        ),
+    ):
+        ax = axes[len(runs)][column]
+        for run in runs:
+            steps, values = run.series(key)
+            if steps:
+                ax.plot(steps, values, label=run.label, marker="o" if len(steps) <= 3 else None, markersize=3)
+        ax.set_title(f"{key}" + (f": {name}" if name else ""), fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if len(runs) > 1:
+            ax.legend(fontsize=8)
+    figure.suptitle(title + ("" if len(runs) > 1 else f" - {runs[0].label}"))
+    return figure
 
 
 def _is_kl(key: str) -> bool:
@@ -70,6 +132,13 @@ FIGURES = (
             "trainer_idle_fraction",
             "generator_idle_fraction",
         ),
+    ),
+    FigureSpec(
+        "pipeline",
+        "Is the run overlapping? Stage waits per step",
+        (PIPELINE_OVERLAP,),
+        lambda key: key.startswith("pipeline/"),
+        draw=_draw_pipeline,
     ),
 )
 
@@ -173,7 +242,8 @@ def plot_runs(runs: Sequence[str | Path], out: str | Path) -> list[Path]:
         if not keys:
             continue
         path = out / f"{spec.name}.png"
-        _draw(Figure, spec.title, keys, loaded).savefig(path, dpi=100)
+        draw = spec.draw or _draw
+        draw(Figure, spec.title, keys, loaded).savefig(path, dpi=100)
         written.append(path)
     return written
 

@@ -17,8 +17,10 @@ Each component has one job and never references the orchestrator:
 
 The orchestrator builds them in ``setup()`` (``setup.py``), where it also starts the engines on the trainer's
 weights as policy version 0. ``run()`` drives them: a data-source task and generation workers in one anyio task
-group (in a task of its own, which outlives a ``run()`` call), connected by bounded typed channels, and the
-training loop reading scored groups, training, updating weights and writing metrics and checkpoints.
+group (in a task of its own, which outlives a ``run()`` call), connected by bounded typed channels; and the
+step stages (``pipeline.py``: batcher ▸ trainer ▸ weight barrier ▸ admission, typed messages over bounded
+channels) in a task group of the call, whose run loop asks for each step and writes its metrics, evaluation
+and checkpoint. Every step's metrics say how long each stage waited and how full each channel was.
 """
 
 from __future__ import annotations
@@ -37,14 +39,14 @@ import structlog
 from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from rollflow.channels import Channel, channel
+from rollflow.channels import Channel
 from rollflow.config import RunConfig
 from rollflow.errors import (
     NothingToTrainError,
     RollflowError,
 )
 from rollflow.messages import FinishReason, RolloutRequest, ScoredGroup, StepResult, TrainBatch
-from rollflow.metrics import JsonlWriter, MetricsSink
+from rollflow.metrics import PIPELINE_OVERLAP, PIPELINE_WAIT_INPUT, JsonlWriter, MetricsSink
 from rollflow.orchestrator.barrier import WeightBarrier
 from rollflow.orchestrator.checkpoint import (
     OrchestratorState,
@@ -52,6 +54,7 @@ from rollflow.orchestrator.checkpoint import (
 )
 from rollflow.orchestrator.colocation import Colocation
 from rollflow.orchestrator.packing import pack_for_trainer
+from rollflow.orchestrator.pipeline import PipelineMeter, StepPipeline
 from rollflow.orchestrator.run_dir import (
     RunLock,
 )
@@ -156,6 +159,8 @@ class Orchestrator(OrchestratorSetup):
         self._prompt_limit = 0
         self._prompts_changed: anyio.Event | None = None  # set while the feeder runs
         self._masked_reasons: Counter[str] = Counter()
+        # Each stage's waits and each channel's depth, reported with every step.
+        self._meter = PipelineMeter()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -251,11 +256,7 @@ class Orchestrator(OrchestratorSetup):
                     for sink in self._sinks:
                         sink.log(record)
                 results = self._start_generation() if self._results is None else self._results
-                while self.state.step < target:
-                    metrics = await self._train_step(results)
-                    run_metrics.append(metrics)
-                    if on_step is not None:
-                        on_step(metrics)
+                await self._run_steps(self._pipeline(results), target, run_metrics, on_step)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._stop_generation()
@@ -265,6 +266,48 @@ class Orchestrator(OrchestratorSetup):
         if self.state.step >= self.config.orchestrator.steps:
             await self._stop_generation()  # the configured run is done: nothing left to generate for
         return run_metrics
+
+    async def _run_steps(
+        self,
+        pipeline: StepPipeline,
+        target: int,
+        run_metrics: list[dict[str, Any]],
+        on_step: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        """The run loop: the step stages in a task group of this call, and one step asked of them at a time,
+        recorded (metrics, evaluation, checkpoint) before the next is asked for. A stage's error is raised
+        as itself (as the step would have raised it), not inside this task group's exception group."""
+        try:
+            async with anyio.create_task_group() as tg:
+                await pipeline.start(tg)
+                while self.state.step < target:
+                    metrics = await self._train_step(pipeline)
+                    run_metrics.append(metrics)
+                    if on_step is not None:
+                        on_step(metrics)
+                tg.cancel_scope.cancel()  # the stages wait for the next step's ask
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) != 1:
+                raise
+            error = group.exceptions[0]
+            raise error from error.__cause__
+        finally:
+            pipeline.close()
+
+    def _pipeline(self, results: MemoryObjectReceiveStream[ScoredGroup]) -> StepPipeline:
+        return StepPipeline(
+            groups=results,
+            schedule=self.schedule,
+            state=self.state,
+            prompts_per_step=self.config.orchestrator.prompts_per_step,
+            colocation=self.colocation,
+            # Looked up at each call, so that a test can wrap them on the instance.
+            train=lambda batch, policy_version: self._pack_and_train(batch, policy_version),
+            push=lambda policy_version: self._push(policy_version),
+            regenerate=self._regenerate,
+            generation_failure=self._generation_failure,
+            meter=self._meter,
+        )
 
     def _start_generation(self) -> MemoryObjectReceiveStream[ScoredGroup]:
         """Start the prompt feeder and ``max_inflight`` generation workers in a task of their own (it outlives
@@ -278,8 +321,10 @@ class Orchestrator(OrchestratorSetup):
         self._next_fresh: int | None = None  # drawn from the untrained indices, not yet sent
         self._prompts_changed = anyio.Event()
         capacity = self.config.orchestrator.max_inflight
-        requests = channel(RolloutRequest, capacity)
-        results = channel(ScoredGroup, capacity)
+        requests = self._meter.channel("prompts", RolloutRequest, capacity)
+        results = self._meter.channel("groups", ScoredGroup, capacity)
+        self._meter.stage("prompts")
+        self._meter.stage("generation", tasks=capacity)
         self._results = results.receive
         # A plain asyncio task, not a task group of run()'s: a task group must be left by the task that
         # entered it, and in a notebook each run() call (and stop()) may come from another task.
@@ -338,6 +383,11 @@ class Orchestrator(OrchestratorSetup):
             assert self._prompts_changed is not None  # the feeder runs
             await self._prompts_changed.wait()  # a dropped prompt to retry, or a longer run
 
+    def _regenerate(self, prompt_index: int) -> None:
+        """A dropped group's prompt goes back to the feeder (it must still be trained)."""
+        self._retry_prompts.append(prompt_index)
+        self._prompts_available()
+
     def _prompts_available(self) -> None:
         """Wake the feeder: a prompt was queued for retry, or the prompt limit grew."""
         if self._prompts_changed is not None:
@@ -365,108 +415,63 @@ class Orchestrator(OrchestratorSetup):
         fresh = self._untrained_indices()
         # A custom task's item() is user code: timed, in a worker thread (data.task_timeout_s).
         item_of = item_caller(self.task, self.config.data.task_timeout_s)
+        meter = self._meter
         async with send:
             task_status.started()
             while True:
-                index = await self._next_prompt_index(fresh)
-                await self.schedule.admit()
+                # The feeder's input: a prompt to start, and the schedule's admission of it.
+                waiting = meter.wait_started("prompts", PIPELINE_WAIT_INPUT)
+                try:
+                    index = await self._next_prompt_index(fresh)
+                    await self.schedule.admit()
+                finally:
+                    meter.wait_ended(waiting)
                 item = await item_of(index)
-                await send.send(
-                    RolloutRequest(
-                        prompt_index=index,
-                        messages=item.messages,
-                        answer=item.answer,
-                        metadata=item.metadata,
-                        num_samples=self.config.sampling.samples_per_prompt,
-                    )
+                request = RolloutRequest(
+                    prompt_index=index,
+                    messages=item.messages,
+                    answer=item.answer,
+                    metadata=item.metadata,
+                    num_samples=self.config.sampling.samples_per_prompt,
                 )
+                await meter.send("prompts", "prompts", send, request)
 
     async def _generation_worker(
         self,
         requests: MemoryObjectReceiveStream[RolloutRequest],
         results: MemoryObjectSendStream[ScoredGroup],
     ) -> None:
+        meter = self._meter
         async with requests, results:
-            async for request in requests:
+            while True:
+                try:
+                    request = await meter.receive("generation", requests)
+                except anyio.EndOfStream:
+                    return
                 try:
                     group = await self.generator.generate_group(request)
                 finally:
                     self.schedule.group_finished()
-                await results.send(group)
+                await meter.send("generation", "groups", results, group)
 
-    async def _collect_batch(
-        self, results: MemoryObjectReceiveStream[ScoredGroup]
-    ) -> tuple[list[ScoredGroup], int]:
-        """Receive one step's groups, dropping (and queueing for regeneration) any beyond the staleness bound."""
-        groups: list[ScoredGroup] = []
-        dropped = 0
-        while len(groups) < self.config.orchestrator.prompts_per_step:
-            try:
-                try:
-                    # Groups already waiting are taken without yielding to the loop, where HTTP callbacks of
-                    # generation in flight would run first and delay the trainer.
-                    group = results.receive_nowait()
-                except anyio.WouldBlock:
-                    group = await results.receive()
-            except anyio.EndOfStream:
-                raise await self._generation_failure() from None
-            # Only trained samples can be stale (masked ones, e.g. a failed agent, may hold no tokens).
-            oldest = min((s.min_policy_version for s in group.samples if not s.masked), default=None)
-            if oldest is None or self.schedule.is_within_bound(oldest):
-                groups.append(group)
-                continue
-            dropped += 1
-            self._retry_prompts.append(group.prompt_index)
-            self._prompts_available()
-            self.schedule.group_dropped()
-            log.debug("dropped stale group", prompt_index=group.prompt_index, policy_version=oldest)
-        groups.sort(key=lambda group: group.prompt_index)
-        return groups, dropped
-
-    async def _train_step(self, results: MemoryObjectReceiveStream[ScoredGroup]) -> dict[str, Any]:
-        step = self.state.step + 1
+    async def _train_step(self, pipeline: StepPipeline) -> dict[str, Any]:
+        """One step through the stages (``pipeline.py``), then its metrics, evaluation and checkpoint."""
         step_started = time.perf_counter()
         idle_before = self.schedule.generator_idle_s()
-        groups, dropped = await self._collect_batch(results)
-        wait_time = time.perf_counter() - step_started
-
-        batch = TrainBatch(step=step, groups=groups)
-        staleness = [self.schedule.staleness(s.min_policy_version) for s in batch.samples if not s.masked]
-        colocation = self.colocation
-        sleep_time = await colocation.sleep() if colocation is not None else 0.0
-        try:
-            result: StepResult = await anyio.to_thread.run_sync(
-                self._pack_and_train, batch, self.state.policy_version
-            )
-        except BaseException:
-            if colocation is not None:
-                await colocation.recover(lambda: self._push(self.state.policy_version))
-            raise
-
-        barrier: dict[str, float] = {}
-        if colocation is not None:
-            # Woken in two stages around the push; at sleep level 2 the weights are pushed even when the step
-            # made no update (the servers discarded theirs).
-            version = self.state.policy_version + int(result.updated)
-            push = (lambda: self._push(version)) if result.updated or colocation.level == 2 else None
-            barrier = {**await colocation.wake(push), "sleep_time_s": sleep_time}
-            if result.updated:
-                self.state.policy_version += 1
-        elif result.updated:
-            barrier = await self._push(self.state.policy_version + 1)
-            self.state.policy_version += 1
-        self.state.step = step
-        self.state.mark_trained(group.prompt_index for group in groups)
-        self.schedule.published(self.state.policy_version, steps_done=step)
+        published = await pipeline.step(self.state.step + 1)
+        ready, result = published.trained.ready, published.trained.result
+        batch, wait_time = ready.batch, ready.collect_time_s
 
         step_time = time.perf_counter() - step_started
-        metrics = self._step_metrics(batch, result, wait_time, step_time, barrier)
+        metrics = self._step_metrics(batch, result, wait_time, step_time, published.barrier)
         metrics.update(
-            _staleness_metrics(staleness),
-            dropped_stale_groups=dropped,
+            _staleness_metrics(ready.staleness),
+            dropped_stale_groups=ready.dropped_stale_groups,
             trainer_idle_fraction=wait_time / step_time,
             generator_idle_fraction=(self.schedule.generator_idle_s() - idle_before) / step_time,
+            **self._meter.take(),
         )
+        metrics[PIPELINE_OVERLAP] = published.overlap_fraction
         if self._eval_due():
             metrics.update(await self._evaluate())
         self._record(batch, metrics)

@@ -102,11 +102,11 @@ class StalenessSchedule:
         self.steps_done = steps_done
         self._notify()
 
-    def generator_idle_s(self) -> float:
-        """Seconds so far with no group generating."""
+    def generator_idle_s(self, now: float | None = None) -> float:
+        """Seconds so far (up to ``now``, a ``time.perf_counter()`` reading) with no group generating."""
         idle = self._idle_total
         if self._idle_since is not None:
-            idle += time.perf_counter() - self._idle_since
+            idle += (time.perf_counter() if now is None else now) - self._idle_since
         return idle
 
     def staleness(self, sample_version: int) -> int:

@@ -392,9 +392,8 @@ class TITOProxy:
         try:
             await session.drain(self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s)
         finally:
-            trace.error = error
-            trace.timed_out = timed_out
-            trace.sealed = True  # also when the drain was cancelled; later operations then fail with 409
+            # Also when the drain was cancelled; later operations then fail with 409.
+            trace.end(error=error, timed_out=timed_out)
             self._sessions.pop(session.token, None)
             self._by_id.pop(session.session_id, None)
             remember_closed(self._closed, session.token, session.session_id)

@@ -296,6 +296,13 @@ class Trace:
         """Refuse further turns (queued operations still run first)."""
         await self._call(self._seal)
 
+    def end(self, *, error: str | None, timed_out: bool) -> None:
+        """Record how the session ended and seal the trace. At once, not through the mailbox: the session
+        closes after its requests were drained (or cancelled), also when the close itself is cancelled, and
+        operations still queued then fail as sealed."""
+        self.error, self.timed_out = error, timed_out
+        self._seal()
+
     def replay(self, request_key: str) -> list[Turn] | None:
         """The turns recorded for ``request_key`` (a retried request), if any."""
         recorded = self._replays.get(request_key)

@@ -483,7 +483,7 @@ class ProxyWorkers:
         except ProxyWorkerError as lost:
             trace = Trace(self.renderer, session.session_id)
             trace.errors.append(str(lost))
-            trace.error, trace.timed_out, trace.sealed = error, timed_out, True
+            trace.end(error=error, timed_out=timed_out)
         finally:
             session.worker.sessions -= 1
             self._sessions.pop(session.session_id, None)
