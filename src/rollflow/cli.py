@@ -588,13 +588,17 @@ def main(argv: list[str] | None = None) -> int:
     As the process's entry point (``argv`` None: the ``rollflow`` script, ``python -m rollflow``), when the
     command leaves user callbacks behind that are still running (a reward abandoned past
     ``data.reward_timeout_s`` or at Ctrl-C/SIGTERM: its thread cannot be killed, and an ordinary exit would
-    wait for it), the process ends at once with ``os._exit`` once its output is flushed. Called with
-    ``argv`` (from Python), it returns as usual.
+    wait for it), the process ends at once with ``os._exit`` once its output is flushed; and glibc's malloc
+    arenas are limited first (``limit_malloc_arenas``). Called with ``argv`` (from Python), it returns as
+    usual and changes neither.
     """
+    from rollflow.malloc_arenas import limit_malloc_arenas
     from rollflow.rollout.callbacks import abandoned_calls
 
     if argv is not None:
         return _main(argv)
+    # The process is ours: few malloc arenas, before any thread starts (rollflow.malloc_arenas says why).
+    limit_malloc_arenas()
     try:
         status = _main(argv)
     except BaseException as error:

@@ -206,6 +206,7 @@ async def open_generator(
         seed=config.seed,
         partial_rollouts=config.orchestrator.partial_rollouts,
         prompt_limit=PromptLimit.from_config(config, tokenizer, task),
+        tokenizer=tokenizer,
     )
 
 

@@ -15,6 +15,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from rollflow.rollout.callbacks import mark_inline
 from rollflow.rollout.tasks import TaskItem, case_fraction
 
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?")
@@ -117,11 +118,13 @@ def math_reward(completion: str, item: TaskItem) -> float:
     return 1.0 if _math_verify_equal(gold, predicted) else 0.0
 
 
+@mark_inline
 def exact_reward(completion: str, item: TaskItem) -> float:
     """1.0 when the completion, stripped of surrounding whitespace, equals the answer exactly."""
     return 1.0 if completion.strip() == _reference(item).strip() else 0.0
 
 
+@mark_inline
 def case_reward(completion: str, item: TaskItem) -> float:
     """The quickstart ``case`` task's reward: answer ``upper`` or ``lower``, the fraction of letters in it."""
     if item.answer not in ("upper", "lower"):

@@ -24,6 +24,11 @@ living on until SIGKILL. Why this, and not the alternatives:
   call; a reward is usually a few microseconds of string work, and may hold state (a judge client, a
   cache) that a process would copy.
 
+A sync callback marked ``inline`` (``mark_inline``: rollflow's built-in rewards, a few microseconds of string
+work that never blocks) is called on the event loop directly, without a thread, a timeout or a task: the
+thread hand-off costs far more than such a call, once per sample (128 per quickstart step), and its Python
+competes with the in-process engine's for the GIL.
+
 An abandoned call still holds its thread and whatever it blocks on. Each ``CallbackRunner`` counts its
 abandoned calls that are still running; at ``max_stuck`` it raises ``StuckCallbacksError`` instead of
 starting another, which ends the run with a message that names the callback, rather than piling up a thread
@@ -47,6 +52,16 @@ DEFAULT_MAX_THREADS = 16
 """Sync calls of one ``CallbackRunner`` running at once (more wait for a thread; the wait is not timed)."""
 DEFAULT_MAX_STUCK = 64
 """Abandoned calls of one ``CallbackRunner`` still running past which it raises ``StuckCallbacksError``."""
+
+
+INLINE_ATTRIBUTE = "rollflow_inline"
+
+
+def mark_inline(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark sync ``fn`` as cheap and never blocking, so ``CallbackRunner`` calls it on the event loop (for
+    rollflow's own callbacks; user callbacks keep their thread and timeout). Returns ``fn``."""
+    setattr(fn, INLINE_ATTRIBUTE, True)
+    return fn
 
 
 def is_async_callable(fn: Any) -> bool:
@@ -127,6 +142,8 @@ class CallbackRunner:
         self.max_threads = max_threads
         self.max_stuck = max_stuck
         self.is_async = is_async_callable(fn)
+        # Called on the loop, no thread or timeout (``mark_inline``); a bound method carries its function's mark.
+        self.inline = not self.is_async and bool(getattr(fn, INLINE_ATTRIBUTE, False))
         self._stuck = 0  # under _LOCK
         # Per event loop (a notebook or a test suite may use the runner from more than one): the bound on
         # calls at once, and an unbounded limiter for to_thread.run_sync (whose default one the trainer
@@ -146,6 +163,8 @@ class CallbackRunner:
         )
 
     async def __call__(self, *args: Any) -> Any:
+        if self.inline:
+            return self.fn(*args)
         if self.is_async:
             with anyio.move_on_after(self.timeout_s) as scope:
                 result = await self.fn(*args)

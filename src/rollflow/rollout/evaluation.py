@@ -88,6 +88,7 @@ class Evaluator:
                     seed=config.seed,
                     request_prefix="eval-g-",
                     prompt_limit=limit,
+                    tokenizer=tokenizer,
                 ),
                 1,
             )
@@ -105,6 +106,7 @@ class Evaluator:
                     seed=config.seed,
                     request_prefix="eval-s-",
                     prompt_limit=limit,
+                    tokenizer=tokenizer,
                 ),
                 evaluation.samples,
             )

@@ -33,6 +33,7 @@ from rollflow.messages import (
     SamplingParams,
     ScoredGroup,
 )
+from rollflow.models.special_tokens import special_token_texts, strip_special_texts
 from rollflow.rollout.rewards import Rewarder
 from rollflow.rollout.tasks import TaskItem
 
@@ -181,12 +182,15 @@ class SingleTurnGenerator:
         partial_rollouts: bool = True,
         request_prefix: str = "",
         prompt_limit: PromptLimit | None = None,
+        tokenizer: Any = None,
     ):
         """Args (besides the components and ``[sampling]``):
         partial_rollouts: ``orchestrator.partial_rollouts``.
         request_prefix: prefixes request ids (another generator may share the engines).
         prompt_limit: refuses or skips prompts that cannot fit the context (None: no check here; an engine
             that refuses one fails the group).
+        tokenizer: the renderer's tokenizer; its special tokens are removed from the completion text that
+            rewards see (None: the renderer's own stripping only).
         """
         self.client = client
         self.renderer = renderer
@@ -199,6 +203,7 @@ class SingleTurnGenerator:
         # Keeps request ids unique when another generator (evaluation) shares the engines.
         self.request_prefix = request_prefix
         self.prompt_limit = prompt_limit
+        self._special_texts = special_token_texts(tokenizer) if tokenizer is not None else ()
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return list(self.renderer.render_ids(messages, add_generation_prompt=True))
@@ -235,9 +240,10 @@ class SingleTurnGenerator:
         )
 
     def completion_text(self, prompt_ids: list[int], completion_ids: list[int]) -> str:
-        """The assistant's visible answer: the renderer strips the stop token and any thinking block."""
+        """The assistant's visible answer: the renderer strips the stop token and any thinking block, and
+        every special token is dropped (as ``skip_special_tokens`` decoding does)."""
         parsed = self.renderer.parse_response(completion_ids, prompt_ids=prompt_ids)
-        return parsed.content or ""
+        return strip_special_texts(parsed.content or "", self._special_texts)
 
     async def generate_group(self, request: RolloutRequest) -> ScoredGroup:
         """Sample ``request.num_samples`` completions concurrently, then score them as one group.

@@ -232,8 +232,9 @@ class Rewarder:
         async def score_one(position: int, sample: Sample) -> None:
             results[position] = await self._outcome(sample.completion_text, item)
 
-        if len(samples) == 1:
-            await score_one(0, samples[0])
+        if len(samples) == 1 or self.runner.inline:  # an inline reward returns at once: no task per sample
+            for position, sample in enumerate(samples):
+                await score_one(position, sample)
         else:
             async with anyio.create_task_group() as tg:
                 for position, sample in enumerate(samples):

@@ -14,7 +14,7 @@ import msgspec
 
 from rollflow.errors import CallbackTimeoutError, ConfigError
 from rollflow.imports import import_object
-from rollflow.rollout.callbacks import CallbackRunner
+from rollflow.rollout.callbacks import CallbackRunner, mark_inline
 
 
 class TaskItem(msgspec.Struct, frozen=True):
@@ -78,6 +78,7 @@ class CaseTask:
             answer=case,
         )
 
+    @mark_inline  # string work that never blocks: scored on the loop (rollflow.rollout.callbacks)
     def reward(self, completion: str, item: TaskItem) -> float:
         return case_fraction(completion, item.answer)
 
@@ -104,6 +105,7 @@ class DigitTask:
         rng = random.Random(f"{self.name}:{self.seed}:{index}")
         return TaskItem(messages=[{"role": "user", "content": f"Write a number: {rng.choice(SUBJECTS)}."}])
 
+    @mark_inline
     def reward(self, completion: str, item: TaskItem) -> float:
         return 1.0 if any(char.isdigit() for char in completion) else 0.0
 

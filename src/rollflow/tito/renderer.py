@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from rollflow.models.special_tokens import special_token_texts, strip_special_texts
 from rollflow.tito.wire import ChatMessage, Tool
 
 
@@ -53,6 +54,7 @@ class TITORenderer:
         self._lock = threading.Lock()
         self.stop_token_ids: tuple[int, ...] = tuple(renderer.get_stop_token_ids())
         self._variants: dict[bool, TITORenderer | None] = {}
+        self._special_texts = special_token_texts(tokenizer)
 
     def variant(self, *, enable_thinking: bool) -> TITORenderer | None:
         """This renderer with thinking switched on or off (``chat_template_kwargs.enable_thinking``), made
@@ -115,7 +117,8 @@ class TITORenderer:
             for call in parsed.tool_calls
             if call.status == ToolCallParseStatus.OK and call.name
         ]
-        return ParsedTurn(parsed.content or "", parsed.reasoning_content or None, calls)
+        content = strip_special_texts(parsed.content or "", self._special_texts)
+        return ParsedTurn(content, parsed.reasoning_content or None, calls)
 
     def token_text(self, token_id: int) -> str:
         with self._lock:
