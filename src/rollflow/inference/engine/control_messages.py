@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from rollflow.errors import EngineError, EngineGenerateError
+from rollflow.inference.engine.adapters import is_adapter_name
 from rollflow.inference.engine.sequences import EngineSequence, Reply
 from rollflow.messages import (
     FinishReason,
@@ -154,6 +155,12 @@ class EngineControlMessages:
 
     def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict(keep_vars=True)
+        # LoRA adapter tensors become the merged weights of their modules (adapters.py).
+        adapter = [(name, tensor) for name, tensor in named_tensors if is_adapter_name(name)]
+        if adapter:
+            named_tensors = [(name, tensor) for name, tensor in named_tensors if not is_adapter_name(name)]
+            full = dict(named_tensors)
+            named_tensors = named_tensors + self._adapters.merged(adapter, state, full)
         unknown = [name for name, _ in named_tensors if name not in state]
         if unknown:
             raise EngineError(
@@ -191,6 +198,10 @@ class EngineControlMessages:
                 "changed (the trainer's weights have diverged: lower trainer.lr or check the loss)"
             )
         named_tensors = self._cast_finite(named_tensors, state)
+        if adapter:
+            self._adapters.commit(adapter, state, full)  # base copies before the merged weights go over them
+        elif self._adapters.base:
+            self._adapters.commit([], state, dict(named_tensors))
         with torch.inference_mode(False), torch.no_grad():
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
