@@ -67,7 +67,7 @@ def steps_to_bar(rewards: list[float]) -> int | None:
     return None
 
 
-def learning(schedules: list[str], loras: list[tuple[int, float]], steps: int) -> None:
+def learning(schedules: list[str], loras: list[tuple[int, float]], steps: int, targets: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _quickstart import run_quickstart
 
@@ -76,7 +76,11 @@ def learning(schedules: list[str], loras: list[tuple[int, float]], steps: int) -
         for rank, lr in [(0, 1e-3), *loras]:
             overrides = [f"orchestrator.mode='{schedule}'", f"orchestrator.steps={steps}", f"trainer.lr={lr}"]
             if rank:
-                overrides += [f"trainer.lora.rank={rank}", f"trainer.lora.alpha={2 * rank}"]
+                overrides += [
+                    f"trainer.lora.rank={rank}",
+                    f"trainer.lora.alpha={2 * rank}",
+                    f"trainer.lora.target_modules={json.dumps(targets)}",
+                ]
             label = "full" if not rank else f"lora_r{rank}"
             with tempfile.TemporaryDirectory() as directory:
                 metrics, elapsed = run_quickstart(Path(directory), overrides, f"{schedule} {label}")
@@ -91,6 +95,7 @@ def learning(schedules: list[str], loras: list[tuple[int, float]], steps: int) -
                 "variant": label,
                 "lr": lr,
                 "rank": rank or None,
+                "target_modules": targets if rank else None,
                 "steps": len(rewards),
                 "steps_to_bar": steps_to_bar(rewards),
                 "last10_reward": statistics.fmean(rewards[-WINDOW:]),
@@ -292,7 +297,13 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["learning", "weights", "memory"])
     parser.add_argument("--schedules", nargs="+", default=["sync", "fully_async"])
     parser.add_argument("--lora", nargs="+", default=["8:1e-2"], help="rank:lr of each LoRA run")
+    parser.add_argument("--no-baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument(
+        "--targets",
+        default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head",
+        help="trainer.lora.target_modules of the learning runs (the tiny model's random-init head needs lm_head)",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=256)
@@ -303,7 +314,7 @@ def main() -> None:
         return
     loras = [(int(rank), float(lr)) for rank, lr in (item.split(":") for item in args.lora)]
     if "learning" in args.parts:
-        learning(args.schedules, loras, args.steps)
+        learning(args.schedules, loras, args.steps, args.targets.split(","))
     if "weights" in args.parts:
         weights(args.repeats)
     if "memory" in args.parts:

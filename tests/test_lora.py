@@ -92,8 +92,9 @@ def test_targets_that_match_nothing_and_a_rank_too_large_fail_before_anything_lo
     """Checked on the model built on the meta device, as a run does before starting any process."""
     with pytest.raises(ConfigError, match=r"trainer.lora.target_modules entry 'qkv_proj' matches no Linear"):
         check_lora_targets(LoraConfig(target_modules=["q_proj", "qkv_proj"]), tiny_model_dir)
-    with pytest.raises(ConfigError, match="trainer.lora.target_modules entry 'lm_head'"):
-        check_lora_targets(LoraConfig(target_modules=["lm_head"]), tiny_model_dir)  # tied: never targeted
+    check_lora_targets(LoraConfig(target_modules=["lm_head"]), tiny_model_dir)  # named: the head
+    with pytest.raises(ConfigError, match="trainer.lora.target_modules entry 'lm_.*'"):
+        check_lora_targets(LoraConfig(target_modules=["lm_.*"]), tiny_model_dir)  # never by a pattern
     with pytest.raises(ConfigError, match=r"trainer.lora.rank = 65 is larger .*self_attn.q_proj \[64, 64\]"):
         check_lora_targets(LoraConfig(rank=65, target_modules=["q_proj"]), tiny_model_dir)
     check_lora_targets(LoraConfig(rank=64, target_modules=["q_proj"]), tiny_model_dir)
@@ -285,3 +286,37 @@ def test_export_writes_a_peft_adapter_and_with_merge_a_merged_model(base_model, 
         torch.testing.assert_close(peft_model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
+
+
+async def test_an_adapter_on_the_tied_head_changes_the_logits_and_not_the_embeddings(base_model, tmp_path):
+    """The random-init tiny model's head: the engine unties it to merge, and so does ``export --merge``."""
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.cli import main
+    from rollflow.inference.engine.engine import TorchEngine
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "lm_head"])
+    trainer = Trainer(copy.deepcopy(base_model), TrainerConfig(micro_batch_size=3, lr=1e-2, lora=lora))
+    for seed in (1, 2):
+        assert step(trainer, base_model, seed=seed).updated
+    embed = base_model.model.embed_tokens.weight
+    ids = torch.tensor([[5, 9, 14, 3, 7, 11]])
+    engine = TorchEngine(copy.deepcopy(base_model), max_batch_size=1, max_model_len=64)
+    try:
+        await engine.load_weights(trainer.named_weights(), policy_version=1)
+        await engine.load_weights(trainer.named_weights(), policy_version=2)  # onto the base again
+        with torch.no_grad():
+            expected = trainer.model.eval()(input_ids=ids).logits
+            torch.testing.assert_close(engine.model(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+        assert torch.equal(engine.model.model.embed_tokens.weight, embed)
+        assert not torch.equal(engine.model.lm_head.weight, embed)
+    finally:
+        await engine.shutdown()
+    checkpoint = tmp_path / "step"
+    trainer.save_checkpoint(checkpoint)
+    (checkpoint / "state.json").write_text('{"step": 2, "policy_version": 2}')
+    assert main(["export", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+    assert torch.equal(merged.model.embed_tokens.weight, embed)

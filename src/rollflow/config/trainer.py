@@ -28,8 +28,10 @@ class LoraConfig(Section):
     )
     """Which ``torch.nn.Linear`` modules get an adapter. Each entry matches a module whose full name ends with
     it at a dot (``q_proj``, ``self_attn.o_proj``) or, failing that, that it matches as a whole as a regular
-    expression (``model\\.layers\\.[01]\\..*_proj``). Every entry must match at least one ``Linear``; the
-    embeddings and a tied ``lm_head`` are never targeted."""
+    expression (``model\\.layers\\.[01]\\..*_proj``). Every entry must match at least one ``Linear``. The
+    output head is adapted only by an entry ``lm_head`` (then the logits are computed whole, not in
+    ``logprob_chunk_tokens`` chunks): a model whose head is untrained (the random-init tiny models) can only
+    learn a task through it, and a tied head is untied where the adapter is merged (engine, ``--merge``)."""
     init: Literal["default", "gaussian"] = "default"
     """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""

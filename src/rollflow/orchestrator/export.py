@@ -161,7 +161,15 @@ def _export_adapter(checkpoint: Path, adapter: Path, out: Path, *, dtype: str, m
         from peft import PeftModel
     except ImportError:
         raise ConfigError("--merge needs the peft package: pip install 'rollflow[lora]'") from None
-    model = PeftModel.from_pretrained(_load(Path(base), "float32"), str(adapter)).merge_and_unload()
+    model = _load(Path(base), "float32")
+    targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
+    if "lm_head" in targets and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        # Merging into a tied head would change the input embeddings too: the head gets its own weight.
+        import torch
+
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     if dtype != "auto":
         import torch
 

@@ -49,13 +49,10 @@ def _missing_peft() -> ConfigError:
 
 
 def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """Every ``Linear`` that may take an adapter: not the output embeddings (often tied to the input ones)."""
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not output
-    }
+    """Every ``Linear`` that may take an adapter, the output embeddings (``lm_head``) included: an adapter
+    there changes the logits alone, even when the head is tied to the input embeddings (the engine and a
+    merged export then give the head a weight of its own)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
 
 
 def resolve_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
@@ -78,6 +75,8 @@ def resolve_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
                     f"regular expression ({error})"
                 ) from None
             matched = {name for name in linears if regex.fullmatch(name)}
+        if pattern != "lm_head":  # only an entry that names it takes the head, never a suffix or pattern
+            matched.discard("lm_head")
         if not matched:
             suffixes = sorted({name.rsplit(".", 1)[-1] for name in linears})
             raise ConfigError(

@@ -160,7 +160,10 @@ class EngineControlMessages:
         if adapter:
             named_tensors = [(name, tensor) for name, tensor in named_tensors if not is_adapter_name(name)]
             full = dict(named_tensors)
-            named_tensors = named_tensors + self._adapters.merged(adapter, state, full)
+            merged = self._adapters.merged(adapter, state, full)
+            if any(name == "lm_head.weight" for name, _ in merged) and self._untie_lm_head():
+                state = self.model.state_dict(keep_vars=True)
+            named_tensors = named_tensors + merged
         unknown = [name for name, _ in named_tensors if name not in state]
         if unknown:
             raise EngineError(
@@ -209,6 +212,17 @@ class EngineControlMessages:
         self._weights_generation += 1
         self._cached_prefixes.clear()  # computed under the old weights
         self._cached_routes.clear()
+
+    def _untie_lm_head(self) -> bool:
+        """Give a head tied to the input embeddings a weight of its own (an adapter on ``lm_head`` changes
+        the logits only); True when it was tied."""
+        head, embed = self.model.lm_head, self.model.model.embed_tokens
+        if head.weight is not embed.weight:
+            return False
+        with torch.inference_mode(False), torch.no_grad():
+            head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+        self.model.config.tie_word_embeddings = False
+        return True
 
     @staticmethod
     def _cast_finite(
