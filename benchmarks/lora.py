@@ -297,7 +297,6 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", default=["learning", "weights", "memory"])
     parser.add_argument("--schedules", nargs="+", default=["sync", "fully_async"])
     parser.add_argument("--lora", nargs="+", default=["8:1e-2"], help="rank:lr of each LoRA run")
-    parser.add_argument("--no-baseline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument(
         "--targets",
