@@ -301,7 +301,7 @@ def main() -> None:
     parser.add_argument(
         "--targets",
         default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head",
-        help="trainer.lora.target_modules of the learning runs (the tiny model's random-init head needs lm_head)",
+        help="trainer.lora.target_modules of the learning runs",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--samples", type=int, default=8)

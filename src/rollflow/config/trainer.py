@@ -30,8 +30,8 @@ class LoraConfig(Section):
     it at a dot (``q_proj``, ``self_attn.o_proj``) or, failing that, that it matches as a whole as a regular
     expression (``model\\.layers\\.[01]\\..*_proj``). Every entry must match at least one ``Linear``. The
     output head is adapted only by an entry ``lm_head`` (then the logits are computed whole, not in
-    ``logprob_chunk_tokens`` chunks): a model whose head is untrained (the random-init tiny models) can only
-    learn a task through it, and a tied head is untied where the adapter is merged (engine, ``--merge``)."""
+    ``logprob_chunk_tokens`` chunks); its adapter changes the logits directly, and a tied head is untied
+    where the adapter is merged (engine, ``--merge``)."""
     init: Literal["default", "gaussian"] = "default"
     """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""
