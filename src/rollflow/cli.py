@@ -514,6 +514,11 @@ def _add_artifact_commands(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("--force", action="store_true", help="replace OUT when it exists and is not empty")
     export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run's checkpoint: merge the adapter into its base model (default: the PEFT adapter dir)",
+    )
+    export.add_argument(
         "--push-to-hub",
         default=None,
         metavar="REPO_ID",
@@ -572,7 +577,9 @@ def _export(args: argparse.Namespace) -> int:
 
     from rollflow.orchestrator.export import export_checkpoint, push_to_hub
 
-    result = export_checkpoint(args.run, args.out, step=args.step, dtype=args.dtype, force=args.force)
+    result = export_checkpoint(
+        args.run, args.out, step=args.step, dtype=args.dtype, force=args.force, merge=args.merge
+    )
     if args.push_to_hub:
         result["pushed"] = push_to_hub(args.out, args.push_to_hub)
     sys.stdout.write(json.dumps({"event": "exported", **result}) + "\n")

@@ -4,10 +4,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+import msgspec
+
 from rollflow.config.base import NonNegative, NonNegativeFloat, Positive, PositiveFloat, Section
 
 if TYPE_CHECKING:
     from rollflow.config.run import RunConfig
+
+
+class LoraConfig(Section):
+    """``[trainer.lora]``: train a low-rank adapter (``peft``'s LoRA) instead of every weight."""
+
+    rank: Positive = 8
+    """The adapter's rank r: each targeted ``Linear`` of shape ``[out, in]`` gets ``A [r, in]`` and
+    ``B [out, r]``; at most the smaller of the two sizes of every targeted layer."""
+    alpha: PositiveFloat = 16.0
+    """LoRA's alpha: the update ``B @ A`` is scaled by ``alpha / rank``."""
+    dropout: NonNegativeFloat = 0.0
+    """Dropout on the adapter's input during training (in [0, 1)); 0 keeps the trainer's forward
+    deterministic, as the engines' is."""
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Which ``torch.nn.Linear`` modules get an adapter. Each entry matches a module whose full name ends with
+    it at a dot (``q_proj``, ``self_attn.o_proj``) or, failing that, that it matches as a whole as a regular
+    expression (``model\\.layers\\.[01]\\..*_proj``). Every entry must match at least one ``Linear``. The
+    output head is adapted only by an entry ``lm_head`` (then the logits are computed whole, not in
+    ``logprob_chunk_tokens`` chunks); its adapter changes the logits directly, and a tied head is untied
+    where the adapter is merged (engine, ``--merge``)."""
+    init: Literal["default", "gaussian"] = "default"
+    """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
+    Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""
 
 
 class TrainerConfig(Section):
@@ -148,6 +175,12 @@ class TrainerConfig(Section):
     decoupled_cap: PositiveFloat | None = None
     """``decoupled``: tokens whose importance weight exceeds it are left out of the loss (> 1); unset keeps
     every token at its full weight."""
+    lora: LoraConfig | None = None
+    """``[trainer.lora]``: train a LoRA adapter on the frozen base model (``rollflow.train.lora``); unset
+    trains every weight. The base stays frozen (no gradients, no optimizer state), the adapter is float32 with
+    AdamW state of its own; weight updates send the adapter only (the torch engine merges it into its copy of
+    the base), checkpoints hold the adapter and its optimizer state, and the KL reference is the base with the
+    adapter switched off (no second copy of the model)."""
 
     def resolved_off_policy(self, orchestrator_mode: str) -> Literal["none", "tis", "decoupled"]:
         """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes
@@ -188,6 +221,7 @@ def trainer_errors(config: RunConfig) -> list[str]:
             f"trainer.constant_norm = {trainer.constant_norm} only applies to trainer.loss_agg = 'constant' "
             f"(got {trainer.loss_agg!r}); unset it or set trainer.loss_agg = 'constant'"
         )
+    errors += lora_errors(config)
     if trainer.kl_in == "reward" and trainer.kl_coef == 0:
         errors.append(
             "trainer.kl_in = 'reward' with trainer.kl_coef = 0 puts no penalty in the reward; set "
@@ -217,4 +251,43 @@ def off_policy_errors(config: RunConfig) -> list[str]:
                 f"{off_policy!r} for orchestrator.mode = {config.orchestrator.mode!r}; it only applies to "
                 "off_policy = 'decoupled' (for 'tis' set trainer.tis_cap)"
             )
+    return errors
+
+
+#: ``weight_sync.strategy`` values that can send an adapter alone (``cuda_ipc`` shares the engines' full
+#: parameter storage, which an adapter does not have).
+LORA_STRATEGIES = ("local", "broadcast", "checkpoint")
+
+
+def lora_errors(config: RunConfig) -> list[str]:
+    """What ``[trainer.lora]`` cannot run with, read from the config alone (the model's modules are checked
+    against ``target_modules`` and ``rank`` by ``rollflow.train.lora.check_lora_targets`` before any process
+    starts)."""
+    lora = config.trainer.lora
+    if lora is None:
+        return []
+    errors = []
+    if not lora.dropout < 1:
+        errors.append(f"trainer.lora.dropout = {lora.dropout} must be in [0, 1)")
+    if not lora.target_modules:
+        errors.append(
+            "trainer.lora.target_modules is empty: name the Linear modules to adapt (e.g. 'q_proj')"
+        )
+    if config.inference.engine != "torch":
+        errors.append(
+            f"trainer.lora with inference.engine = {config.inference.engine!r}: adapter-only weight updates "
+            "reach rollflow's torch engine only so far; use inference.engine = 'torch' or unset trainer.lora"
+        )
+    strategy = config.weight_sync.resolved_strategy(config.inference.mode)
+    if strategy not in LORA_STRATEGIES:
+        errors.append(
+            f"trainer.lora with weight_sync.strategy = {config.weight_sync.strategy!r}: an adapter travels by "
+            f"{', '.join(LORA_STRATEGIES)} only; pick one of those (or 'auto') or unset trainer.lora"
+        )
+    if strategy == "local" and config.trainer.placement == "process" and config.trainer.num_workers == 1:
+        errors.append(
+            "trainer.lora with trainer.placement = 'process' and in-process engines (weight_sync.strategy = "
+            "'local'): those engines read the trainer process's weights through shared memory, which holds "
+            "no scaled adapter; use trainer.placement = 'thread' or inference.mode = 'http'"
+        )
     return errors

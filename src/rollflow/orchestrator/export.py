@@ -63,11 +63,16 @@ def export_checkpoint(
     step: int | None = None,
     dtype: str = "auto",
     force: bool = False,
+    merge: bool = False,
 ) -> dict[str, Any]:
     """Write checkpoint ``step`` of ``run`` (None: the latest) to ``out`` as a Hugging Face model directory.
 
+    A checkpoint of a ``[trainer.lora]`` run holds an adapter (``adapter/``): it is written as the PEFT
+    adapter directory (``PeftModel.from_pretrained(base, out)`` loads it), or with ``merge`` merged into its
+    base model (``adapter_config.json``'s ``base_model_name_or_path``) as a plain model directory.
+
     Returns:
-        ``{"path", "checkpoint", "step", "dtype"}`` of what was written.
+        ``{"path", "checkpoint", "step", "dtype"}`` of what was written (``"adapter": True`` for an adapter).
 
     Raises:
         CheckpointError: no such run or checkpoint (see ``find_checkpoint``), or its weights cannot be read.
@@ -88,6 +93,14 @@ def export_checkpoint(
         raise ConfigError(
             f"export output {out} exists and is not empty; pick another OUT, or pass --force to replace it"
         )
+    adapter = checkpoint / "adapter"
+    if (adapter / "adapter_config.json").is_file():
+        return _export_adapter(checkpoint, adapter, out, dtype=dtype, merge=merge)
+    if merge:
+        raise ConfigError(
+            f"--merge merges a LoRA adapter into its base, but checkpoint {checkpoint} holds full weights (its "
+            "run had no [trainer.lora]); export it without --merge"
+        )
     source = checkpoint / HF_DIR
     if not (source / "config.json").is_file():
         raise CheckpointError(
@@ -95,16 +108,7 @@ def export_checkpoint(
             "since checkpoints hold one); export a newer checkpoint"
         )
     model = _load(source, dtype)
-    staging = out.with_name(f".{out.name}.export-tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        save_hf_model(model, staging, tokenizer_dir=source)
-        as_umask_allows(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    _write_staged(out, lambda staging: save_hf_model(model, staging, tokenizer_dir=source))
     written_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     result = {
         "path": str(out),
@@ -113,6 +117,66 @@ def export_checkpoint(
         "dtype": written_dtype,
     }
     log.info("exported", **result)
+    return result
+
+
+def _write_staged(out: Path, write: Any) -> None:
+    """``write(staging)`` into a directory beside ``out``, then renamed to ``out``."""
+    staging = out.with_name(f".{out.name}.export-tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+        as_umask_allows(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _export_adapter(checkpoint: Path, adapter: Path, out: Path, *, dtype: str, merge: bool) -> dict[str, Any]:
+    """A LoRA checkpoint's adapter, as the PEFT directory or (``merge``) merged into its base."""
+    import json
+
+    from rollflow.train.export import save_hf_model
+
+    result: dict[str, Any] = {
+        "path": str(out),
+        "checkpoint": str(checkpoint),
+        "step": load_state(checkpoint).step,
+    }
+    if not merge:
+        if dtype not in ("auto", "float32"):
+            raise ConfigError(f"--dtype {dtype}: an adapter is exported as trained (float32); pass --merge")
+        _write_staged(out, lambda staging: shutil.copytree(adapter, staging))
+        log.info("exported", adapter=True, **result)
+        return {**result, "dtype": "float32", "adapter": True}
+    base = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base or not (Path(base) / "config.json").is_file():
+        raise CheckpointError(
+            f"{adapter}/adapter_config.json names base model {base!r}, which is not a model directory here: "
+            "--merge needs the base the adapter was trained on"
+        )
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ConfigError("--merge needs the peft package: pip install 'rollflow[lora]'") from None
+    model = _load(Path(base), "float32")
+    targets = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
+    if "lm_head" in targets and model.get_output_embeddings().weight is model.get_input_embeddings().weight:
+        # Merging into a tied head would change the input embeddings too: the head gets its own weight.
+        import torch
+
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    if dtype != "auto":
+        import torch
+
+        model = model.to(getattr(torch, dtype))
+    _write_staged(out, lambda staging: save_hf_model(model, staging, tokenizer_dir=Path(base)))
+    result["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    log.info("exported", merged=True, **result)
     return result
 
 

@@ -198,6 +198,10 @@ class OrchestratorSetup:
         if config.cluster.backend == "local":  # on Ray, the devices are the nodes', not this machine's
             check_devices(config)  # before any model loads or process starts
         model_dir = resolve_model_path(config.model.path)
+        if config.trainer.lora is not None:  # the model's modules against [trainer.lora], before any start
+            from rollflow.train.lora import check_lora_targets
+
+            check_lora_targets(config.trainer.lora, model_dir)
         tokenizer, renderer = load_chat(config, model_dir)
         spec = TrainerSpec(
             model_dir=model_dir,

@@ -70,6 +70,9 @@ class TrainerCheckpoints:
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        if getattr(self, "lora", None) is not None:
+            self._save_lora_checkpoint(directory)
+            return
         weights = {name: tensor.contiguous() for name, tensor in untied(self.model.state_dict()).items()}
         write_atomically(
             directory / WEIGHTS_FILE, lambda path: save_file(weights, path, metadata={"format": "pt"})
@@ -105,6 +108,9 @@ class TrainerCheckpoints:
         if not optimizer_path.is_file() and sharded.has_sharded_state(directory):
             sharded.load_checkpoint(self, directory)  # written by data-parallel workers (any number)
             return
+        if getattr(self, "lora", None) is not None:
+            self._load_lora_checkpoint(directory)
+            return
         for path in (weights_path, optimizer_path):
             if not path.is_file():
                 raise CheckpointError(
@@ -129,6 +135,40 @@ class TrainerCheckpoints:
             optimizer_state, rng_state.cpu(), scheduler_state, source=str(optimizer_path)
         )
         self.model.load_state_dict(weights, strict=False)
+
+    def _save_lora_checkpoint(self, directory: Path) -> None:
+        """``[trainer.lora]``: ``adapter/`` (PEFT) and ``optimizer.pt``; the frozen base is not written
+        (``rollflow.train.lora_checkpoint``)."""
+        from rollflow.train.lora_checkpoint import full_adapter_state, save_adapter
+
+        save_adapter(self.model, self.lora, directory, full_adapter_state(self.model))
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng_state": self.generator.get_state(),
+        }
+        write_atomically(directory / OPTIMIZER_FILE, lambda path: torch.save(state, path))
+
+    def _load_lora_checkpoint(self, directory: Path) -> None:
+        from rollflow.train.lora_checkpoint import read_adapter
+
+        optimizer_path = directory / OPTIMIZER_FILE
+        adapter = read_adapter(directory, self.model)
+        if not optimizer_path.is_file():
+            raise CheckpointError(
+                f"checkpoint {directory} has no {OPTIMIZER_FILE}: it is incomplete or not a rollflow checkpoint"
+            )
+        try:
+            state = torch.load(optimizer_path, map_location=self.device, weights_only=True)
+            optimizer_state, rng_state = state["optimizer"], state["rng_state"]
+        except Exception as error:
+            raise CheckpointError(
+                f"cannot read {optimizer_path} (corrupt or truncated?): {error!r}"
+            ) from error
+        self._load_optimizer_and_rng(
+            optimizer_state, rng_state.cpu(), state.get("scheduler"), source=str(optimizer_path)
+        )
+        self.model.load_state_dict({name: t.to(self.device) for name, t in adapter.items()}, strict=False)
 
     def _check_weights(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Names and shapes must match the model (tied duplicates may be absent) before anything is loaded."""

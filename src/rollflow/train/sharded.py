@@ -35,7 +35,21 @@ def save_checkpoint(trainer: Any, directory: Path) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    lora = getattr(trainer, "lora", None)
+    if lora is not None:  # the adapter and its optimizer state; the frozen base is not written
+        from rollflow.train.lora_checkpoint import full_adapter_state, is_adapter_parameter, save_adapter
+
+        model_state = {name: value for name, value in model_state.items() if is_adapter_parameter(name)}
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / STATE_DIR)
+    if lora is not None:
+        adapter = full_adapter_state(trainer.model)  # every rank joins each gather
+        if trainer.parallel.rank == 0:
+            save_adapter(trainer.model, lora, directory, adapter)
+            write_atomically(
+                directory / RNG_FILE, lambda path: torch.save(trainer.generator.get_state(), path)
+            )
+            (directory / OPTIMIZER_FILE).unlink(missing_ok=True)
+        return
     full = get_model_state_dict(
         trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -63,9 +77,10 @@ def load_checkpoint(trainer: Any, directory: Path) -> None:
         CheckpointError: the directory holds neither format, or its state does not fit this model.
     """
     directory = Path(directory)
+    weights = "adapter/adapter_model.safetensors" if getattr(trainer, "lora", None) else "model.safetensors"
     if has_sharded_state(directory):
         _load_sharded(trainer, directory)
-    elif (directory / "optimizer.pt").is_file() and (directory / "model.safetensors").is_file():
+    elif (directory / "optimizer.pt").is_file() and (directory / weights).is_file():
         _load_full(trainer, directory)
     else:
         raise CheckpointError(
@@ -76,10 +91,14 @@ def load_checkpoint(trainer: Any, directory: Path) -> None:
 
 def _load_sharded(trainer: Any, directory: Path) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
     # Templates: this rank's shards (and, before the first step, the optimizer state DCP creates).
     model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+    if getattr(trainer, "lora", None) is not None:  # the checkpoint holds the adapter alone
+        from rollflow.train.lora_checkpoint import is_adapter_parameter
+
+        model_state = {name: value for name, value in model_state.items() if is_adapter_parameter(name)}
     state = {"model": model_state, "optimizer": optimizer_state}
     try:
         with warnings.catch_warnings():  # a single trainer loads without a process group, as intended
@@ -91,7 +110,11 @@ def _load_sharded(trainer: Any, directory: Path) -> None:
             "checkpoint was trained from"
         ) from error
     set_state_dict(
-        trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        trainer.model,
+        trainer.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=StateDictOptions(strict=getattr(trainer, "lora", None) is None),
     )
     rng = directory / RNG_FILE
     if rng.is_file():
@@ -103,17 +126,23 @@ def _load_full(trainer: Any, directory: Path) -> None:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    lora = getattr(trainer, "lora", None) is not None
     try:
-        weights = load_file(directory / "model.safetensors")
+        weights = {} if lora else load_file(directory / "model.safetensors")
         saved = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(
             f"cannot read checkpoint {directory} (corrupt or truncated?): {error!r}"
         ) from error
-    for name, tied_to in _tied_names(trainer.model):
-        if tied_to in weights:
-            weights.setdefault(name, weights[tied_to])
-    _check_weights(trainer.model, weights, directory / "model.safetensors")
+    if lora:  # a single LoRA trainer's: the adapter (checked against the model's), the frozen base as it is
+        from rollflow.train.lora_checkpoint import read_adapter
+
+        weights = read_adapter(directory, trainer.model)
+    else:
+        for name, tied_to in _tied_names(trainer.model):
+            if tied_to in weights:
+                weights.setdefault(name, weights[tied_to])
+        _check_weights(trainer.model, weights, directory / "model.safetensors")
     names = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
     optimizer = saved["optimizer"]
     # torch.optim numbers parameters in the order they were given: the model's named_parameters().

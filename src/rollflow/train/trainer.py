@@ -109,13 +109,25 @@ class Trainer(TrainerCheckpoints):
         self.off_policy: OffPolicy = off_policy
         self.device = resolve_device(config.device, "trainer.device")
         self.compute_dtype = resolve_dtype(config.dtype, self.device, "trainer.dtype")
+        # LoRA: the adapter goes in before the model moves (a data-parallel rank's went in before sharding).
+        self.lora = config.lora
+        if self.lora is not None:
+            from rollflow.train.lora import apply_lora
+
+            model = apply_lora(model, self.lora, seed=seed)
         # Model and optimizer: float32 master weights on the device, whatever the compute dtype.
         self.model = model.to(device=self.device, dtype=torch.float32)
+        if self.lora is not None and self.device.type == "cuda" and self.compute_dtype == torch.bfloat16:
+            # The frozen base has no master weights to keep: bf16 halves its memory (the adapter stays fp32).
+            for parameter in self.model.parameters():
+                if not parameter.requires_grad and not hasattr(parameter, "full_tensor"):  # not shards
+                    parameter.data = parameter.data.to(torch.bfloat16)
         # MoE: forwards replay the experts the sampler chose when samples carry them (routing_replay.py).
         self.routing_replay = routing_replay.install(self.model)
-        # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off.
+        # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off. With LoRA
+        # it is the base model itself, the adapter switched off (``_reference_logprobs``).
         self.reference_model: torch.nn.Module | None = None
-        if config.kl_coef > 0:
+        if config.kl_coef > 0 and self.lora is None:
             if reference_model is None:
                 reference_model = copy.deepcopy(model)
             else:
@@ -276,9 +288,18 @@ class Trainer(TrainerCheckpoints):
             for index, micro_batch in enumerate(micro_batches):
                 if index not in own_forward:
                     start.policy[index] = self._token_logprobs(self.model, micro_batch)
-                if self.reference_model is not None:
-                    start.reference[index] = self._token_logprobs(self.reference_model, micro_batch).logprobs
+                if self.config.kl_coef > 0:
+                    start.reference[index] = self._reference_logprobs(micro_batch)
         return start
+
+    def _reference_logprobs(self, micro_batch: MicroBatch) -> torch.Tensor:
+        """The reference policy's logprobs (no grad): the frozen copy, or with LoRA the base itself."""
+        if self.reference_model is not None:
+            return self._token_logprobs(self.reference_model, micro_batch).logprobs
+        from rollflow.train.lora import adapter_disabled
+
+        with adapter_disabled(self.model):
+            return self._token_logprobs(self.model, micro_batch).logprobs
 
     def _kl_into_advantages(
         self,
@@ -596,7 +617,14 @@ class Trainer(TrainerCheckpoints):
 
         Names are the Hugging Face ones; tied weights appear under both names (e.g. ``lm_head.weight`` and
         ``model.embed_tokens.weight``), sharing memory. Tensors are live views: copy them to keep a snapshot.
+        With ``trainer.lora`` only the adapter: ``<module>.lora_A.weight`` and ``<module>.lora_B.weight``
+        (B times the scaling; ``rollflow.train.lora.adapter_weights``), new tensors for B.
         """
+        if self.lora is not None:
+            from rollflow.train.lora import adapter_weights
+
+            yield from adapter_weights(self.model)
+            return
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 

@@ -295,21 +295,39 @@ def build_rank(
     )
     target = torch.device(f"cuda:{cuda_index}" if device == "cuda" else "cpu")
 
-    def load() -> Any:
-        if spec.config.parallelism == "fsdp2":
-            return _load_sharded_model(spec.model_dir, rank, target, _compute_dtype(spec.config, device))
-        return load_causal_lm(spec.model_dir).to(target)
+    lora = spec.config.lora
 
-    model = load()
-    reference = load() if spec.config.kl_coef > 0 else None
+    def load(adapter: bool) -> Any:
+        if spec.config.parallelism == "fsdp2":
+            return _load_sharded_model(
+                spec.model_dir,
+                rank,
+                target,
+                _compute_dtype(spec.config, device),
+                lora=lora if adapter else None,
+                seed=spec.seed,
+            )
+        model = load_causal_lm(spec.model_dir)
+        if adapter and lora is not None:
+            from rollflow.train.lora import apply_lora
+
+            model = apply_lora(model, lora, seed=spec.seed)  # seeded: every replica starts the same adapter
+        return model.to(target)
+
+    model = load(adapter=True)
+    # With LoRA the reference is the base under the adapter (switched off): no second model.
+    reference = load(adapter=False) if spec.config.kl_coef > 0 and lora is None else None
     trainer = Trainer(model, **spec.trainer_kwargs(), reference_model=reference)
     trainer.parallel = DataParallel(spec.config.parallelism)
     return trainer
 
 
-def _load_sharded_model(model_dir: Path, rank: int, target: Any, param_dtype: Any) -> Any:
+def _load_sharded_model(
+    model_dir: Path, rank: int, target: Any, param_dtype: Any, lora: Any = None, seed: int = 0
+) -> Any:
     """The model, sharded, with only rank 0 reading the weights: the others build it on the meta device
-    (no memory), shard it, and receive their shards from rank 0's full state dict."""
+    (no memory), shard it, and receive their shards from rank 0's full state dict. With ``lora`` the adapter
+    goes in before sharding (rank 0's initial adapter reaches the others with the weights)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -328,6 +346,12 @@ def _load_sharded_model(model_dir: Path, rank: int, target: Any, param_dtype: An
             )
         model.eval()  # as load_causal_lm's: no dropout
         full = {}
+    if lora is not None:
+        from rollflow.train.lora import apply_lora
+
+        apply_lora(model, lora, seed=seed)
+        if rank == 0:
+            full = model.state_dict()
     shard_model(model, param_dtype=param_dtype)
     if rank != 0:
         model.to_empty(device=target)

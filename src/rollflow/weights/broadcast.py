@@ -27,6 +27,7 @@ With ``engine="vllm"`` the payloads are exactly vLLM 0.33's (``NCCLWeightTransfe
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
+from rollflow.weights.delivery import check_served_digests, check_served_version
 from rollflow.weights.payloads import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -204,7 +206,7 @@ class BroadcastSender(WeightSender):
     async def _push(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
         if not self._specs:
             raise WeightTransferError("call setup(client, source) before push")
-        await run_update_round(
+        digests = await run_update_round(
             self,
             control,
             "broadcast",
@@ -213,6 +215,9 @@ class BroadcastSender(WeightSender):
             policy_version,
             self.timeout_s,
         )
+        if digests:  # an adapter push: proof of delivery (rollflow.weights.delivery)
+            await check_served_version(control, policy_version)
+            await check_served_digests(control, digests, policy_version)
 
 
 @dataclass(frozen=True)
@@ -261,16 +266,26 @@ class BroadcastTransport:
         if rank == TRAINER_RANK:
             get_session(self.transfer_id, rank).join()
 
-    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
-        """Every rank iterates (joining each gather); rank 0 broadcasts the buckets."""
+    def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> dict[str, list[str]] | None:
+        """Every rank iterates (joining each gather); rank 0 broadcasts the buckets. For a LoRA adapter push
+        rank 0 returns the digests of a few adapter tensors (``rollflow.weights.delivery``), else None."""
+        from rollflow.weights.delivery import is_adapter_name, tensor_digests
         from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
         if rank != TRAINER_RANK:
             for _ in weights:
                 pass
-            return
-        get_session(self.transfer_id, rank).send(weights)
+            return None
+        session = get_session(self.transfer_id, rank)
+        first = next(weights, None)
+        weights = itertools.chain([] if first is None else [first], weights)
+        if first is None or not is_adapter_name(first[0]):
+            session.send(weights)
+            return None
+        adapter = list(weights)  # a few MB: kept for the digests
+        session.send(iter(adapter))
+        return tensor_digests(adapter)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         from rollflow.weights.trainer.sessions import release_sessions

@@ -40,7 +40,12 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.delivery import check_served_digests, check_served_version, tensor_digests
+from rollflow.weights.delivery import (
+    check_served_digests,
+    check_served_version,
+    is_adapter_push,
+    tensor_digests,
+)
 from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate, check_engine
 from rollflow.weights.rounds import init_servers, open_transport
 
@@ -114,7 +119,8 @@ class CheckpointSender(WeightSender):
             host=strategy.host,
             timeout_s=strategy.timeout_s,
             dtype=strategy.dtype,
-            digests=self.engine == "vllm",
+            # The torch engine checks adapter pushes only (its /weight_checker reports adapters).
+            digests=True,
         )
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
@@ -134,7 +140,7 @@ class CheckpointSender(WeightSender):
             CheckpointUpdate(**location, policy_version=policy_version).encode_for(self.engine)
         )
         await control.finish_weight_update(policy_version)
-        if self.engine == "vllm":
+        if self.engine == "vllm" or is_adapter_push(digests):
             await check_served_version(control, policy_version)
             await check_served_digests(control, digests, policy_version)
 

@@ -8,6 +8,10 @@ Two checks, run by a sender after ``/finish_weight_update`` (within the push's `
   bytes), and a server whose tensor differs fails the push, naming the server and the tensor. Only tensors a
   server keeps as the checkpoint has them can be compared, so the names are the one-dimensional ones (norm
   weights: never fused, padded or sharded); a name a server does not report is not compared.
+- LoRA adapter pushes (``trainer.lora``: only ``<module>.lora_A.weight`` / ``lora_B.weight`` travel) hash a few
+  adapter tensors instead, and every server must report each of them (the torch engine's ``/weight_checker``
+  hashes its adapter as received): an adapter that never reached a server fails the push, rather than leaving
+  the policy pinned to the base while the run looks merely stale.
 
 The checks are torch-free; ``tensor_digests`` imports torch inside (it runs where the tensors are).
 """
@@ -23,6 +27,20 @@ from rollflow.errors import WeightTransferError
 if TYPE_CHECKING:
     from rollflow.inference.control import ControlPlane
 
+#: What the wire names of LoRA adapter tensors end with (``rollflow.train.lora``).
+ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether ``name`` is a LoRA adapter tensor's wire name."""
+    return name.endswith(ADAPTER_SUFFIXES)
+
+
+def is_adapter_push(digests: dict[str, list[str]]) -> bool:
+    """Whether ``digests`` (``tensor_digests``) are of an adapter push, which every engine checks."""
+    return any(is_adapter_name(name) for name in digests)
+
+
 #: Named tensors a push hashes for the digest check.
 DIGEST_TENSORS = 4
 # A server holds a tensor in its own dtype (the engine casts on load): a digest per dtype it may use.
@@ -33,12 +51,19 @@ def tensor_digests(
     named_weights: Iterable[tuple[str, Any]], limit: int = DIGEST_TENSORS
 ) -> dict[str, list[str]]:
     """SHA-256 of up to ``limit`` one-dimensional floating tensors of ``named_weights`` (spread over the
-    model, in name order), one per dtype a server may hold them in: ``{name: [hex, …]}``."""
+    model, in name order), one per dtype a server may hold them in: ``{name: [hex, …]}``. For an adapter
+    push, of up to ``limit`` adapter tensors instead (see the module docstring)."""
     import torch
 
-    vectors = sorted(
-        (name, tensor) for name, tensor in named_weights if tensor.ndim == 1 and tensor.is_floating_point()
-    )
+    named_weights = list(named_weights)
+    if any(is_adapter_name(name) for name, _ in named_weights):
+        vectors = sorted((name, tensor) for name, tensor in named_weights if is_adapter_name(name))
+    else:
+        vectors = sorted(
+            (name, tensor)
+            for name, tensor in named_weights
+            if tensor.ndim == 1 and tensor.is_floating_point()
+        )
     if len(vectors) > limit:
         step = (len(vectors) - 1) / max(limit - 1, 1)
         vectors = [vectors[round(i * step)] for i in range(limit)]
@@ -86,6 +111,13 @@ async def check_served_digests(
         for url, checksums in served.items()
         for name, expected in digests.items()
         if name in checksums and not checksums[name] <= set(expected)
+    ]
+    # An adapter tensor a server does not report never reached it.
+    wrong += [
+        f"{url} holds no {name} (the adapter did not reach it)"
+        for url, checksums in served.items()
+        for name in digests
+        if is_adapter_name(name) and name not in checksums
     ]
     if wrong:
         raise WeightTransferError(

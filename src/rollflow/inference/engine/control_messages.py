@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from rollflow.errors import EngineError, EngineGenerateError
+from rollflow.inference.engine.adapters import is_adapter_name
 from rollflow.inference.engine.sequences import EngineSequence, Reply
 from rollflow.messages import (
     FinishReason,
@@ -154,6 +155,15 @@ class EngineControlMessages:
 
     def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict(keep_vars=True)
+        # LoRA adapter tensors become the merged weights of their modules (adapters.py).
+        adapter = [(name, tensor) for name, tensor in named_tensors if is_adapter_name(name)]
+        if adapter:
+            named_tensors = [(name, tensor) for name, tensor in named_tensors if not is_adapter_name(name)]
+            full = dict(named_tensors)
+            merged = self._adapters.merged(adapter, state, full)
+            if any(name == "lm_head.weight" for name, _ in merged) and self._untie_lm_head():
+                state = self.model.state_dict(keep_vars=True)
+            named_tensors = named_tensors + merged
         unknown = [name for name, _ in named_tensors if name not in state]
         if unknown:
             raise EngineError(
@@ -191,6 +201,10 @@ class EngineControlMessages:
                 "changed (the trainer's weights have diverged: lower trainer.lr or check the loss)"
             )
         named_tensors = self._cast_finite(named_tensors, state)
+        if adapter:
+            self._adapters.commit(adapter, state, full)  # base copies before the merged weights go over them
+        elif self._adapters.base:
+            self._adapters.commit([], state, dict(named_tensors))
         with torch.inference_mode(False), torch.no_grad():
             for name, tensor in named_tensors:
                 state[name].copy_(tensor)
@@ -198,6 +212,17 @@ class EngineControlMessages:
         self._weights_generation += 1
         self._cached_prefixes.clear()  # computed under the old weights
         self._cached_routes.clear()
+
+    def _untie_lm_head(self) -> bool:
+        """Give a head tied to the input embeddings a weight of its own (an adapter on ``lm_head`` changes
+        the logits only); True when it was tied."""
+        head, embed = self.model.lm_head, self.model.model.embed_tokens
+        if head.weight is not embed.weight:
+            return False
+        with torch.inference_mode(False), torch.no_grad():
+            head.weight = torch.nn.Parameter(embed.weight.detach().clone(), requires_grad=False)
+        self.model.config.tie_word_embeddings = False
+        return True
 
     @staticmethod
     def _cast_finite(

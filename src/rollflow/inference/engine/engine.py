@@ -70,6 +70,7 @@ import torch
 
 from rollflow.errors import ContextLengthExceededError, EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES, LogprobsMode, PauseMode
+from rollflow.inference.engine.adapters import AdapterMerge
 from rollflow.inference.engine.control_messages import SLEEP_MEMORY_TAGS, EngineControlMessages
 from rollflow.inference.engine.model_runner import ModelRunner
 from rollflow.inference.engine.sequences import EngineSequence, InboxMessage, Reply, StreamReply, WaitQueue
@@ -190,6 +191,8 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}
+        # LoRA pushes: unmerged base copies of the adapted modules and the adapter as received (adapters.py).
+        self._adapters = AdapterMerge()
         self._weights_generation = (
             0  # += 1 at every load of new weights (see EngineSequence.weights_generation)
         )
@@ -391,6 +394,11 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         """
         tensors = [(name, torch.as_tensor(value)) for name, value in named_tensors]
         await self._call("load", (tensors, policy_version))
+
+    def adapter_checksums(self) -> dict[str, str]:
+        """SHA-256 of each LoRA adapter tensor the engine serves, as it arrived: ``{name: hex}`` (empty
+        before any adapter load). Read between loads (the weight barrier pauses the engine around them)."""
+        return self._adapters.checksums()
 
     @property
     def sleeping_tags(self) -> frozenset[str]:

@@ -68,6 +68,7 @@ from rollflow.inference.engine.server_protocol import (
     InitWeightTransferBody,
     StartWeightUpdateBody,
     UpdateWeightsBody,
+    WeightCheckerBody,
     bad_request,
     decode_body,
     engine_dead,
@@ -271,6 +272,7 @@ class EngineServer(EngineServerAdmin):
                 web.post("/update_weights", self.update_weights),
                 web.post("/finish_weight_update", self.finish_weight_update),
                 web.get("/weight_info", self.weight_info),
+                web.post("/weight_checker", self.weight_checker),
                 web.get("/control_log", self.get_control_log),
             ]
         )
@@ -461,6 +463,12 @@ class EngineServer(EngineServerAdmin):
         await self._weight_call(self.weights.finish(version, label))
         self.record("finish_weight_update")
         return json_response({"message": "Weight update finished"})
+
+    async def weight_checker(self, request: web.Request) -> web.Response:
+        """``POST /weight_checker {"action": "checksum"}``: SHA-256 of the LoRA adapter tensors the engine
+        serves, as received (``rollflow.weights.delivery``'s proof of delivery); empty before any adapter."""
+        await self._read(request, WeightCheckerBody)
+        return json_response({"checksums": self.engine.adapter_checksums()})
 
     async def weight_info(self, request: web.Request) -> web.Response:
         version = self.engine.policy_version

@@ -11,7 +11,7 @@ No torch here: only the wire.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -317,6 +317,12 @@ class UpdateWeightsBody(msgspec.Struct, kw_only=True):
     """``POST /update_weights``: one ``update_info``, or a list indexed by global worker rank."""
 
     update_info: dict[str, Any] | list[dict[str, Any]]
+
+
+class WeightCheckerBody(msgspec.Struct, kw_only=True):
+    """``POST /weight_checker`` (vLLM's): ``action = "checksum"`` asks for SHA-256 digests of held tensors."""
+
+    action: Literal["checksum"]
 
 
 class FinishWeightUpdateBody(msgspec.Struct, kw_only=True):
