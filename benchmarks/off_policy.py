@@ -14,7 +14,7 @@ over the last 5 steps reaches 0.9 (null: never), and the drift metrics (``off_po
 the run), then one summary line per staleness ranking the corrections by final reward.
 
     python benchmarks/off_policy.py [--quick] [--steps N] [--sampler-temperature 1.5]
-        [--corrections none,tis,...] [--staleness 0,2,4]
+        [--corrections none,tis_token,...] [--staleness 0,2,4]
 
 ``--quick`` (about 3 minutes on 2 cores): 3 corrections, staleness 0 and 4, 20 steps; the full set (8
 corrections, 3 stalenesses, 40 steps) about 15 on 2 idle cores, twice that on busy ones (a run's steps
