@@ -23,10 +23,11 @@ async def train(config) -> None:
 
 @pytest.fixture(scope="module")
 def two_runs(tmp_path_factory):
-    """Two real 3-step runs of the tiny model with different seeds (prompts and samples)."""
+    """Two real 3-step runs of the tiny model with different seeds (prompts and samples); the second with a
+    behaviour correction from the ``[trainer.off_policy]`` table."""
     root = tmp_path_factory.mktemp("runs")
     runs = []
-    for name, seed in (("seed-0", 0), ("seed-1", 1)):
+    for name, seed, extra in (("seed-0", 0, []), ("seed-1", 1, ["trainer.off_policy.kind='icepop'"])):
         config = load_config(
             [],
             [
@@ -39,6 +40,7 @@ def two_runs(tmp_path_factory):
                 f"seed={seed}",
                 f"data.seed={seed}",
                 "data.task='digit'",
+                *extra,
             ],
         )
         asyncio.run(train(config))
@@ -71,12 +73,26 @@ def test_plot_compares_runs_in_pngs(two_runs, tmp_path):
     line = json.loads(result.stdout.strip().splitlines()[-1])
     expected = {
         *("reward.png", "loss.png", "kl.png", "staleness.png", "throughput.png", "timings.png"),
-        "pipeline.png",
+        *("pipeline.png", "off_policy.png"),
     }
     # No [eval] section in these runs: no eval figure.
     assert set(line["files"]) == expected == {p.name for p in out.iterdir()}
     for name in expected:
         read_png(out / name)
+
+
+@pytest.mark.slow
+def test_the_drift_metrics_reach_every_steps_record(two_runs):
+    plain, corrected = (read_metrics(run) for run in two_runs)
+    for record in plain + corrected:
+        assert (
+            record["off_policy/kl_k3"] >= 0
+            and record["off_policy/ratio_p1"] <= record["off_policy/ratio_p99"]
+        )
+    # Only the run with a masking rule reports what it masked; nothing truncates under icepop.
+    assert all(0 <= record["off_policy/masked_token_fraction"] <= 1 for record in corrected)
+    assert not any("off_policy/masked_token_fraction" in record for record in plain)
+    assert not any("off_policy/truncated_token_fraction" in record for record in corrected)
 
 
 @pytest.mark.slow

@@ -104,7 +104,10 @@ def config_reference() -> list[KeyDoc]:
             section = _section_type(field.type)
             doc = docs.get(cls.__name__, {}).get(field.name, "")
             if section is not None:
-                keys.append(KeyDoc(key, f"[{key}]", None, doc or inspect.cleandoc(section.__doc__ or "")))
+                # A key that is a name or a table (``trainer.off_policy``) keeps its plain default.
+                plain = field.default if isinstance(field.default, str | int | float) else None
+                kind = f"[{key}]" if plain is None else f"{_type_name(field.type)} or [{key}]"
+                keys.append(KeyDoc(key, kind, plain, doc or inspect.cleandoc(section.__doc__ or "")))
                 walk(section, f"{key}.")
                 continue
             if field.default is not msgspec.NODEFAULT:

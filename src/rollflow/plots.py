@@ -1,8 +1,9 @@
 """``rollflow plot``: PNG figures of one or more runs' ``metrics.jsonl``, runs compared on the same axes.
 
-Each figure is a group of related metrics (reward, evaluation, loss, KL and logprob mismatch, staleness,
-throughput, timings), one panel per metric against the step, one line per run; the ``pipeline`` figure
-stacks each stage's waits per step instead, with the overlap fraction (is an async run overlapping?). A figure none of the runs has a
+Each figure is a group of related metrics (reward, evaluation, loss, KL and logprob mismatch, rollout/trainer
+drift, staleness, throughput, timings), one panel per metric against the step, one line per run; the
+``pipeline`` figure stacks each stage's waits per step instead, with the overlap fraction (is an async run
+overlapping?). A figure none of the runs has a
 metric of is not written (``eval`` without an ``[eval]`` section). matplotlib is an optional extra
 (``pip install 'rollflow[plot]'``), imported only here and only when plotting.
 """
@@ -97,6 +98,24 @@ def _is_kl(key: str) -> bool:
     return "kl" in key.split("/")[-1].split("_")
 
 
+def _is_off_policy(key: str) -> bool:
+    """The drift metrics of ``rollflow.train.off_policy_metrics`` (``off_policy/*``)."""
+    return key.startswith("off_policy/")
+
+
+OFF_POLICY_KEYS = (
+    "off_policy/kl_k1",
+    "off_policy/kl_k3",
+    "off_policy/ratio_p1",
+    "off_policy/ratio_p50",
+    "off_policy/ratio_p99",
+    "off_policy/masked_token_fraction",
+    "off_policy/masked_seq_fraction",
+    "off_policy/truncated_token_fraction",
+    "off_policy/truncated_seq_fraction",
+)
+"""The drift figure's panels in this order (others of the family follow, sorted)."""
+
 FIGURES = (
     FigureSpec(
         "reward",
@@ -111,6 +130,12 @@ FIGURES = (
         "KL and sampler/trainer logprob mismatch",
         ("logprob_mismatch", "logprob_mismatch_max", "is_weight_mean", "is_truncated_fraction"),
         _is_kl,
+    ),
+    FigureSpec(
+        "off_policy",
+        "Rollout/trainer drift and what the behaviour correction did",
+        OFF_POLICY_KEYS,
+        _is_off_policy,
     ),
     FigureSpec(
         "staleness",

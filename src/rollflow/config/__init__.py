@@ -39,7 +39,7 @@ from rollflow.config.resolve import resolve_config, starts_router
 from rollflow.config.run import RunConfig
 from rollflow.config.sampling import SamplingConfig
 from rollflow.config.server_spec import ServerSpec
-from rollflow.config.trainer import LoraConfig, TrainerConfig
+from rollflow.config.trainer import LoraConfig, OffPolicyTable, TrainerConfig
 from rollflow.config.weight_sync import WeightSyncConfig
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "OffPolicyTable",
     "OrchestratorConfig",
     "RewardSpec",
     "RunConfig",

@@ -37,6 +37,55 @@ class LoraConfig(Section):
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""
 
 
+class OffPolicyTable(Section):
+    """``[trainer.off_policy]``: one behaviour correction, from the trainer's start-of-step policy back to
+    the sampler's (``rollflow.train.off_policy`` has the formulas and their references).
+
+    With ``rho_t = pi_trainer(t) / pi_behaviour(t)`` of each sampled token:
+
+    - ``kind = "none"``: no correction; the PPO ratio is taken against the behaviour logprobs.
+    - ``kind = "tis"``: truncated IS, weight ``min(rho, high)``; ``level`` ``token`` (rho_t) or
+      ``sequence`` (the product of a sequence's rho_t, shared by its tokens). ``high`` defaults to 2.
+    - ``kind = "mis"``: masked IS, weight ``rho`` inside ``[low, high]`` and 0 outside; ``level`` ``token``,
+      ``sequence`` (the product) or ``geometric`` (a sequence is kept, with weight 1, when the geometric mean
+      of its rho_t is inside the bounds). ``high`` defaults to 2 (required for ``geometric``, whose ratios sit
+      within a fraction of a percent of 1), ``low`` to ``1 / high``.
+    - ``kind = "icepop"``: IcePop's two-sided token mask, ``mis`` at ``token`` level with its own defaults
+      ``low = 0.5``, ``high = 5``.
+    - ``kind = "decoupled"``: AReaL's decoupled PPO, weight ``rho_t`` uncapped, or 0 above ``high``.
+
+    Every kind but ``none`` takes the PPO ratio against the trainer's own weights at the start of the step
+    (decoupled PPO's proximal policy), so each is decoupled PPO with its own shaping of the weight.
+    """
+
+    kind: Literal["none", "tis", "mis", "icepop", "decoupled"]
+    """Which correction (see the table's docstring)."""
+    level: Literal["token", "sequence", "geometric"] = "token"
+    """Over what the ratio is taken and the rule applied: each token, each sequence's product of token
+    ratios, or each sequence's geometric mean (``mis`` only)."""
+    low: NonNegativeFloat | None = None
+    """Lower bound of the kept ratios (``mis``, ``icepop``); below 1."""
+    high: PositiveFloat | None = None
+    """Truncation (``tis``), upper bound of the kept ratios (``mis``, ``icepop``) or filter cap
+    (``decoupled``); above 1."""
+
+    def with_defaults(self) -> OffPolicyTable:
+        """This table with the kind's default bounds filled in (``low``/``high`` left unset where the kind
+        has none)."""
+        high, low = self.high, self.low
+        if self.kind == "tis" and high is None:
+            high = 2.0
+        if self.kind == "mis":
+            if high is None and self.level != "geometric":
+                high = 2.0
+            if low is None and high is not None:
+                low = 1.0 / high
+        if self.kind == "icepop":
+            low = 0.5 if low is None else low
+            high = 5.0 if high is None else high
+        return OffPolicyTable(kind=self.kind, level=self.level, low=low, high=high)
+
+
 class TrainerConfig(Section):
     lr: PositiveFloat = 1e-3
     """Peak AdamW learning rate (finite, > 0); see ``lr_schedule``. Like every number in the config, inf and nan
@@ -164,17 +213,39 @@ class TrainerConfig(Section):
     Python overhead matters (small models, CPU). It adds the child's start-up (importing torch and loading
     the model) to the run's; its weights are shared with the orchestrator through shared memory. The child
     is spawned, so a script that starts a run must guard its entry point (``if __name__ == "__main__":``)."""
-    off_policy: Literal["auto", "none", "tis", "decoupled"] = "auto"
-    """Correction for tokens sampled by an older policy (``rollflow.train.off_policy``). ``none``: PPO-clip
-    directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the trainer's own weights
-    at the start of the step, each token weighted by ``min(pi_trainer / pi_behaviour, tis_cap)``.
-    ``decoupled``: the same objective with the weight uncapped, or with tokens above ``decoupled_cap``
-    left out (AReaL's decoupled PPO). ``auto``: ``none`` in ``sync`` mode, ``tis`` in the async modes."""
+    off_policy: Literal["auto", "none", "tis", "decoupled"] | OffPolicyTable = "auto"
+    """Correction for tokens the trainer's policy would not have sampled: older policy versions (the async
+    modes) and sampler/trainer numerical mismatch (``rollflow.train.off_policy``). A name, or a table
+    (``[trainer.off_policy]``: ``kind``, ``level``, ``low``, ``high``; see ``OffPolicyTable``) for the whole
+    menu. ``none``: PPO-clip directly against the behaviour (sampler) logprobs. ``tis``: PPO-clip against the
+    trainer's own weights at the start of the step, each token weighted by ``min(pi_trainer / pi_behaviour,
+    tis_cap)``. ``decoupled``: the same objective with the weight uncapped, or with tokens above
+    ``decoupled_cap`` left out (AReaL's decoupled PPO). ``auto``: ``none`` in ``sync`` mode, ``tis`` in the
+    async modes."""
     tis_cap: PositiveFloat = 2.0
-    """``tis``: the truncation C of the importance weight (>= 1, so on-policy tokens keep weight 1)."""
+    """``off_policy = "tis"`` (the name): the truncation C of the importance weight (>= 1, so on-policy
+    tokens keep weight 1). With the table, ``trainer.off_policy.high``."""
     decoupled_cap: PositiveFloat | None = None
-    """``decoupled``: tokens whose importance weight exceeds it are left out of the loss (> 1); unset keeps
-    every token at its full weight."""
+    """``off_policy = "decoupled"`` (the name): tokens whose importance weight exceeds it are left out of the
+    loss (> 1); unset keeps every token at its full weight. With the table, ``trainer.off_policy.high``."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """What the PPO ratio ``pi_theta / pi_anchor`` (anchor: behaviour or start-of-step logprobs, per
+    ``off_policy``) is taken over. ``token``: per token, clipped per token (PPO, GRPO). ``sequence``: GSPO
+    (Zheng et al. 2025): each sequence's length-normalised ratio ``exp(mean_t log(pi_theta / pi_anchor))``,
+    clipped per sequence; every token of a sequence then shares its value and clip decision. GSPO's own
+    objective is a mean over sequences: pair it with ``loss_agg = "seq_mean_token_mean"``; its clip ranges
+    are far smaller than PPO's (the paper: ``clip_low = 3e-4``, ``clip_high = 4e-4``)."""
+    loss: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    """The policy-gradient objective. ``ppo_clip``: PPO's clipped surrogate (a clipped token has no
+    gradient). ``cispo``: MiniMax-M1's CISPO (2025): ``-sg[clip(r, 1 - clip_low, 1 + clip_high)] * A *
+    log pi_theta`` per token, so the ratio's weight is bounded but every token keeps its gradient. Token
+    ratios only (``ratio_level = "token"``). MiniMax sets no lower bound (a large ``clip_low``) and tunes
+    ``clip_high``."""
+    mismatch_kl_threshold: NonNegativeFloat = 0.01
+    """A warning is logged when the rollout-vs-trainer KL on the sampled tokens (``off_policy/kl_k3``) is
+    above this for ``mismatch_kl_steps`` consecutive steps (once per such streak); 0 disables it."""
+    mismatch_kl_steps: Positive = 5
+    """Consecutive steps above ``mismatch_kl_threshold`` before the warning."""
     lora: LoraConfig | None = None
     """``[trainer.lora]``: train a LoRA adapter on the frozen base model (``rollflow.train.lora``); unset
     trains every weight. The base stays frozen (no gradients, no optimizer state), the adapter is float32 with
@@ -182,12 +253,42 @@ class TrainerConfig(Section):
     the base), checkpoints hold the adapter and its optimizer state, and the KL reference is the base with the
     adapter switched off (no second copy of the model)."""
 
-    def resolved_off_policy(self, orchestrator_mode: str) -> Literal["none", "tis", "decoupled"]:
-        """``off_policy`` with ``auto`` resolved for ``orchestrator.mode``; what ``Trainer`` takes
+    def resolved_off_policy(
+        self, orchestrator_mode: str
+    ) -> Literal["none", "tis", "mis", "icepop", "decoupled"]:
+        """The kind of ``off_policy`` with ``auto`` resolved for ``orchestrator.mode``
         (``rollflow.config.resolve``)."""
+        if isinstance(self.off_policy, OffPolicyTable):
+            return self.off_policy.kind
         from rollflow.config.resolve import off_policy_for
 
         return off_policy_for(self.off_policy, orchestrator_mode)
+
+    def off_policy_correction(self, orchestrator_mode: str) -> OffPolicyTable:
+        """``off_policy`` as a table with every default filled in, for ``orchestrator.mode``: what
+        ``Trainer`` takes. The names map onto the table: ``tis`` is ``kind = "tis"`` with ``high =
+        tis_cap``, ``decoupled`` is ``kind = "decoupled"`` with ``high = decoupled_cap``."""
+        if isinstance(self.off_policy, OffPolicyTable):
+            return self.off_policy.with_defaults()
+        return correction_for_name(self.resolved_off_policy(orchestrator_mode), self)
+
+
+def correction_for_name(name: str, trainer: TrainerConfig) -> OffPolicyTable:
+    """The table a named ``trainer.off_policy`` (``none``, ``tis``, ``decoupled``) stands for.
+
+    Raises:
+        ValueError: another name (``auto`` must be resolved first).
+    """
+    if name == "none":
+        return OffPolicyTable(kind="none")
+    if name == "tis":
+        return OffPolicyTable(kind="tis", high=trainer.tis_cap)
+    if name == "decoupled":
+        return OffPolicyTable(kind="decoupled", high=trainer.decoupled_cap)
+    raise ValueError(
+        f"off_policy = {name!r}: pass 'none', 'tis' or 'decoupled', or an OffPolicyTable "
+        "(resolve 'auto' with TrainerConfig.off_policy_correction)"
+    )
 
 
 def trainer_errors(config: RunConfig) -> list[str]:
@@ -234,6 +335,13 @@ def off_policy_errors(config: RunConfig) -> list[str]:
     trainer = config.trainer
     off_policy = trainer.resolved_off_policy(config.orchestrator.mode)
     errors = []
+    if trainer.loss == "cispo" and trainer.ratio_level == "sequence":
+        errors.append(
+            "trainer.loss = 'cispo' clips each token's own importance weight; it has no sequence-level form: "
+            "set trainer.ratio_level = 'token', or trainer.loss = 'ppo_clip' for GSPO's sequence ratio"
+        )
+    if isinstance(trainer.off_policy, OffPolicyTable):
+        return errors + _table_errors(trainer)
     if trainer.tis_cap < 1:
         errors.append(
             f"trainer.tis_cap = {trainer.tis_cap} is below 1: it would down-weight on-policy tokens too "
@@ -289,5 +397,57 @@ def lora_errors(config: RunConfig) -> list[str]:
             "trainer.lora with trainer.placement = 'process' and in-process engines (weight_sync.strategy = "
             "'local'): those engines read the trainer process's weights through shared memory, which holds "
             "no scaled adapter; use trainer.placement = 'thread' or inference.mode = 'http'"
+        )
+    return errors
+
+
+def _table_errors(trainer: TrainerConfig) -> list[str]:
+    """What ``[trainer.off_policy]`` cannot mean: combinations no reference defines, bounds that would cut
+    on-policy tokens (whose ratio is 1), and the name form's keys next to the table."""
+    table = trainer.off_policy
+    assert isinstance(table, OffPolicyTable)
+    key, kind, level = "trainer.off_policy", table.kind, table.level
+    errors = []
+    if trainer.tis_cap != 2.0 or trainer.decoupled_cap is not None:
+        errors.append(
+            "trainer.tis_cap and trainer.decoupled_cap belong to the named trainer.off_policy; with the "
+            f"[trainer.off_policy] table set {key}.high instead"
+        )
+    if kind == "none":
+        if level != "token" or table.low is not None or table.high is not None:
+            errors.append(
+                f"{key}.kind = 'none' corrects nothing: {key}.level, .low and .high do not apply; remove them "
+                "or pick a kind ('tis', 'mis', 'icepop', 'decoupled')"
+            )
+        return errors
+    if kind in ("icepop", "decoupled") and level != "token":
+        errors.append(
+            f"{key}.level = {level!r} with {key}.kind = {kind!r}: {kind} is defined on token ratios only; set "
+            f"{key}.level = 'token', or use kind = 'mis' (masked IS) for sequence or geometric masks"
+        )
+    if kind == "tis" and level == "geometric":
+        errors.append(
+            f"{key}.level = 'geometric' with {key}.kind = 'tis': a geometric mean is no importance weight to "
+            f"truncate; use kind = 'mis' for a geometric mask, or level = 'token' / 'sequence' for TIS"
+        )
+    if kind in ("tis", "decoupled") and table.low is not None:
+        errors.append(
+            f"{key}.low = {table.low} with {key}.kind = {kind!r}: {kind} only bounds the weight from above "
+            f"({key}.high); use kind = 'mis' or 'icepop' for a two-sided mask"
+        )
+    if kind == "mis" and level == "geometric" and table.high is None:
+        errors.append(
+            f"{key}.kind = 'mis' with level = 'geometric' needs {key}.high: geometric means of token ratios sit "
+            "within a fraction of a percent of 1 (typical: 1.0002 to 1.001; low defaults to 1 / high)"
+        )
+    resolved = table.with_defaults()
+    if resolved.high is not None and resolved.high <= 1:
+        errors.append(
+            f"{key}.high = {resolved.high} must be above 1: on-policy tokens have ratio 1 and would be "
+            "truncated or masked too"
+        )
+    if resolved.low is not None and resolved.low >= 1:
+        errors.append(
+            f"{key}.low = {resolved.low} must be below 1: on-policy tokens have ratio 1 and would be masked too"
         )
     return errors

@@ -66,6 +66,7 @@ from rollflow.orchestrator.setup import default_log_level as default_log_level
 from rollflow.rollout.generator import PROMPT_TOO_LONG, SingleTurnGenerator
 from rollflow.rollout.rewards import REWARD_ERROR, REWARD_TIMEOUT, reward_part_means
 from rollflow.rollout.tasks import Task, item_caller
+from rollflow.train.drift_watch import MismatchWatch
 from rollflow.train.handle import TrainerHandle
 
 log = structlog.get_logger(__name__)
@@ -154,6 +155,9 @@ class Orchestrator(OrchestratorSetup):
         self.colocation: Colocation | None = None
         # Steps in a row with every sample masked, and their mask reasons (orchestrator.max_masked_steps).
         self._masked_steps = 0
+        self._mismatch_watch = MismatchWatch(
+            config.trainer.mismatch_kl_threshold, config.trainer.mismatch_kl_steps
+        )
         # Prompt indices the feeder may send: the run's steps (as set up: data.epochs may set them) x prompts
         # per step, or more for a run() past them; set by run().
         self._prompt_limit = 0
@@ -572,6 +576,7 @@ class Orchestrator(OrchestratorSetup):
         # stop at the first step after, naming it, instead of ending well with nothing kept.
         self._lock.check_held()
         self.history.append(metrics)
+        self._mismatch_watch.observe(metrics)
         for sink in self._sinks:
             sink.log(metrics)
         every = self.config.logging.samples_every

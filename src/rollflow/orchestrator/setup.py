@@ -209,7 +209,7 @@ class OrchestratorSetup:
             temperature=config.sampling.temperature,
             pad_token_id=tokenizer.pad_token_id or 0,
             seed=config.seed,
-            off_policy=config.trainer.resolved_off_policy(config.orchestrator.mode),
+            off_policy=config.trainer.off_policy_correction(config.orchestrator.mode),
             total_steps=config.orchestrator.steps,
         )
         return renderer, tokenizer, self.launcher.start_trainer(spec)

@@ -1,4 +1,5 @@
-"""Token-level PPO-clip policy loss with an optional KL penalty, and the entropy metric.
+"""The policy loss (PPO-clip at token or sequence level, or CISPO) with an optional KL penalty, and the
+logprobs and entropy it is computed from.
 
 Where this departs from the GRPO paper (Shao et al. 2024):
 
@@ -16,6 +17,20 @@ Where this departs from the GRPO paper (Shao et al. 2024):
   added per token with weight ``kl_coef`` and aggregated like the policy term (or, with
   ``trainer.kl_in = "reward"``, left to the trainer, which puts it into the rewards instead).
 
+Sequence-level ratios (``trainer.ratio_level = "sequence"``) follow GSPO (Zheng et al. 2025, "Group Sequence
+Policy Optimization"): ``s_i = exp(mean_t log(pi_theta / pi_old))`` over sequence i's loss tokens, clipped per
+sequence, in the paper's GSPO-token form: token t's ratio is ``sg[s_i] * pi_theta(t) / sg[pi_theta(t)]``,
+equal to ``s_i`` in value, with gradient ``s_i * grad log pi_theta(t)``. Since every ``loss_agg`` weighs the
+tokens of one sequence alike, this is GSPO's gradient exactly; the paper's own aggregation, a mean over
+sequences, is ``loss_agg = "seq_mean_token_mean"``. Departure: the per-token importance weights of an
+off-policy correction still multiply each token's term (the paper has none).
+
+CISPO (``trainer.loss = "cispo"``; MiniMax-M1, 2025) clips the importance weight and keeps every token's
+gradient: ``-sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * grad log pi_theta``. It is written as
+``-sg[clip(r)] * A * exp(log pi_theta - sg[log pi_theta])``, which has that gradient and the value
+``-clip(r) * A``, comparable with PPO's loss value (the paper's form, ``... * log pi_theta``, has the same
+gradient and a value that is not). The paper's token-level mean is ``loss_agg = "token_mean"`` (the default).
+
 Logprobs and entropy come from ``model_token_logprobs``: by default from the model's final hidden states and
 the output-embedding weight, a chunk of positions at a time (``chunked_token_logprobs``), so the
 ``[batch, time, vocab]`` logits never exist at once, in the forward nor in the backward.
@@ -32,7 +47,7 @@ older sampler kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -412,7 +427,28 @@ def entropy_from_logits(
     return entropy.reshape(logits.shape[:-1])
 
 
-def ppo_clip_loss(
+RatioLevel = Literal["token", "sequence"]
+Objective = Literal["ppo_clip", "cispo"]
+
+
+def sequence_log_ratio(
+    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO-token's log ratio of ``[batch, time]`` tensors (one row per sequence): each loss token's value is
+    its row's mean ``log pi_theta - log pi_old`` over the loss tokens, its gradient that of its own
+    ``log pi_theta`` (see the module docstring). Positions off the mask must hold finite values."""
+    loss_mask = loss_mask.bool()
+    token = torch.where(loss_mask, (new_logprobs - old_logprobs).detach(), 0.0)
+    mean = token.sum(dim=-1, keepdim=True) / loss_mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    return mean + (new_logprobs - new_logprobs.detach())
+
+
+def ppo_clip_loss(*args: Any, **kwargs: Any) -> PolicyLoss:
+    """``policy_loss`` with the PPO-clip objective (the same arguments)."""
+    return policy_loss(*args, objective="ppo_clip", **kwargs)
+
+
+def policy_loss(
     new_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -426,11 +462,16 @@ def ppo_clip_loss(
     token_weights: torch.Tensor | None = None,
     loss_scale: torch.Tensor | None = None,
     kl_estimator: KlEstimator = "k3",
+    ratio_level: RatioLevel = "token",
+    objective: Objective = "ppo_clip",
 ) -> PolicyLoss:
-    """Token-level PPO-clip loss ``-w min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + kl_coef * KL``.
+    """The policy loss ``w * L(r, A) + kl_coef * KL`` of each loss token, aggregated.
 
-    All tensors have the same shape (e.g. ``[batch, time]``); only positions where ``loss_mask`` is true
-    count. Values at other positions are ignored entirely, even NaN.
+    ``L`` is PPO-clip's ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` or CISPO's
+    ``-sg[clip(r)] A exp(logp - sg[logp])``; ``r`` is each token's ratio, or with ``ratio_level =
+    "sequence"`` its sequence's (GSPO; the tensors are then ``[batch, time]``, one row per sequence). All
+    tensors have the same shape; only positions where ``loss_mask`` is true count. Values at other positions
+    are ignored entirely, even NaN.
 
     Args:
         new_logprobs: the policy's logprobs of the sampled tokens, with gradient.
@@ -447,7 +488,18 @@ def ppo_clip_loss(
         loss_scale: per-token factors of the loss (``aggregation.token_loss_scale``); None is
             ``1 / num_step_tokens`` on every token.
         kl_estimator: ``k1``, ``k2``, ``k3`` or ``low_var_k3`` (``aggregation.kl_estimate``).
+        ratio_level: ``token`` or ``sequence`` (GSPO).
+        objective: ``ppo_clip`` or ``cispo``.
+
+    Raises:
+        ValueError: an unknown ``ratio_level`` or ``objective``, or CISPO at sequence level.
     """
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"unknown trainer.ratio_level {ratio_level!r}; use 'token' or 'sequence'")
+    if objective not in ("ppo_clip", "cispo"):
+        raise ValueError(f"unknown trainer.loss {objective!r}; use 'ppo_clip' or 'cispo'")
+    if objective == "cispo" and ratio_level != "token":
+        raise ValueError("trainer.loss = 'cispo' takes token ratios (trainer.ratio_level = 'token')")
     loss_mask = loss_mask.bool()
     if num_step_tokens is None:
         num_step_tokens = max(int(loss_mask.sum()), 1)
@@ -457,10 +509,20 @@ def ppo_clip_loss(
     old_logprobs = torch.where(loss_mask, old_logprobs, detached_new)
     advantages = torch.where(loss_mask, advantages, torch.zeros_like(advantages))
 
-    ratio = torch.exp(new_logprobs - old_logprobs)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    if ratio_level == "sequence":
+        log_ratio = sequence_log_ratio(new_logprobs, old_logprobs, loss_mask)
+    else:
+        log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    bounded = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    if objective == "cispo":
+        per_token = -advantages * bounded.detach() * torch.exp(new_logprobs - detached_new)
+        clipped_tokens = (bounded != ratio).detach()
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * bounded
+        per_token = torch.maximum(unclipped, clipped)
+        clipped_tokens = clipped > unclipped
     if token_weights is not None:
         per_token = per_token * torch.where(loss_mask, token_weights, torch.ones_like(token_weights))
 
@@ -473,13 +535,13 @@ def ppo_clip_loss(
 
     masked = torch.where(loss_mask, per_token, torch.zeros_like(per_token))
     loss = masked.sum() / num_step_tokens if loss_scale is None else (masked * loss_scale).sum()
-    log_ratio = (detached_new - old_logprobs).detach()
+    token_log_ratio = (detached_new - old_logprobs).detach()
     return PolicyLoss(
         loss=loss,
-        clip_fraction=_masked_share((clipped > unclipped).float(), loss_mask, num_step_tokens),
+        clip_fraction=_masked_share(clipped_tokens.float(), loss_mask, num_step_tokens),
         ratio_mean=_masked_share(ratio.detach(), loss_mask, num_step_tokens),
         kl=kl,
-        approx_kl=_masked_share(torch.expm1(log_ratio) - log_ratio, loss_mask, num_step_tokens),
+        approx_kl=_masked_share(torch.expm1(token_log_ratio) - token_log_ratio, loss_mask, num_step_tokens),
     )
 
 

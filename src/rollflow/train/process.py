@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from rollflow.config import TrainerConfig
+from rollflow.config import OffPolicyTable, TrainerConfig
 from rollflow.errors import RollflowError
 from rollflow.messages import PackedBatch, StepResult
 from rollflow.processes import start_function, stop_functions
@@ -54,7 +54,7 @@ class TrainerSpec:
     temperature: float
     pad_token_id: int
     seed: int
-    off_policy: str
+    off_policy: str | OffPolicyTable  # a name or the resolved table (``Trainer``'s ``off_policy``)
     total_steps: int | None = None
 
     def trainer_kwargs(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ from typing import Any
 import structlog
 import torch
 
-from rollflow.config import TrainerConfig
+from rollflow.config import OffPolicyTable, TrainerConfig
+from rollflow.config.trainer import correction_for_name
 from rollflow.messages import PackedBatch, RankBatch, Sample, StepResult
 from rollflow.train import routing_replay, updates
 from rollflow.train.advantages import kl_penalised_advantages
@@ -33,10 +34,11 @@ from rollflow.train.checkpoint_io import OPTIMIZER_FILE as OPTIMIZER_FILE
 from rollflow.train.checkpoint_io import WEIGHTS_FILE as WEIGHTS_FILE
 from rollflow.train.checkpoint_io import TrainerCheckpoints
 from rollflow.train.distributed import SINGLE_PROCESS, DataParallel, SingleProcess
-from rollflow.train.losses import TokenLogprobs, model_token_logprobs, ppo_clip_loss
+from rollflow.train.losses import TokenLogprobs, model_token_logprobs, policy_loss
 from rollflow.train.micro_batch import MicroBatch as MicroBatch
 from rollflow.train.micro_batch import build_micro_batch as build_micro_batch
-from rollflow.train.off_policy import ImportanceWeights, OffPolicy, importance_weights
+from rollflow.train.off_policy import ImportanceWeights, OffPolicy, behaviour_correction
+from rollflow.train.off_policy_metrics import DriftMeter
 
 log = structlog.get_logger(__name__)
 
@@ -54,8 +56,9 @@ class Trainer(TrainerCheckpoints):
             are comparable with the ones the sampler recorded.
         pad_token_id: id used to right-pad micro-batches (never part of the loss).
         seed: seeds the trainer's own torch generator (global RNG state is left alone).
-        off_policy: the resolved off-policy correction, ``config.resolved_off_policy(orchestrator.mode)``.
-            None takes ``config.off_policy`` with ``auto`` resolved as in ``sync`` mode (``none``).
+        off_policy: the resolved off-policy correction, ``config.off_policy_correction(orchestrator.mode)``
+            (or a name, ``none``, ``tis`` or ``decoupled``, with ``config``'s caps). None takes
+            ``config.off_policy`` with ``auto`` resolved as in ``sync`` mode (``none``).
         total_steps: optimizer steps of the run (``orchestrator.steps``), the length of a ``linear`` or
             ``cosine`` ``lr_schedule``.
         reference_model: the initial policy for the KL penalty (``config.kl_coef > 0``), built the way
@@ -79,19 +82,18 @@ class Trainer(TrainerCheckpoints):
         temperature: float = 1.0,
         pad_token_id: int = 0,
         seed: int = 0,
-        off_policy: OffPolicy | None = None,
+        off_policy: OffPolicy | OffPolicyTable | None = None,
         total_steps: int | None = None,
         reference_model: torch.nn.Module | None = None,
     ) -> None:
         from rollflow.models.loading import resolve_device, resolve_dtype
 
         if off_policy is None:
-            off_policy = config.resolved_off_policy("sync")
-        if off_policy not in ("none", "tis", "decoupled"):
-            raise ValueError(
-                f"off_policy = {off_policy!r}: pass 'none', 'tis' or 'decoupled' "
-                "(resolve 'auto' with TrainerConfig.resolved_off_policy)"
-            )
+            correction = config.off_policy_correction("sync")
+        elif isinstance(off_policy, OffPolicyTable):
+            correction = off_policy.with_defaults()
+        else:
+            correction = correction_for_name(off_policy, config)
         if temperature <= 0:
             raise ValueError(
                 f"temperature = {temperature} cannot be trained on: greedy sampling has no logprobs to "
@@ -106,7 +108,8 @@ class Trainer(TrainerCheckpoints):
         self.config = config
         self.temperature = temperature
         self.pad_token_id = pad_token_id
-        self.off_policy: OffPolicy = off_policy
+        self.correction = correction
+        self.off_policy = correction.kind
         self.device = resolve_device(config.device, "trainer.device")
         self.compute_dtype = resolve_dtype(config.dtype, self.device, "trainer.dtype")
         # LoRA: the adapter goes in before the model moves (a data-parallel rank's went in before sharding).
@@ -177,6 +180,9 @@ class Trainer(TrainerCheckpoints):
         ``ppo_epoch_N/<name>``; ``entropy`` and ``logprob_mismatch`` describe the policy at the start of the
         step; ``num_updates`` counts the optimizer updates taken.
 
+        Every step also reports the drift metrics ``off_policy/*`` (rollout-vs-trainer KL, ratio quantiles,
+        the shares the correction masked or truncated; ``off_policy_metrics.py``).
+
         With off-policy correction on, the metrics include ``is_weight_mean`` and ``is_weight_max`` (of
         ``pi_trainer / pi_behaviour`` over the loss tokens, before any cap) and ``is_truncated_fraction``
         (loss tokens above the cap: truncated by ``tis``, left out by ``decoupled``).
@@ -219,6 +225,7 @@ class Trainer(TrainerCheckpoints):
             return self._skipped(share.step, metrics, started)
 
         start = self._start_of_step(micro_batches, mini_batches)
+        start.meter = DriftMeter()
         if self.config.kl_in == "reward":
             metrics.update(self._kl_into_advantages(share, micro_batches, start, num_loss_tokens))
         passes: list[list[dict[str, float]]] = []
@@ -241,6 +248,8 @@ class Trainer(TrainerCheckpoints):
                 ]
             )
         metrics.update(updates.step_metrics(passes))
+        step_sequences = math.fsum(update.sequences for update in counts)
+        metrics.update(start.meter.metrics(self.parallel, self.device, num_loss_tokens, step_sequences))
         # Engine-vs-trainer mismatch is a numerical check: only samples wholly sampled by these weights count.
         onpolicy_tokens = metrics.pop("logprob_mismatch_tokens")
         mismatch_sum = metrics.pop("logprob_mismatch_sum")
@@ -413,6 +422,7 @@ class Trainer(TrainerCheckpoints):
                 start_policy=start.policy[index],
                 reference=start.reference[index],
                 first_pass=epoch == 0,
+                meter=start.meter,
             )
             if start.keep:
                 start.policy[index] = used  # later passes take the ratio against the same start logprobs
@@ -479,6 +489,7 @@ class Trainer(TrainerCheckpoints):
         start_policy: TokenLogprobs | None = None,
         reference: torch.Tensor | None = None,
         first_pass: bool = True,
+        meter: DriftMeter | None = None,
     ) -> tuple[dict[str, torch.Tensor], TokenLogprobs]:
         """Loss and backward of one micro-batch; returns its (detached) shares of the update's metrics, and
         the start-of-step logprobs it used.
@@ -502,15 +513,9 @@ class Trainer(TrainerCheckpoints):
             # The proximal policy is the weights at the start of the step: in the first update, this very
             # forward (the ratio is 1 in value but carries the gradient); the stale part goes into the weights.
             ratio_anchor = start_policy.logprobs
-            importance = importance_weights(
-                ratio_anchor,
-                micro_batch.old_logprobs,
-                mask,
-                method=self.off_policy,
-                cap=self.config.tis_cap if self.off_policy == "tis" else self.config.decoupled_cap,
-            )
+            importance = behaviour_correction(ratio_anchor, micro_batch.old_logprobs, mask, self.correction)
             token_weights = importance.weights
-        result = ppo_clip_loss(
+        result = policy_loss(
             new_logprobs,
             ratio_anchor,
             micro_batch.advantages,
@@ -523,6 +528,8 @@ class Trainer(TrainerCheckpoints):
             token_weights=token_weights,
             loss_scale=token_loss_scale(mask, self.config.loss_agg, counts, self.config.constant_norm),
             kl_estimator=self.config.kl_estimator,
+            ratio_level=self.config.ratio_level,
+            objective=self.config.loss,
         )
         result.loss.backward()
 
@@ -535,6 +542,8 @@ class Trainer(TrainerCheckpoints):
             }
             if result.kl is not None:
                 shares["kl"] = result.kl
+            if first_pass and meter is not None:
+                meter.add(start_policy.logprobs, micro_batch.old_logprobs, mask, importance)
             if first_pass:
                 shares.update(
                     self._start_measures(

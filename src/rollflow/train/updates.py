@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from rollflow.train.losses import TokenLogprobs
+    from rollflow.train.off_policy_metrics import DriftMeter
 
 PASS_SUMS = ("clip_fraction", "ratio_mean", "approx_kl", "kl")
 """Per-update shares of a token mean over the step's tokens: their sum over a pass is the pass's mean."""
@@ -38,6 +39,8 @@ class StepStart:
     """None without a KL penalty."""
     keep: bool
     """Whether later passes need the start logprobs (``ppo_epochs > 1``): first forwards then store theirs."""
+    meter: DriftMeter | None = None
+    """Collects the drift metrics of the step's first pass (``off_policy_metrics.py``)."""
 
 
 def step_metrics(passes: Sequence[Sequence[dict[str, float]]]) -> dict[str, float]:
