@@ -53,4 +53,4 @@ def test_a_run_starts_its_vllm_server_and_pushes_each_step_into_it(tmp_path) -> 
     mismatch = [m["logprob_mismatch"] for m in metrics]
     assert all(value < 1e-4 for value in mismatch), mismatch  # sync: drawn with the weights just pushed
     logs = list((tmp_path / "runs" / "quickstart").rglob("server-0.log"))
-    assert logs and "RollflowCheckpointEngine" in logs[0].read_text()  # the plugin engine received them
+    assert logs and "RollflowEngine" in logs[0].read_text()  # the plugin engine received them
