@@ -131,6 +131,7 @@ async def test_a_gloo_push_into_vllm_servers_reaches_the_plugin_receiver_with_on
     try:
         for version in (3, 4):
             await transfer.push(servers, StaticWeights(_weights), policy_version=version)
+        assert transfer.delivery_check_s > 0  # what the barrier reports as delivery_check_time_s
     finally:
         transfer.close()
         servers.close()

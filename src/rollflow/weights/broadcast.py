@@ -49,7 +49,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.delivery import check_served_digests, check_served_version, tensor_digests
+from rollflow.weights.delivery import check_delivery, tensor_digests
 from rollflow.weights.payloads import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -223,8 +223,7 @@ class BroadcastSender(WeightSender):
         )
         if self.engine == "vllm":
             with anyio.fail_after(self.timeout_s):
-                await check_served_version(control, policy_version)
-                await check_served_digests(control, digests or {}, policy_version)
+                await check_delivery(self, control, digests or {}, policy_version)
 
 
 @dataclass(frozen=True)

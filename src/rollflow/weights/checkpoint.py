@@ -40,7 +40,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.delivery import check_served_digests, check_served_version, tensor_digests
+from rollflow.weights.delivery import check_delivery, tensor_digests
 from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate, check_engine
 from rollflow.weights.rounds import init_servers, open_transport
 
@@ -135,8 +135,7 @@ class CheckpointSender(WeightSender):
         )
         await control.finish_weight_update(policy_version)
         if self.engine == "vllm":
-            await check_served_version(control, policy_version)
-            await check_served_digests(control, digests, policy_version)
+            await check_delivery(self, control, digests, policy_version)
 
 
 @dataclass(frozen=True)
