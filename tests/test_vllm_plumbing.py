@@ -17,13 +17,13 @@ from rollflow.config import ServerSpec, build_config
 from rollflow.errors import ConfigError, MissingExtraError, WeightTransferError
 from rollflow.inference.setup import server_options
 from rollflow.launch.server_group import ServerGroup, build_vllm_server_command
-from rollflow.vllm_plugin import CHECKPOINT_BACKEND
+from rollflow.vllm_plugin import ENGINE_BACKEND
 from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
 
 from .helpers.weights import fake_world
 
 MODULE = ["/venvs/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-# The fields of the plugin engine's dataclasses (rollflow/vllm_plugin/checkpoint_engine.py); vLLM refuses others.
+# The checkpoint transport's fields of the plugin engine's dataclasses (rollflow/vllm_plugin/engine.py).
 PLUGIN_INIT_KEYS = {"timeout_s"}
 PLUGIN_UPDATE_KEYS = {"path", "url", "policy_version"}
 
@@ -78,9 +78,12 @@ async def test_a_vllm_command_that_is_not_there_names_the_key(tmp_path) -> None:
 def test_vllm_servers_fed_by_checkpoints_get_rollflow_s_plugin_engine() -> None:
     config = build_config({**_http_vllm(), "weight_sync": {"strategy": "checkpoint"}})
     options = server_options(config, api_key=None)
-    assert options["weight_transfer_backend"] == CHECKPOINT_BACKEND
+    assert options["weight_transfer_backend"] == ENGINE_BACKEND
     argv, _ = build_vllm_server_command("m", port=1, **options)
-    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "rollflow_checkpoint"}
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "rollflow"}
+    # So do servers fed by a gloo broadcast (the same engine's other transport).
+    gloo = build_config({**_http_vllm(), "weight_sync": {"strategy": "broadcast", "backend": "gloo"}})
+    assert server_options(gloo, api_key=None)["weight_transfer_backend"] == ENGINE_BACKEND
     # Other strategies keep vLLM's own engines; rollflow's servers take no such option.
     assert "weight_transfer_backend" not in server_options(build_config(_http_vllm()), api_key=None)
     torch_config = build_config({"inference": {"mode": "http"}, "weight_sync": {"strategy": "checkpoint"}})
@@ -236,4 +239,4 @@ def test_the_plugin_never_stops_a_vllm_from_starting(caplog) -> None:
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here: tests/test_vllm_server.py covers registering into it")
     register()
-    assert "cannot register 'rollflow_checkpoint'" in caplog.text
+    assert "cannot register 'rollflow'" in caplog.text

@@ -108,8 +108,10 @@ async def test_vllm_broadcast_init_info_has_exactly_vllm_keys() -> None:
 
 
 def test_vllm_broadcast_rejects_what_vllm_cannot_do() -> None:
-    with pytest.raises(ValueError, match="NCCL only; backend 'gloo'"):
-        create_strategy("broadcast", engine="vllm", backend="gloo")
+    # gloo reaches vLLM through rollflow's plugin engine (tests/test_vllm_broadcast_payloads.py); NCCL otherwise.
+    assert create_strategy("broadcast", engine="vllm").backend == "nccl"
+    with pytest.raises(ValueError, match="broadcast backend must be 'gloo' or 'nccl', got 'mpi'"):
+        create_strategy("broadcast", engine="vllm", backend="mpi")
     with pytest.raises(ValueError, match="engine must be one of 'torch', 'vllm', got 'sglang'"):
         create_strategy("broadcast", engine="sglang")
     with pytest.raises(ValueError, match="cuda_ipc engine must be 'torch' or 'vllm'"):
@@ -183,8 +185,18 @@ def test_config_passes_the_engine_to_the_strategy_and_rejects_what_vllm_cannot_r
         {"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"strategy": "checkpoint"}}
     )
     assert checkpoint.weight_sync.strategy_options("checkpoint", "vllm")["engine"] == "vllm"
-    with pytest.raises(ConfigError, match="backend = 'gloo' cannot reach vLLM servers"):
-        build_config({"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"backend": "gloo"}})
+    gloo = build_config({"inference": {"mode": "http", "engine": "vllm"}, "weight_sync": {"backend": "gloo"}})
+    assert (
+        create_strategy("broadcast", **gloo.weight_sync.strategy_options("broadcast", "vllm")).backend
+        == "gloo"
+    )
+    with pytest.raises(ConfigError, match="weight_sync.backend = 'gloo' is the broadcast's backend, but"):
+        build_config(
+            {
+                "inference": {"mode": "http", "engine": "vllm"},
+                "weight_sync": {"strategy": "checkpoint", "backend": "gloo"},
+            }
+        )
 
 
 # ---------------------------------------------------------------- rollflow receivers accept vLLM's shapes

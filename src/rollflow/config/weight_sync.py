@@ -15,13 +15,17 @@ class WeightSyncConfig(Section):
     """How new weights reach the engines. ``auto``: ``local`` (in-process copy) in local mode, ``broadcast``
     (torch.distributed: gloo on CPU, NCCL on GPU) in http mode. ``checkpoint``: safetensors through
     ``checkpoint_dir`` or over HTTP (vLLM servers read it through rollflow's plugin engine,
-    ``rollflow.vllm_plugin``). ``cuda_ipc``: colocated GPUs."""
+    ``rollflow.vllm_plugin``). ``cuda_ipc``: colocated GPUs. Into vLLM servers, ``checkpoint`` and a gloo
+    ``broadcast`` check delivery after each push (served version and tensor digests)."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight-update barrier (pause, transfer, resume) may take before the run fails loudly."""
     bucket_size_mb: PositiveFloat = 256.0
     """Size of the packed buffers a broadcast sends (broadcast and cuda_ipc)."""
     backend: Literal["gloo", "nccl"] | None = None
-    """Broadcast backend; unset picks NCCL when CUDA is available, else gloo."""
+    """Broadcast backend; unset picks NCCL when CUDA is available, else gloo (NCCL for vLLM servers). vLLM
+    servers receive a gloo broadcast through rollflow's plugin engine (``rollflow.vllm_plugin``; managed
+    servers get it, external ones must be started with ``--weight-transfer-config '{"backend": "rollflow"}'``)
+    and the trainer needs no vLLM for it."""
     master_address: str = "auto"
     """Address trainer rank 0 binds its rendezvous on (broadcast store, checkpoint HTTP server), which the
     inference servers connect to; ``0.0.0.0`` binds every interface and advertises the trainer host's address.
@@ -61,9 +65,10 @@ def weight_sync_errors(config: RunConfig) -> list[str]:
             f"{config.inference.mode!r}: 'local' copies weights into in-process engines and is the only "
             "strategy for local mode; http mode needs 'broadcast', 'checkpoint' or 'cuda_ipc' (or 'auto')"
         )
-    if config.inference.engine == "vllm" and strategy == "broadcast" and config.weight_sync.backend == "gloo":
+    backend = config.weight_sync.backend
+    if backend is not None and strategy != "broadcast":
         errors.append(
-            "weight_sync.backend = 'gloo' cannot reach vLLM servers (inference.engine = 'vllm'), which receive "
-            "a broadcast by NCCL only; set weight_sync.backend = 'nccl' or leave it unset"
+            f"weight_sync.backend = {backend!r} is the broadcast's backend, but weight_sync.strategy resolves "
+            f"to {strategy!r}; set weight_sync.strategy = 'broadcast' or leave weight_sync.backend unset"
         )
     return errors

@@ -64,7 +64,8 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
     rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
-    ``inference.server_args``; vLLM servers fed by the checkpoint strategy get rollflow's plugin engine."""
+    ``inference.server_args``; vLLM servers fed by the checkpoint strategy or a gloo broadcast get rollflow's
+    plugin engine."""
     from rollflow.config.server_spec import ServerSpec
 
     inference = config.inference
@@ -73,10 +74,12 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
         "api_key": api_key,
         "extra_args": list(inference.server_args),
     }
-    if inference.engine == "vllm" and config.weight_sync.resolved_strategy(inference.mode) == "checkpoint":
-        from rollflow.vllm_plugin import CHECKPOINT_BACKEND
+    strategy = config.weight_sync.resolved_strategy(inference.mode)
+    gloo = strategy == "broadcast" and config.weight_sync.backend == "gloo"
+    if inference.engine == "vllm" and (strategy == "checkpoint" or gloo):
+        from rollflow.vllm_plugin import ENGINE_BACKEND
 
-        options["weight_transfer_backend"] = CHECKPOINT_BACKEND  # rollflow's plugin engine reads the files
+        options["weight_transfer_backend"] = ENGINE_BACKEND  # rollflow's plugin engine: files, or gloo
     return options
 
 

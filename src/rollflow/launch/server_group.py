@@ -148,7 +148,7 @@ def build_vllm_server_command(
     - ``--enable-scale-out`` registers ``/inference/v1/generate`` (off by default in 0.33).
     - ``--weight-transfer-config``: ``ipc`` when colocated (CUDA IPC handles, which also needs
       ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``), else ``nccl``, unless ``weight_transfer_backend`` says otherwise
-      (``rollflow_checkpoint``: rollflow's plugin engine, ``rollflow.vllm_plugin``, for checkpoint files).
+      (``rollflow``: rollflow's plugin engine, ``rollflow.vllm_plugin``, for checkpoint files and gloo).
     - ``--enable-sleep-mode`` when colocated, so the trainer can take the GPU memory back between rollouts.
     - ``--enable-return-routed-experts`` with ``return_routed_experts`` (MoE routing replay).
     - ``--logprobs-mode processed_logprobs``: logprobs after temperature and top-k/top-p, what the trainer

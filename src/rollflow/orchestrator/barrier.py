@@ -66,7 +66,8 @@ class WeightBarrier:
     ) -> dict[str, float]:
         """Have ``trainer`` (a handle with ``push_weights``, e.g. ``Trainer``, ``TrainerProcess``,
         ``rollflow.weights.StaticWeights``) push its weights as ``policy_version``; returns the barrier's
-        timings in seconds (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``).
+        timings in seconds (``barrier_time_s`` in all, of which ``pause_time_s`` and ``transfer_time_s``, and
+        of that ``delivery_check_time_s`` when the transfer proves its delivery).
 
         Raises:
             WeightSyncTimeoutError: pausing, the push or resuming took longer than ``timeout_s`` (the message
@@ -101,6 +102,9 @@ class WeightBarrier:
             "pause_time_s": paused_at - started,
             "transfer_time_s": transferred_at - paused_at,
         }
+        checked = getattr(self.transfer, "delivery_check_s", None)
+        if checked is not None:  # part of the transfer: the servers showed what they serve
+            timings["delivery_check_time_s"] = checked
         log.debug("weights updated", policy_version=policy_version, **timings)
         return timings
 

@@ -553,6 +553,12 @@ class Orchestrator(OrchestratorSetup):
             "generation_time_s": generation_time,
             "barrier_time_s": barrier.get("barrier_time_s", 0.0),
             "weight_transfer_time_s": barrier.get("transfer_time_s", 0.0),
+            # Proof of delivery, each step it ran (vLLM servers: rollflow.weights.delivery).
+            **(
+                {"delivery_check_time_s": barrier["delivery_check_time_s"]}
+                if "delivery_check_time_s" in barrier
+                else {}
+            ),
             **(
                 {
                     "sleep_time_s": barrier.get("sleep_time_s", 0.0),

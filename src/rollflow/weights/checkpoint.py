@@ -40,12 +40,7 @@ from rollflow.weights.base import (
     check_transfer_dtype,
     new_transfer_id,
 )
-from rollflow.weights.delivery import (
-    check_served_digests,
-    check_served_version,
-    is_adapter_push,
-    tensor_digests,
-)
+from rollflow.weights.delivery import check_delivery, is_adapter_push, tensor_digests
 from rollflow.weights.payloads import CheckpointInit, CheckpointUpdate, check_engine
 from rollflow.weights.rounds import init_servers, open_transport
 
@@ -141,8 +136,7 @@ class CheckpointSender(WeightSender):
         )
         await control.finish_weight_update(policy_version)
         if self.engine == "vllm" or is_adapter_push(digests):
-            await check_served_version(control, policy_version)
-            await check_served_digests(control, digests, policy_version)
+            await check_delivery(self, control, digests, policy_version)
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,16 @@ Two checks, run by a sender after ``/finish_weight_update`` (within the push's `
   hashes its adapter as received): an adapter that never reached a server fails the push, rather than leaving
   the policy pinned to the base while the run looks merely stale.
 
+``check_delivery`` runs both and records their cost on the sender (``WeightSender.delivery_check_s``, which
+the weight barrier reports per step as ``delivery_check_time_s``).
+
 The checks are torch-free; ``tensor_digests`` imports torch inside (it runs where the tensors are).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +30,7 @@ from rollflow.errors import WeightTransferError
 
 if TYPE_CHECKING:
     from rollflow.inference.control import ControlPlane
+    from rollflow.weights.base import WeightSender
 
 #: What the wire names of LoRA adapter tensors end with (``rollflow.train.lora``).
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -124,3 +129,19 @@ async def check_served_digests(
             f"pushed policy version {policy_version}, but {'; '.join(wrong)} than the trainer sent: the "
             "server does not serve the pushed weights"
         )
+
+
+async def check_delivery(
+    sender: WeightSender, control: ControlPlane, digests: dict[str, list[str]], policy_version: int
+) -> None:
+    """Both checks (the served version, then the digests), their time recorded as
+    ``sender.delivery_check_s``.
+
+    Raises:
+        WeightTransferError: as ``check_served_version`` and ``check_served_digests``.
+    """
+    started = time.perf_counter()
+    sender.delivery_check_s = None
+    await check_served_version(control, policy_version)
+    await check_served_digests(control, digests, policy_version)
+    sender.delivery_check_s = time.perf_counter() - started

@@ -8,7 +8,8 @@ kind gets:
 - ``engine="torch"`` (``rollflow serve``): every field, ``backend`` included;
 - ``engine="vllm"``: vLLM 0.33's keys only (``NCCLWeightTransferInitInfo``, ``IPCWeightTransferInitInfo`` and
   their update infos reject unknown keys), so no ``backend``, ``group_name``, ``timeout_s`` or
-  ``policy_version``.
+  ``policy_version``; the checkpoint and gloo payloads go to rollflow's plugin engine
+  (``rollflow.vllm_plugin``) and carry its keys.
 
 **The policy version** travels one way: ``/finish_weight_update``'s ``weight_version``
 (``ControlPlane.finish_weight_update``). An update for rollflow's servers repeats it as
@@ -56,6 +57,18 @@ VLLM_NCCL_INIT_KEYS: tuple[str, ...] = (
     "packed",
     "packed_buffer_size_bytes",
     "packed_num_buffers",
+)
+#: The keys of a gloo ``init_info`` for rollflow's vLLM plugin engine (``rollflow.vllm_plugin.engine``).
+ROLLFLOW_ENGINE_GLOO_INIT_KEYS: tuple[str, ...] = (
+    "backend",
+    "timeout_s",
+    "master_address",
+    "master_port",
+    "world_size",
+    "rank_offset",
+    "packed",
+    "packed_buffer_size_bytes",
+    "group_name",
 )
 #: The keys of vLLM 0.33's NCCL update info.
 VLLM_NCCL_UPDATE_KEYS: tuple[str, ...] = ("names", "dtype_names", "shapes")
@@ -140,9 +153,11 @@ class BroadcastInit(InitInfo, kw_only=True):
 
 
 class GlooInit(BroadcastInit, kw_only=True, tag="gloo"):
-    """A broadcast over gloo (CPU); vLLM servers cannot join one."""
+    """A broadcast over gloo (CPU). vLLM servers join one through rollflow's plugin engine
+    (``rollflow.vllm_plugin``, ``--weight-transfer-config '{"backend": "rollflow"}'``), whose init info takes
+    this payload's own keys but ``packed_num_buffers``."""
 
-    vllm_keys = None
+    vllm_keys = ROLLFLOW_ENGINE_GLOO_INIT_KEYS
     what = "gloo broadcast init_info"
 
 
