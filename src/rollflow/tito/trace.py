@@ -41,6 +41,7 @@ import anyio
 
 from rollflow.errors import EngineError, RoutedExpertsError, TraceSealedError
 from rollflow.tito.renderer import TITORenderer, tools_key
+from rollflow.tito.segments import align_routed_experts, common_prefix, expert_rows, segment_ends
 from rollflow.tito.store import (
     Node,
     NodeList,
@@ -487,7 +488,7 @@ class Trace:
         kept = len(prompt_tail) + len(completion)
         if rendered.token_ids[:kept] != prompt_tail + completion:
             return "bridge changed recorded tokens"
-        ends = _segment_ends(rendered.message_indices, kept, len(new_messages), 0)
+        ends = segment_ends(rendered.message_indices, kept, len(new_messages), 0)
         ends = [context + end for end in ends]
         record = RenderRecord("bridge", "extended", _BRIDGE_REASON)
         # The prompt: the recorded tokens, then what the new messages added.
@@ -523,20 +524,20 @@ class Trace:
             )
             if child is None:
                 if same_message:  # recorded under the same message, but with other tokens
-                    fork_position = start + _common_prefix(prompt[start:], store.token_ids(same_message[-1]))
+                    fork_position = start + common_prefix(prompt[start:], store.token_ids(same_message[-1]))
                 break
             node, depth = child, depth + 1
         start = store.end(node)
         children = list(store.children(node))
         if fork_position is None and depth > 0 and children:  # the history continues differently here
-            fork_position = start + _common_prefix(prompt[start:], store.token_ids(children[-1]))
+            fork_position = start + common_prefix(prompt[start:], store.token_ids(children[-1]))
         if fork_position is not None:
             record = RenderRecord("full", "forked", reason, fork_position)
         elif depth > 0:
             record = RenderRecord("full", "same_tokens", reason)
         else:
             record = RenderRecord("full", "new", reason)
-        ends = _segment_ends(rendered.message_indices, start, len(messages) - depth, depth)
+        ends = segment_ends(rendered.message_indices, start, len(messages) - depth, depth)
         return PreparedTurn(prompt, tools, record, node, messages[depth:], ends, key, request)
 
     def _commit(
@@ -563,20 +564,22 @@ class Trace:
         store = self._store
         prompt = prepared.prompt
         total = len(prompt) + len(sampled.token_ids)
-        experts = _check_routed_experts(sampled.routed_experts, total)
+        experts = align_routed_experts(sampled.routed_experts, total)
         if experts is not None and self._padded_routes:
             self._repair_routes(prepared._base, experts)
         node = prepared._base
         for new_message, end in zip(prepared._new_messages, prepared._segment_ends, strict=True):
             start = store.end(node)
-            node = self._child(node, new_message, prompt[start:end], end - start, _rows(experts, start, end))
+            node = self._child(
+                node, new_message, prompt[start:end], end - start, expert_rows(experts, start, end)
+            )
         start = store.end(node)
         node = self._child(
             node,
             message,
             prompt[start:] + array("i", sampled.token_ids),
             len(prompt) - start,
-            _rows(experts, start, total),
+            expert_rows(experts, start, total),
             sampled=sampled,
             tools_key=prepared._tools_key,
         )
@@ -675,53 +678,3 @@ class Trace:
             tools_key=tools_key,
             kept_counts=sampled.kept_counts if sampled is not None else None,
         )
-
-
-def _common_prefix(a: array, b: array) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def _segment_ends(indices: list[int], start: int, num_messages: int, first_index: int) -> list[int]:
-    """End position of each new message's token segment: just after its last attributed token, never
-    before ``start`` or the previous end. Scaffolding after the last message (the generation prompt) then
-    belongs to the assistant node that follows."""
-    ends = [start] * num_messages
-    for position in range(start, len(indices)):
-        index = indices[position] - first_index
-        if 0 <= index < num_messages:
-            ends[index] = position + 1
-    for i in range(1, num_messages):
-        ends[i] = max(ends[i], ends[i - 1])
-    return ends
-
-
-def _check_routed_experts(experts: Any, total: int) -> Any:
-    """Validate ``[tokens, layers, topk]`` integer indices; engines omit the last position, which is padded
-    with a copy of the one before (any valid expert ids do at the end of a sequence; a later turn that
-    extends it replaces the copy with the routes it computed, see ``_repair_routes``)."""
-    if experts is None:
-        return None
-    import numpy as np
-
-    experts = np.asarray(experts)
-    if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer):
-        raise RoutedExpertsError(
-            f"routed_experts must be an integer array [tokens, layers, topk], got dtype {experts.dtype} "
-            f"and shape {experts.shape}"
-        )
-    if experts.shape[0] == total - 1 and total > 1:
-        experts = np.concatenate([experts, experts[-1:]], axis=0)
-    if experts.shape[0] != total:
-        raise RoutedExpertsError(
-            f"routed_experts has {experts.shape[0]} rows for {total} prompt + completion tokens "
-            f"(expected {total} or {total - 1})"
-        )
-    return experts.astype(np.int32, copy=False)
-
-
-def _rows(experts: Any, start: int, end: int) -> Any:
-    return None if experts is None else experts[start:end].copy()
