@@ -231,3 +231,22 @@ def test_routes_that_do_not_fit_the_model_are_refused(moe_model, sampled):
 def test_a_dense_model_has_nothing_to_replay(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not routing_replay.install(model)
+
+
+async def test_single_turn_samples_carry_the_engines_routes_to_the_trainer(moe_model, tiny_moe_model_dir):
+    """``SingleTurnGenerator`` keeps each output's routes on its samples (it once dropped them, so single-turn
+    runs trained without replay), and they are the routes the model itself takes on those tokens."""
+    from rollflow.inference.client import LocalInferenceClient
+
+    from .helpers.routes import assert_routes_reach_the_trainer, single_turn_group
+
+    engine = TorchEngine(
+        copy.deepcopy(moe_model), max_batch_size=4, max_model_len=256, return_routed_experts=True
+    )
+    try:
+        group = await single_turn_group(LocalInferenceClient([engine]), tiny_moe_model_dir)
+    finally:
+        await engine.shutdown()
+    assert_routes_reach_the_trainer(group, moe_model.config.num_hidden_layers, 2)
+    for sample in group.samples:
+        np.testing.assert_array_equal(sample.routed_experts, routes_of(moe_model, sample)[:-1])

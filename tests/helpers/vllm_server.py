@@ -32,6 +32,29 @@ MODULE_ENTRY_POINT = ("-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 
 
+def group_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def process_name(pid: int) -> str:
+    """``/proc/<pid>/comm`` (vLLM names its processes ``VLLM::EngineCore``, ``VLLM::Worker``), or ""."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def vllm_available() -> bool:
     """Whether the ``vllm`` tests can run here."""
     return bool(os.environ.get(PYTHON_ENV) or os.environ.get(URL_ENV))
@@ -47,14 +70,15 @@ def server_spec(python: str, **options) -> ServerSpec:
 class VllmServer:
     """One vLLM server for the session (``url``; ``model_dir``: the weights it started from)."""
 
-    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = ()):
+    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = (), own: bool = False):
+        """``own``: always start a server (one a test may kill), never reuse ``ROLLFLOW_VLLM_URL``'s."""
         from rollflow.models.tiny import ensure_tiny_h32_model
 
         self.model_dir = ensure_tiny_h32_model()
         self.log_dir = log_dir
         self._group: ServerGroup | None = None
         existing = os.environ.get(URL_ENV)
-        if existing and not extra_args:
+        if existing and not extra_args and not own:
             self.url = existing.rstrip("/")
             return
         self._loop = asyncio.new_event_loop()
@@ -79,6 +103,18 @@ class VllmServer:
             self._stop_loop()
             raise
         self.url = self._group.urls[0]
+
+    @property
+    def pid(self) -> int:
+        """The API server's pid; it leads the process group of everything the server started."""
+        assert self._group is not None, "a server given by URL has no process here"
+        return self._group.pids[0]
+
+    def engine_core_pid(self) -> int:
+        """The pid of the server's engine core process (vLLM v1 runs the engine in a child process)."""
+        cores = [pid for pid in group_processes(self.pid) if process_name(pid).startswith("VLLM::EngineCor")]
+        assert len(cores) == 1, f"expected one engine core in the group of {self.pid}, found {cores}"
+        return cores[0]
 
     def close(self) -> None:
         if self._group is None:

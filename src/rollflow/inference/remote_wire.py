@@ -22,6 +22,7 @@ from rollflow.errors import (
     error_code,
 )
 from rollflow.inference.routed_experts import unpack_routed_experts
+from rollflow.inference.vllm_errors import is_context_length_refusal, is_engine_core_dead
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 
@@ -111,16 +112,22 @@ def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteI
 
     ``status`` is None for an error reported inside a stream (its status is then read from the body's
     ``type`` and ``code``). A 4xx keeps the server's string ``code`` (vLLM sends the status as ``code``:
-    then it is the status's code); a 503 whose ``type`` is ``EngineDeadError`` is a dead engine; any other
-    5xx, and a 429, is unavailable (retryable).
+    then it is the status's code, or ``context_length_exceeded`` for vLLM's context-length refusals); a 503
+    whose ``type`` is ``EngineDeadError`` is a dead engine, and so is vLLM's 500 after its engine core died
+    (``rollflow.inference.vllm_errors``); any other 5xx, and a 429, is unavailable (retryable).
     """
     fields = error_fields(body)
     code = fields.get("code") if isinstance(fields.get("code"), str) else None
     param = fields.get("param") if isinstance(fields.get("param"), str) else None
-    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
-        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
     if status is None and isinstance(fields.get("code"), int):  # vLLM's stream errors carry the status
         status = fields["code"]
+    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
+        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
+    if is_engine_core_dead(status, fields):
+        message += f" (the vLLM engine core of {url} died; its log has the cause; restart the server)"
+        return RemoteEngineDeadError(message, url=url, status=status, body=body)
+    if code is None and is_context_length_refusal(status, fields):
+        code = CONTEXT_LENGTH_EXCEEDED  # vLLM says it in words only
     if status is None:
         status = 500 if code in (None, INTERNAL_ERROR, SERVICE_UNAVAILABLE) else 400
     if status >= 500 or status == 429:  # 429: over capacity now, not the request's fault
