@@ -30,6 +30,7 @@ from rollflow.inference.remote_wire import error_message, http_error
 from rollflow.inference.router_workers import is_engine_dead
 from rollflow.messages import GenerateRequest, SamplingParams
 
+from .helpers.processes import wait_dead
 from .helpers.vllm_server import PYTHON_ENV, SKIP_REASON, VllmServer, group_processes
 from .helpers.waits import wait_until
 
@@ -217,5 +218,7 @@ async def test_a_dead_engine_core_fails_calls_at_once_and_the_router_fails_over(
             await routed.close()
             await direct.close()
     leader = doomed_server.pid
+    members = group_processes(leader)
     doomed_server.close()
-    assert group_processes(leader) == [], "processes of the stopped vLLM server are left"
+    # SIGKILL takes a moment to land on a busy machine: wait for them, never on time.
+    assert wait_dead([*members, *group_processes(leader)]) == [], "processes of the stopped server are left"

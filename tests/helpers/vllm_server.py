@@ -117,10 +117,12 @@ class VllmServer:
         return cores[0]
 
     def close(self) -> None:
-        if self._group is None:
+        """Stop the server (its whole process group). Idempotent."""
+        group, self._group = self._group, None
+        if group is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._group.stop(), self._loop).result(timeout=60)
+            asyncio.run_coroutine_threadsafe(group.stop(), self._loop).result(timeout=60)
         finally:
             self._stop_loop()
 

