@@ -31,7 +31,7 @@ from rollflow.inference.router_workers import is_engine_dead
 from rollflow.messages import GenerateRequest, SamplingParams
 
 from .helpers.processes import wait_dead
-from .helpers.vllm_server import PYTHON_ENV, SKIP_REASON, VllmServer, group_processes
+from .helpers.vllm_server import group_processes, own_server
 from .helpers.waits import wait_until
 
 URL = "http://127.0.0.1:8000"
@@ -96,7 +96,7 @@ def test_a_bad_parameter_is_a_request_error_naming_it() -> None:
 def test_vllms_answer_after_its_engine_core_died_is_a_dead_engine() -> None:
     error = _mapped(500, ENGINE_CORE_DEAD)
     assert isinstance(error, RemoteEngineDeadError) and not error.retryable
-    assert f"the vLLM engine core of {URL} died" in str(error)
+    assert f"the vLLM engine core serving {URL} died" in str(error)
     # The router takes such a server out and retries the request elsewhere; another 500 is not death.
     import msgspec
 
@@ -159,9 +159,7 @@ async def test_bad_parameters_are_request_errors_naming_them(client) -> None:
 @pytest.fixture(scope="module")
 def doomed_server(tmp_path_factory):
     """A vLLM server of this module's own: its engine core gets killed."""
-    if not os.environ.get(PYTHON_ENV):
-        pytest.skip(SKIP_REASON)
-    server = VllmServer(tmp_path_factory.mktemp("vllm-doomed"), own=True)
+    server = own_server(tmp_path_factory, "vllm-doomed")
     yield server
     server.close()
 
@@ -200,8 +198,12 @@ async def test_a_dead_engine_core_fails_calls_at_once_and_the_router_fails_over(
             async with asyncio.timeout(120):  # fails at once, or finished before the kill: never hangs
                 direct_results = await asyncio.gather(*direct_calls, return_exceptions=True)
             failures = [r for r in direct_results if isinstance(r, BaseException)]
+            print(
+                "direct calls in flight when the engine core died:",
+                [type(r).__name__ for r in direct_results],
+            )
             assert all(isinstance(r, EngineDeadError | InferenceUnavailableError) for r in failures), failures
-            with pytest.raises(EngineDeadError | InferenceUnavailableError) as after:
+            with pytest.raises((EngineDeadError, InferenceUnavailableError)) as after:
                 async with asyncio.timeout(120):
                     await direct.generate(GenerateRequest([7, 7], SamplingParams(max_tokens=2)))
             print(

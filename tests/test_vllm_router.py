@@ -17,7 +17,7 @@ from rollflow.inference.router import WORKER_HEADER, InferenceRouter
 from rollflow.messages import GenerateRequest, SamplingParams
 
 from .helpers.processes import process_alive, wait_dead
-from .helpers.vllm_server import PYTHON_ENV, SKIP_REASON, VllmServer, group_processes, process_name
+from .helpers.vllm_server import group_processes, own_server, process_name
 from .helpers.waits import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -31,9 +31,7 @@ LONG = SamplingParams(max_tokens=1000, temperature=1.0)
 @pytest.fixture(scope="module")
 def spare_server(tmp_path_factory):
     """A second vLLM server, this module's own: the test kills it."""
-    if not os.environ.get(PYTHON_ENV):
-        pytest.skip(SKIP_REASON)
-    server = VllmServer(tmp_path_factory.mktemp("vllm-spare"), own=True)
+    server = own_server(tmp_path_factory, "vllm-spare")
     yield server
     server.close()
 

@@ -141,3 +141,13 @@ class VllmServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def own_server(tmp_path_factory, name: str) -> VllmServer:
+    """A vLLM server of one test module's own (one it may kill), skipping the test where none can start here
+    (only a ``ROLLFLOW_VLLM_URL`` given: that server cannot be spared)."""
+    import pytest
+
+    if not os.environ.get(PYTHON_ENV):
+        pytest.skip(SKIP_REASON)
+    return VllmServer(tmp_path_factory.mktemp(name), own=True)

@@ -124,7 +124,7 @@ def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteI
     if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
         return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
     if is_engine_core_dead(status, fields):
-        message += f" (the vLLM engine core of {url} died; its log has the cause; restart the server)"
+        message += f" (the vLLM engine core serving {url} died; its log has the cause; restart the server)"
         return RemoteEngineDeadError(message, url=url, status=status, body=body)
     if code is None and is_context_length_refusal(status, fields):
         code = CONTEXT_LENGTH_EXCEEDED  # vLLM says it in words only
