@@ -97,7 +97,11 @@ async def main(args: argparse.Namespace) -> None:
                 groups[engine], startup_s = await start_server(
                     engine, args.vllm_python, log_dir, max(batch_sizes), max_model_len
                 )
-                print(json.dumps({"benchmark": "engine_vs_vllm", "server": engine, "startup_s": round(startup_s, 1)}))
+                print(
+                    json.dumps(
+                        {"benchmark": "engine_vs_vllm", "server": engine, "startup_s": round(startup_s, 1)}
+                    )
+                )
             urls = {engine: group.urls[0] for engine, group in groups.items()}
             for url in urls.values():  # warm-up: first requests pay for lazy set-up on both sides
                 await tokens_per_s(url, make_prompts(4, args.prompt_len, seed=99), args.new_tokens)
