@@ -16,15 +16,14 @@ from rollflow.tito import TITOProxy
 from rollflow.tito.composer import compose
 from rollflow.tito.testing import load_tiny_chat
 
+from .helpers.vllm_server import serve_own_weights
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MODEL = "rollflow:tiny-h32"
 TEMPERATURE = 0.7
 # fp32 on both sides; what differs is the order of the kernels' sums.
 LOGPROB_TOLERANCE = 1e-4
-# What the shared server reports while it serves the model's own weights: nothing pushed yet ("default"), or
-# the originals pushed back as version 0 (tests/test_vllm_server.py's restores_weights).
-OWN_WEIGHTS = ("default", "0")
 
 
 def _recomputed_logprobs(model_dir, token_ids: list[int], positions: list[int]) -> list[float]:
@@ -46,10 +45,7 @@ async def test_an_openai_sdk_session_through_proxy_and_router_trains_on_vllms_ex
     async with InferenceRouter([vllm_server.url], health_check_interval_s=0.5) as router:
         client = RemoteInferenceClient(router.url, [vllm_server.url], request_timeout_s=300)
         try:
-            versions = await client.control.weight_versions()
-            assert versions[vllm_server.url] in OWN_WEIGHTS, (
-                f"the shared vLLM server serves weights {versions}: a test left its pushed weights there"
-            )
+            await serve_own_weights(client, vllm_server)  # the weights transformers recomputes with
             async with TITOProxy(client, chat.renderer, chat.tokenizer, model_name=MODEL) as proxy:
                 session = await proxy.open_session()
                 async with openai.AsyncOpenAI(base_url=session.base_url, api_key="-", max_retries=0) as api:

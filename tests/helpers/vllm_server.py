@@ -32,6 +32,11 @@ MODULE_ENTRY_POINT = ("-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 
 
+# What a server reports while it serves the model's own weights: nothing pushed yet ("default"), or the originals
+# pushed back as version 0 (what tests that push put back).
+OWN_WEIGHTS = ("default", "0")
+
+
 def group_processes(pgid: int) -> list[int]:
     """Live (not zombie) processes of process group ``pgid``."""
     members = []
@@ -151,3 +156,30 @@ def own_server(tmp_path_factory, name: str) -> VllmServer:
     if not os.environ.get(PYTHON_ENV):
         pytest.skip(SKIP_REASON)
     return VllmServer(tmp_path_factory.mktemp(name), own=True)
+
+
+async def push_weights(client, weights, policy_version: int) -> None:
+    """Pause the servers of ``client``, push ``weights`` (``[(hf_name, tensor)]``) as ``policy_version`` through
+    rollflow's plugin engine (checkpoint files fetched over HTTP), resume: the weight barrier's sequence."""
+    from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
+
+    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120))
+    try:
+        await client.control.pause("abort")
+        try:
+            await transfer.push(client.control, StaticWeights(lambda: weights), policy_version=policy_version)
+        finally:
+            await client.control.resume()
+    finally:
+        transfer.close()
+
+
+async def serve_own_weights(client, server: VllmServer) -> None:
+    """Make ``server`` serve its model's own weights (other tests of the session may have left theirs): a push
+    of them, labelled version 0, unless it reports it serves them already."""
+    versions = await client.control.weight_versions()
+    if versions.get(server.url) in OWN_WEIGHTS:
+        return
+    from safetensors.torch import load_file
+
+    await push_weights(client, list(load_file(str(server.model_dir / "model.safetensors")).items()), 0)
