@@ -60,13 +60,6 @@ def process_name(pid: int) -> str:
         return ""
 
 
-async def _collect_garbage() -> None:
-    import gc
-
-    gc.collect()
-    await asyncio.sleep(0)  # the transports' connection_lost callbacks run
-
-
 def vllm_available() -> bool:
     """Whether the ``vllm`` tests can run here."""
     return bool(os.environ.get(PYTHON_ENV) or os.environ.get(URL_ENV))
@@ -135,10 +128,6 @@ class VllmServer:
             return
         try:
             asyncio.run_coroutine_threadsafe(group.stop(), self._loop).result(timeout=60)
-            del group
-            # The killed server's subprocess transport is collected here, while its loop still runs (collected
-            # after the loop closed, its __del__ raises "Event loop is closed").
-            asyncio.run_coroutine_threadsafe(_collect_garbage(), self._loop).result(timeout=60)
         finally:
             self._stop_loop()
 
