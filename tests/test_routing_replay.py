@@ -231,3 +231,69 @@ def test_routes_that_do_not_fit_the_model_are_refused(moe_model, sampled):
 def test_a_dense_model_has_nothing_to_replay(tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not routing_replay.install(model)
+
+
+async def test_single_turn_samples_carry_the_engines_routes_to_the_trainer(moe_model, tiny_moe_model_dir):
+    """``SingleTurnGenerator`` keeps each output's routes on its samples (it once dropped them, so single-turn
+    runs trained without replay), and they are the routes the model itself takes on those tokens."""
+    from rollflow.inference.client import LocalInferenceClient
+
+    from .helpers.routes import assert_routes_reach_the_trainer, single_turn_group
+
+    engine = TorchEngine(
+        copy.deepcopy(moe_model), max_batch_size=4, max_model_len=256, return_routed_experts=True
+    )
+    try:
+        group = await single_turn_group(LocalInferenceClient([engine]), tiny_moe_model_dir)
+    finally:
+        await engine.shutdown()
+    assert_routes_reach_the_trainer(group, moe_model.config.num_hidden_layers, 2)
+    for sample in group.samples:
+        np.testing.assert_array_equal(sample.routed_experts, routes_of(moe_model, sample)[:-1])
+
+
+async def test_agent_samples_carry_the_engines_routes_to_the_trainer(moe_model, tiny_moe_model_dir):
+    """An agent's two-turn session through the TITO proxy (``AgentGenerator``): its composed sample carries a
+    route row for each token, and the trainer's micro-batch holds them."""
+    import openai
+
+    from rollflow.config import ModelConfig
+    from rollflow.inference.client import LocalInferenceClient
+    from rollflow.messages import RolloutRequest
+    from rollflow.models.loading import create_chat_renderer, load_tokenizer
+    from rollflow.rollout.agent import AgentGenerator
+    from rollflow.tito import TITOProxy
+
+    from .helpers.routes import assert_routes_reach_the_trainer
+
+    async def agent(base_url, task):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0) as api:
+            messages = list(task.messages)
+            for turn in range(2):
+                reply = await api.chat.completions.create(
+                    model=task.model, messages=messages, max_tokens=6, seed=task.seed + turn
+                )
+                messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+                messages += [{"role": "user", "content": "again"}]
+        return 1.0
+
+    engine = TorchEngine(
+        copy.deepcopy(moe_model), max_batch_size=4, max_model_len=256, return_routed_experts=True
+    )
+    tokenizer = load_tokenizer(tiny_moe_model_dir)
+    renderer = create_chat_renderer(tokenizer, ModelConfig(), tiny_moe_model_dir)
+    try:
+        async with TITOProxy(
+            LocalInferenceClient([engine]),
+            renderer,
+            tokenizer,
+            model_name="rollflow:tiny-moe",
+            return_routed_experts=True,
+        ) as proxy:
+            generator = AgentGenerator(proxy, agent, max_seq_len=256, timeout_s=60, seed=1)
+            request = RolloutRequest(0, [{"role": "user", "content": "route me"}], answer=None, num_samples=2)
+            group = await generator.generate_group(request)
+    finally:
+        await engine.shutdown()
+    assert all(not sample.masked for sample in group.samples), [s.mask_reason for s in group.samples]
+    assert_routes_reach_the_trainer(group, moe_model.config.num_hidden_layers, 2)

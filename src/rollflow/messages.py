@@ -201,6 +201,10 @@ class Sample(msgspec.Struct):
     # and on tokens that were not sampled); None: no token was cut. The trainer replays it
     # (``trainer.sampling_mask``).
     kept_counts: list[int] | None = None
+    # MoE routing replay: the top-k expert ids of the sample's tokens as the engine routed them, a numpy integer
+    # array [len(prompt) + len(completion) (or one fewer: the last sampled token never ran), moe_layers, topk];
+    # None when the engine returned none. The trainer replays them (``rollflow.train.routing_replay``).
+    routed_experts: Any = None
 
     @property
     def min_policy_version(self) -> int:

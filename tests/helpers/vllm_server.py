@@ -32,6 +32,34 @@ MODULE_ENTRY_POINT = ("-m", "vllm.entrypoints.openai.api_server")
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
 
 
+# What a server reports while it serves the model's own weights: nothing pushed yet ("default"), or the originals
+# pushed back as version 0 (what tests that push put back).
+OWN_WEIGHTS = ("default", "0")
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def process_name(pid: int) -> str:
+    """``/proc/<pid>/comm`` (vLLM names its processes ``VLLM::EngineCore``, ``VLLM::Worker``), or ""."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def vllm_available() -> bool:
     """Whether the ``vllm`` tests can run here."""
     return bool(os.environ.get(PYTHON_ENV) or os.environ.get(URL_ENV))
@@ -47,14 +75,15 @@ def server_spec(python: str, **options) -> ServerSpec:
 class VllmServer:
     """One vLLM server for the session (``url``; ``model_dir``: the weights it started from)."""
 
-    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = ()):
+    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = (), own: bool = False):
+        """``own``: always start a server (one a test may kill), never reuse ``ROLLFLOW_VLLM_URL``'s."""
         from rollflow.models.tiny import ensure_tiny_h32_model
 
         self.model_dir = ensure_tiny_h32_model()
         self.log_dir = log_dir
         self._group: ServerGroup | None = None
         existing = os.environ.get(URL_ENV)
-        if existing and not extra_args:
+        if existing and not extra_args and not own:
             self.url = existing.rstrip("/")
             return
         self._loop = asyncio.new_event_loop()
@@ -80,11 +109,25 @@ class VllmServer:
             raise
         self.url = self._group.urls[0]
 
+    @property
+    def pid(self) -> int:
+        """The API server's pid; it leads the process group of everything the server started."""
+        assert self._group is not None, "a server given by URL has no process here"
+        return self._group.pids[0]
+
+    def engine_core_pid(self) -> int:
+        """The pid of the server's engine core process (vLLM v1 runs the engine in a child process)."""
+        cores = [pid for pid in group_processes(self.pid) if process_name(pid).startswith("VLLM::EngineCor")]
+        assert len(cores) == 1, f"expected one engine core in the group of {self.pid}, found {cores}"
+        return cores[0]
+
     def close(self) -> None:
-        if self._group is None:
+        """Stop the server (its whole process group). Idempotent."""
+        group, self._group = self._group, None
+        if group is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self._group.stop(), self._loop).result(timeout=60)
+            asyncio.run_coroutine_threadsafe(group.stop(), self._loop).result(timeout=60)
         finally:
             self._stop_loop()
 
@@ -92,3 +135,40 @@ class VllmServer:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
+
+
+def own_server(tmp_path_factory, name: str) -> VllmServer:
+    """A vLLM server of one test module's own (one it may kill), skipping the test where none can start here
+    (only a ``ROLLFLOW_VLLM_URL`` given: that server cannot be spared)."""
+    import pytest
+
+    if not os.environ.get(PYTHON_ENV):
+        pytest.skip(SKIP_REASON)
+    return VllmServer(tmp_path_factory.mktemp(name), own=True)
+
+
+async def push_weights(client, weights, policy_version: int) -> None:
+    """Pause the servers of ``client``, push ``weights`` (``[(hf_name, tensor)]``) as ``policy_version`` through
+    rollflow's plugin engine (checkpoint files fetched over HTTP), resume: the weight barrier's sequence."""
+    from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
+
+    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120))
+    try:
+        await client.control.pause("abort")
+        try:
+            await transfer.push(client.control, StaticWeights(lambda: weights), policy_version=policy_version)
+        finally:
+            await client.control.resume()
+    finally:
+        transfer.close()
+
+
+async def serve_own_weights(client, server: VllmServer) -> None:
+    """Make ``server`` serve its model's own weights (other tests of the session may have left theirs): a push
+    of them, labelled version 0, unless it reports it serves them already."""
+    versions = await client.control.weight_versions()
+    if versions.get(server.url) in OWN_WEIGHTS:
+        return
+    from safetensors.torch import load_file
+
+    await push_weights(client, list(load_file(str(server.model_dir / "model.safetensors")).items()), 0)

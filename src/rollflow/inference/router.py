@@ -35,8 +35,8 @@ Failure handling:
 - Taking a server out gives up the requests in flight to it (their connections are closed): one whose
   answer had not started is retried on another server as below, a stream already under way breaks, rather
   than every caller waiting ``request_timeout_s`` for a server that will not answer.
-- A proxied request answered by a dead engine (503 ``EngineDeadError``) takes that server out at once and is
-  retried on another, so no session pinned to it sees the 503. Servers taken out for a dead engine are counted
+- A proxied request answered by a dead engine (503 ``EngineDeadError``, or vLLM's 500 once its engine core
+  died: ``rollflow.inference.vllm_errors``) takes that server out at once and is retried on another, so no session pinned to it sees the 503. Servers taken out for a dead engine are counted
   (``rollflow_router_dead_engines_total``). With every server's engine dead the router answers 503
   ``EngineDeadError`` itself, so clients stop waiting as they would for a pause.
 - A proxied request that fails on the connection before any response byte reached the caller is retried once

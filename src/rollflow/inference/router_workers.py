@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from rollflow.errors import ENGINE_DEAD_TYPE
+from rollflow.inference.vllm_errors import is_engine_core_dead
 
 
 class RouterWorker:
@@ -61,11 +62,14 @@ def validate_server_url(url: Any) -> str:
 
 
 def is_engine_dead(status: int, body: bytes) -> bool:
-    """Whether an answer says the server's engine died: 503 with error ``type`` ``EngineDeadError``."""
-    if status != 503 or not body:
+    """Whether an answer says the server's engine died: 503 with error ``type`` ``EngineDeadError`` (rollflow's
+    servers), or vLLM's 500 once its engine core died (``rollflow.inference.vllm_errors``)."""
+    if status not in (500, 503) or not body:
         return False
     try:
         error = msgspec.json.decode(body).get("error")
-    except (msgspec.DecodeError, AttributeError):
+    except (msgspec.DecodeError, AttributeError, RecursionError):
         return False
-    return isinstance(error, dict) and error.get("type") == ENGINE_DEAD_TYPE
+    if not isinstance(error, dict):
+        return False
+    return error.get("type") == ENGINE_DEAD_TYPE if status == 503 else is_engine_core_dead(status, error)

@@ -4,8 +4,8 @@ or a training checkpoint's (``--checkpoint``), pushed by the run's weight-transf
 
 Each line is one sample: ``prompt_index``, ``sample_index``, ``reward`` (its group's reward for that
 trajectory), ``masked``, ``mask_reason``, ``finish_reason``, ``prompt_token_ids``, ``completion_token_ids``,
-``logprobs``, ``loss_mask``, ``policy_versions``, ``completion_text`` (and ``routed_experts`` for agent
-samples). Lines are ordered by prompt, then sample.
+``logprobs``, ``loss_mask``, ``policy_versions``, ``completion_text``, ``routed_experts`` (null unless the
+engines return routes, ``inference.return_routed_experts``). Lines are ordered by prompt, then sample.
 """
 
 from __future__ import annotations

@@ -311,6 +311,7 @@ class SingleTurnGenerator:
                     finish_reason=output.finish_reason,
                     completion_text=self.completion_text(prompt_ids, output.token_ids),
                     kept_counts=output.kept_counts,
+                    routed_experts=output.routed_experts,
                 )
             )
         item = TaskItem(messages=request.messages, answer=request.answer, metadata=request.metadata)

@@ -33,10 +33,8 @@ COMPOSE_MODES: tuple[str, ...] = ("per_branch", "single_branch", "step_wise")
 
 
 class TITOSample(Sample):
-    """A ``Sample`` with the MoE routed-expert indices of its tokens, when the engine reported them."""
-
-    # int32 array [len(prompt) + len(completion), layers, topk], or None.
-    routed_experts: Any = None
+    """A ``Sample`` composed from a TITO trace; its ``routed_experts`` (when the engine reported them) is an
+    int32 array with one row per token, ``[len(prompt) + len(completion), layers, topk]``."""
 
 
 class Composer(Protocol):
