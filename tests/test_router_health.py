@@ -85,7 +85,8 @@ async def test_a_hung_server_is_taken_out_and_its_requests_fail_over(inference_s
     real = inference_servers.urls[0]
     async with (
         FakeServer(hung=True) as hung,
-        InferenceRouter([hung.url], health_check_interval_s=0.2, health_check_timeout_s=0.5) as router,
+        # A probe timeout far above a real generation's on a busy machine: only the hung server misses it.
+        InferenceRouter([hung.url], health_check_interval_s=0.2, health_check_timeout_s=5.0) as router,
     ):
         # The only server is the hung one: the request goes there and waits.
         started = time.monotonic()
