@@ -1,7 +1,7 @@
 """The control plane of inference engines: pause, sleep, world size and the weight-update lifecycle.
 
 Every data-plane client exposes one as ``client.control`` (a ``ControlPlane``): ``RemoteInferenceClient``'s fans
-each call out to every server URL (``rollflow.inference.remote.HttpControlPlane``); ``LocalInferenceClient``'s
+each call out to every server URL (``rollflow.inference.remote_control.HttpControlPlane``); ``LocalInferenceClient``'s
 drives its in-process engines (``InProcessControlPlane``). The weight barrier, colocation and the weight
 strategies (``rollflow.weights``) talk only to this protocol.
 
