@@ -7,6 +7,7 @@ import pytest
 
 from rollflow.errors import InvalidTransferInfoError
 from rollflow.weights.payloads import (
+    ROLLFLOW_ENGINE_GLOO_INIT_KEYS,
     VLLM_NCCL_INIT_KEYS,
     CheckpointInit,
     CheckpointUpdate,
@@ -46,8 +47,9 @@ def test_vllm_servers_get_vllms_keys_only():
     assert list(wire) == list(VLLM_NCCL_INIT_KEYS) and wire["packed_num_buffers"] == 3
     assert IpcInit(timeout_s=9.0).encode_for("vllm") == {"packed": True}
     assert TensorsUpdate(**SPECS, policy_version=4).encode_for("vllm") == SPECS
-    with pytest.raises(ValueError, match="vLLM servers take no gloo broadcast init_info"):
-        GlooInit(**RENDEZVOUS).encode_for("vllm")
+    # A gloo broadcast reaches vLLM through rollflow's plugin engine (rollflow.vllm_plugin): its keys only.
+    gloo = GlooInit(**RENDEZVOUS).encode_for("vllm")
+    assert set(gloo) <= set(ROLLFLOW_ENGINE_GLOO_INIT_KEYS) and gloo["backend"] == "gloo"
     # vLLM takes checkpoints through rollflow's plugin engine (rollflow.vllm_plugin): its own keys only.
     assert CheckpointInit(timeout_s=4.0).encode_for("vllm") == {"timeout_s": 4.0}
     assert CheckpointUpdate(path="/w/p.safetensors", policy_version=3).encode_for("vllm") == {
