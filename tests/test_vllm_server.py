@@ -6,19 +6,17 @@ vLLM's logprobs equal transformers' on the pushed weights. Needs ``ROLLFLOW_VLLM
 from __future__ import annotations
 
 import pytest
-import torch
 
 from rollflow.inference.logprob_check import check_server_logprobs
 from rollflow.inference.remote import RemoteInferenceClient
 from rollflow.messages import GenerateRequest, SamplingParams
-from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
 from rollflow.weights.delivery import tensor_digests
+from tests.helpers.vllm_server import push_weights
+from tests.helpers.vllm_weights import LOGPROB_TOLERANCE, model_weights, perturbed_weights, reference_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPT = [5, 17, 42, 7, 99, 3]
-# fp32 on both sides; what differs is the order of the kernels' sums.
-LOGPROB_TOLERANCE = 1e-4
 
 
 @pytest.fixture
@@ -49,60 +47,12 @@ async def test_pause_resume_and_world_size(client) -> None:
     assert not await client.is_paused()
 
 
-def _perturbed_weights(model_dir, seed: int) -> list[tuple[str, torch.Tensor]]:
-    """The model's HF state dict, each floating tensor moved by seeded noise (so a push visibly changes the
-    logprobs)."""
-    from safetensors.torch import load_file
-
-    generator = torch.Generator().manual_seed(seed)
-    weights = load_file(str(model_dir / "model.safetensors"))
-    return [
-        (
-            name,
-            tensor + 0.05 * torch.randn(tensor.shape, generator=generator)
-            if tensor.is_floating_point()
-            else tensor,
-        )
-        for name, tensor in weights.items()
-    ]
-
-
-def _reference_logprobs(model_dir, weights, prompt: list[int], completion: list[int]) -> list[float]:
-    """transformers' log p(token) of each ``completion`` token after ``prompt``, on ``weights``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.load_state_dict(dict(weights), strict=False)
-    model.eval()
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
-    logprobs = torch.log_softmax(logits.double(), dim=-1)
-    return [float(logprobs[i, token]) for i, token in enumerate(completion)]
-
-
-async def _push(client, weights, policy_version: int, **options) -> None:
-    """Pause, push ``weights`` as ``policy_version`` through the plugin engine, resume (the weight barrier's
-    sequence)."""
-    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120, **options))
-    try:
-        await client.control.pause("abort")
-        try:
-            await transfer.push(client.control, StaticWeights(lambda: weights), policy_version=policy_version)
-        finally:
-            await client.control.resume()
-    finally:
-        transfer.close()
-
-
 @pytest.fixture
 async def restores_weights(vllm_server, client):
     """Put the model's own weights back, labelled version 0, after the test (later tests, and runs, start
     from them)."""
-    from safetensors.torch import load_file
-
     yield
-    await _push(client, list(load_file(str(vllm_server.model_dir / "model.safetensors")).items()), 0)
+    await push_weights(client, model_weights(vllm_server.model_dir), 0)
 
 
 @pytest.mark.usefixtures("restores_weights")
@@ -111,10 +61,10 @@ async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_wei
     vllm_server, client, tmp_path, transport
 ) -> None:
     seed = {"shared_dir": 1, "http": 2}[transport]
-    weights = _perturbed_weights(vllm_server.model_dir, seed)
+    weights = perturbed_weights(vllm_server.model_dir, seed)
     options = {"checkpoint_dir": str(tmp_path)} if transport == "shared_dir" else {}
     policy_version = 100 + seed
-    await _push(client, weights, policy_version, **options)
+    await push_weights(client, weights, policy_version, **options)
     assert await client.control.weight_versions() == {vllm_server.url: str(policy_version)}
     # The push's digest check compared real tensors: vLLM reports every one it names, as sent.
     sent = tensor_digests(weights)
@@ -125,7 +75,7 @@ async def test_a_checkpoint_push_through_the_plugin_engine_serves_the_pushed_wei
         GenerateRequest(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=5))
     )
     assert output.policy_versions == [policy_version] * len(output.token_ids)
-    expected = _reference_logprobs(vllm_server.model_dir, weights, PROMPT, output.token_ids)
+    expected = reference_logprobs(vllm_server.model_dir, weights, PROMPT, output.token_ids)
     worst = max(abs(a - b) for a, b in zip(output.logprobs, expected, strict=True))
     assert worst <= LOGPROB_TOLERANCE, (output.logprobs, expected)
 

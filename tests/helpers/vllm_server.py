@@ -147,18 +147,17 @@ def own_server(tmp_path_factory, name: str) -> VllmServer:
     return VllmServer(tmp_path_factory.mktemp(name), own=True)
 
 
-async def push_weights(client, weights, policy_version: int) -> None:
-    """Pause the servers of ``client``, push ``weights`` (``[(hf_name, tensor)]``) as ``policy_version`` through
-    rollflow's plugin engine (checkpoint files fetched over HTTP), resume: the weight barrier's sequence."""
-    from rollflow.weights import StaticWeights, WeightTransfer, create_strategy
+async def push_weights(client, weights, policy_version: int, **options) -> None:
+    """Push ``weights`` (``[(hf_name, tensor)]``) as ``policy_version`` into the servers of ``client`` through
+    rollflow's plugin engine (checkpoint files; ``options`` of the checkpoint strategy, fetched over HTTP
+    by default), paused around it: the weight barrier's sequence."""
+    from rollflow.weights import WeightTransfer, create_strategy
 
-    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120))
+    from .vllm_weights import push
+
+    transfer = WeightTransfer(create_strategy("checkpoint", engine="vllm", timeout_s=120, **options))
     try:
-        await client.control.pause("abort")
-        try:
-            await transfer.push(client.control, StaticWeights(lambda: weights), policy_version=policy_version)
-        finally:
-            await client.control.resume()
+        await push(client, transfer, weights, policy_version)
     finally:
         transfer.close()
 
