@@ -91,6 +91,7 @@ async def main(args: argparse.Namespace) -> None:
     import aiohttp
     import torch
 
+    from rollflow.eventloop import tune_gc_for_serving
     from rollflow.inference.client import LocalInferenceClient
     from rollflow.inference.engine.engine import TorchEngine
     from rollflow.inference.remote import RemoteInferenceClient
@@ -110,6 +111,9 @@ async def main(args: argparse.Namespace) -> None:
         InferenceRouter(group.urls, health_check_interval_s=5.0) as router,
         RemoteInferenceClient(router.url, group.urls) as remote,
     ):
+        # This process plays the run's: set up, it tunes its collector as `rollflow run` does (an older-generation
+        # collection walking both engines' models stalled one HTTP repeat in every invocation, ratio ~0.2).
+        tune_gc_for_serving()
         # Warm-up both paths at the measured size (threads, batch shapes, every connection the load opens).
         await run_generate(local, prompts, args.new_tokens, None)
         await asyncio.sleep(0.2)
