@@ -77,13 +77,20 @@ async def metric(session, url: str, name: str) -> int:
     return 0
 
 
-async def main(args: argparse.Namespace) -> None:
+async def tokens_generated(session, url: str) -> int:
+    return await metric(session, url, "vllm:generation_tokens_total")
+
+
+async def one_policy(args: argparse.Namespace, share: float | None) -> dict:
+    """Idle and behind-the-hog latencies on a fresh server with ``--max-request-share share`` (None: off), and
+    the hog's token rate alone and while the short requests run."""
     import aiohttp
 
+    share_flags = [] if share is None else ["--max-request-share", str(share)]
     server = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "rollflow", "serve", "--model", "rollflow:tiny", "--port", "0",
         "--max-batch-size", str(args.max_batch_size), "--max-model-len", str(args.hog_tokens + 16),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+        *share_flags, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     try:
         while not (line := await server.stdout.readline()).startswith(b'{"event": "ready"'):
@@ -107,74 +114,118 @@ async def main(args: argparse.Namespace) -> None:
             while await metric(session, url, "vllm:num_requests_running") < full:
                 assert time.monotonic() < deadline and not hog.done(), "the hog never filled the batch"
                 await asyncio.sleep(0.01)
+            alone_tokens, alone_started = await tokens_generated(session, url), time.perf_counter()
+            await asyncio.sleep(1.0)
+            alone_rate = (await tokens_generated(session, url) - alone_tokens) / (
+                time.perf_counter() - alone_started
+            )
+            behind_tokens, behind_started = await tokens_generated(session, url), time.perf_counter()
             behind, behind_steps = await short_requests(session, url, args.requests, args.short_tokens)
+            short_tokens = len(behind) * args.short_tokens
+            behind_rate = (await tokens_generated(session, url) - behind_tokens - short_tokens) / (
+                time.perf_counter() - behind_started
+            )
             hog_running_after = not hog.done()
             hog.cancel()  # the client leaves: the server aborts the hog's sequences
             with contextlib.suppress(asyncio.CancelledError):
                 await hog
-
-            idle_summary, behind_summary = summary(idle), summary(behind)
-            common = {"benchmark": "fair_scheduling", "short_tokens": args.short_tokens}
-            idle_line = {**common, "measurement": "short_latency_idle", **idle_summary}
-            idle_line["engine_steps_p50"] = statistics.median(idle_steps)
-            print(json.dumps(idle_line), flush=True)
-            print(
-                json.dumps(
-                    {
-                        **common,
-                        "measurement": "short_latency_behind_hog",
-                        "hog": f"{args.hog_prompts} prompts x n={args.hog_n} x {args.hog_tokens} tokens",
-                        "max_batch_size": args.max_batch_size,
-                        **behind_summary,
-                        "engine_steps_p50": statistics.median(behind_steps),
-                        "hog_still_running_after": hog_running_after,
-                    }
-                ),
-                flush=True,
-            )
-            print(
-                json.dumps(
-                    {
-                        **common,
-                        "measurement": "short_latency_ratio",
-                        "p50_ratio_behind_hog_vs_idle": round(
-                            behind_summary["p50_ms"] / idle_summary["p50_ms"], 2
-                        ),
-                        "mean_ratio_behind_hog_vs_idle": round(
-                            behind_summary["mean_ms"] / idle_summary["mean_ms"], 2
-                        ),
-                        "steps_ratio_behind_hog_vs_idle": round(
-                            statistics.median(behind_steps) / max(1, statistics.median(idle_steps)), 2
-                        ),
-                        "target_ratio": 2.0,
-                    }
-                ),
-                flush=True,
-            )
-
-            if args.no_oversized:
-                return
-            started = time.perf_counter()
-            oversized = {"prompt": [[5]] * 10_000, "n": 64, "max_tokens": 1}
-            async with session.post(f"{url}/v1/completions", json=oversized) as response:
-                answer = await response.json()
-                status = response.status
-            print(
-                json.dumps(
-                    {
-                        "benchmark": "fair_scheduling",
-                        "measurement": "oversized_request",
-                        "request": "10000 prompts x n=64",
-                        "status": status,
+            oversized_line = None
+            if not args.no_oversized:
+                started = time.perf_counter()
+                oversized = {"prompt": [[5]] * 10_000, "n": 64, "max_tokens": 1}
+                async with session.post(f"{url}/v1/completions", json=oversized) as response:
+                    answer = await response.json()
+                    oversized_line = {
+                        "status": response.status,
                         "code": answer.get("error", {}).get("code"),
                         "answered_ms": round((time.perf_counter() - started) * 1000, 2),
                     }
-                ),
-                flush=True,
-            )
     finally:
         server.terminate()
         await server.wait()
+    return {
+        "idle": idle,
+        "idle_steps": idle_steps,
+        "behind": behind,
+        "behind_steps": behind_steps,
+        "hog_running_after": hog_running_after,
+        "hog_alone_tokens_per_s": alone_rate,
+        "hog_behind_tokens_per_s": behind_rate,
+        "oversized": oversized_line,
+    }
+
+
+async def main(args: argparse.Namespace) -> None:
+    shares = [None if text == "none" else float(text) for text in args.shares.split(",")]
+    for share in shares:
+        result = await one_policy(args, share)
+        idle_summary, behind_summary = summary(result["idle"]), summary(result["behind"])
+        common = {
+            "benchmark": "fair_scheduling",
+            "max_request_share": share,
+            "short_tokens": args.short_tokens,
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+        }
+        idle_line = {**common, "measurement": "short_latency_idle", **idle_summary}
+        idle_line["engine_steps_p50"] = statistics.median(result["idle_steps"])
+        print(json.dumps(idle_line), flush=True)
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "measurement": "short_latency_behind_hog",
+                    "hog": f"{args.hog_prompts} prompts x n={args.hog_n} x {args.hog_tokens} tokens",
+                    "max_batch_size": args.max_batch_size,
+                    **behind_summary,
+                    "engine_steps_p50": statistics.median(result["behind_steps"]),
+                    "hog_still_running_after": result["hog_running_after"],
+                }
+            ),
+            flush=True,
+        )
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "measurement": "short_latency_ratio",
+                    "p50_ratio_behind_hog_vs_idle": round(
+                        behind_summary["p50_ms"] / idle_summary["p50_ms"], 2
+                    ),
+                    "mean_ratio_behind_hog_vs_idle": round(
+                        behind_summary["mean_ms"] / idle_summary["mean_ms"], 2
+                    ),
+                    "steps_ratio_behind_hog_vs_idle": round(
+                        statistics.median(result["behind_steps"])
+                        / max(1, statistics.median(result["idle_steps"])),
+                        2,
+                    ),
+                    "target_ratio": 2.0,
+                }
+            ),
+            flush=True,
+        )
+        # What the short requests cost the hog: its token rate while they ran, against its rate alone.
+        alone, behind = result["hog_alone_tokens_per_s"], result["hog_behind_tokens_per_s"]
+        print(
+            json.dumps(
+                {
+                    **common,
+                    "measurement": "hog_throughput",
+                    "alone_tokens_per_s": round(alone, 1),
+                    "with_short_requests_tokens_per_s": round(behind, 1),
+                    "ratio": round(behind / alone, 3) if alone else None,
+                }
+            ),
+            flush=True,
+        )
+        if result["oversized"] is not None:
+            print(
+                json.dumps(
+                    {**common, "measurement": "oversized_request", "request": "10000 prompts x n=64",
+                     **result["oversized"]}
+                ),
+                flush=True,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -185,6 +236,12 @@ if __name__ == "__main__":
     parser.add_argument("--hog-n", type=int, default=64, help="n of the hog request (default 64)")
     parser.add_argument("--hog-tokens", type=int, default=1000, help="max_tokens of the hog (default 1000)")
     parser.add_argument("--max-batch-size", type=int, default=64, help="the server's slots (default 64)")
+    parser.add_argument(
+        "--shares",
+        default="none,0.125",
+        help="the servers' --max-request-share, one server each, comma-separated; 'none': off "
+        "(default none,0.125: throughput first, then latency first)",
+    )
     parser.add_argument(
         "--no-oversized",
         action="store_true",

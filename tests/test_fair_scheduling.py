@@ -212,3 +212,79 @@ async def test_a_short_http_request_finishes_while_a_hog_request_runs(dense_mode
     # First come, first served, it would have waited for the hog's first sequences (400 steps) and then for
     # the rest of its sequences; reading and parsing its HTTP request adds a few steps, not hundreds.
     assert steps < 400, f"the short request took {steps} engine steps behind the hog"
+
+
+class CapRecordingEngine(RecordingEngine):
+    """Records, after each step, the slots the hog held while the short request ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hog_slots_beside_short: list[int] = []
+        self.most_running = 0
+
+    def _step(self):
+        super()._step()
+        self.most_running = max(self.most_running, self._num_running)
+        if "short" in self._running_per_group:
+            self.hog_slots_beside_short.append(self._running_per_group.get("hog", 0))
+
+
+@pytest.mark.parametrize("share", [None, 0.25])
+async def test_latency_first_caps_a_hog_while_another_request_runs_and_lifts_it_after(dense_model, share):
+    """``max_request_share``: while the short request runs, the hog holds at most its cap (2 of 8 slots, the
+    rest preempted and left free), every hog sequence still finishes exactly as alone, and with the short
+    request gone the hog takes every slot again. Without it (None), the hog keeps all slots but the one the
+    short request took."""
+    slots, cap = 2 * SLOTS, 2
+    hog_prompts = prompts([5, 9, 7, 12, 6, 10, 8, 11] * 2, seed=3)
+    [short_prompt] = prompts([6], seed=4)
+    alone = TorchEngine(copy.deepcopy(dense_model), max_batch_size=1, max_model_len=256)
+    engine = CapRecordingEngine(
+        copy.deepcopy(dense_model), max_batch_size=slots, max_model_len=256, max_request_share=share
+    )
+    try:
+        expected = [await alone.generate(GenerateRequest(p, greedy(HOG_TOKENS))) for p in hog_prompts]
+        hog = asyncio.gather(
+            *(engine.generate(GenerateRequest(p, greedy(HOG_TOKENS), request_id="hog")) for p in hog_prompts)
+        )
+        await wait_until(lambda: engine.num_running == slots, "the hog holds every slot", poll_s=0.001)
+        short = await engine.generate(GenerateRequest(short_prompt, greedy(SHORT_TOKENS), request_id="short"))
+        engine.most_running = 0
+        outputs = await hog
+    finally:
+        await alone.shutdown()
+        await engine.shutdown()
+    assert len(short.token_ids) == SHORT_TOKENS
+    beside = engine.hog_slots_beside_short
+    assert beside, "no step ran with the short request in the engine"
+    if share is None:
+        assert max(beside) == slots - 1
+    else:
+        assert engine.request_slot_cap == cap
+        assert max(beside) <= cap, f"the hog held {beside} slots beside the short request"
+        assert engine.num_preemptions >= slots - 1 - cap
+    assert engine.most_running == slots, "the hog did not take every slot again once alone"
+    for output, reference in zip(outputs, expected, strict=True):
+        assert output.token_ids == reference.token_ids
+        assert output.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
+
+
+async def test_latency_first_never_caps_requests_of_one_sequence(dense_model):
+    """A training run's traffic (one sequence per request) fills every slot under the cap."""
+    engine = CapRecordingEngine(
+        copy.deepcopy(dense_model), max_batch_size=SLOTS, max_model_len=256, max_request_share=0.25
+    )
+    try:
+        await asyncio.gather(
+            *(engine.generate(GenerateRequest(p, greedy(8))) for p in prompts([5] * (2 * SLOTS), seed=5))
+        )
+    finally:
+        await engine.shutdown()
+    assert engine.most_running == SLOTS
+    assert engine.num_preemptions == 0
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_max_request_share_out_of_range_is_refused(dense_model, share):
+    with pytest.raises(ValueError, match="max_request_share must be in"):
+        TorchEngine(dense_model, max_batch_size=SLOTS, max_model_len=64, max_request_share=share)

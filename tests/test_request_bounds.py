@@ -151,3 +151,10 @@ async def test_limits_and_flags_refuse_nonsense_and_reach_the_server():
     assert (args.max_request_sequences, args.max_request_tokens) == (8, 4096)
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--model", "m", "--max-request-sequences", "0"])
+    assert (
+        _parser().parse_args(["serve", "--model", "m", "--max-request-share", "0.25"]).max_request_share
+        == 0.25
+    )
+    for share in ("0", "1.5", "half", "nan"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["serve", "--model", "m", "--max-request-share", share])

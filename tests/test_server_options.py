@@ -54,6 +54,14 @@ def test_vllm_defaults_add_no_dtype_or_memory_flag():
     assert flag(argv, "--tensor-parallel-size") == "1"
 
 
+def test_the_latency_first_cap_reaches_the_torch_servers_and_the_local_engines():
+    config = load_config(overrides=[*HTTP, "inference.max_request_share=0.25"])
+    argv, _ = build_torch_server_command("rollflow:tiny", **server_options(config, api_key=None))
+    assert flag(argv, "--max-request-share") == "0.25"
+    argv, _ = build_torch_server_command("rollflow:tiny", **server_options(load_config(overrides=HTTP), None))
+    assert "--max-request-share" not in argv
+
+
 def test_torch_server_takes_server_args_and_refuses_what_it_cannot_do():
     config = load_config(overrides=[*HTTP, "inference.server_args=['--niceness-not-a-flag']"])
     argv, _ = build_torch_server_command("rollflow:tiny", **server_options(config, api_key=None))
@@ -96,6 +104,13 @@ def test_torch_server_takes_server_args_and_refuses_what_it_cannot_do():
         (["inference.dtype='int8'"], ["inference.dtype"]),
         (["inference.server_args='--seed 1'"], ["inference.server_args"]),
         (["inference.sleep_level=3"], ["inference.sleep_level"]),
+        (["inference.max_request_share=0"], ["inference.max_request_share"]),
+        (["inference.max_request_share=1.5"], ["inference.max_request_share"]),
+        (["inference.max_request_share='half'"], ["inference.max_request_share"]),
+        (
+            ["inference.engine='vllm'", "inference.max_request_share=0.25"],
+            ["inference.max_request_share = 0.25 needs the torch engine", "--max-num-batched-tokens"],
+        ),
     ],
 )
 def test_bad_server_options_name_the_key(overrides, fields):

@@ -104,6 +104,12 @@ class InferenceConfig(Section):
     """Sequences decoded together by one engine (its KV-cache slots)."""
     max_model_len: Positive = 1024
     """Longest prompt + completion an engine accepts, in tokens."""
+    max_request_share: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    """Latency first (torch engine): while other requests are in an engine, no request holds more than this
+    share of its ``max_batch_size`` slots (at least 1); one holding more is preempted down to it and the slots
+    stay free, so steps stay small while short requests (an evaluation, an interactive agent) share the
+    engine with a long one, at the long one's throughput. Alone, a request takes every slot; requests of one
+    sequence each are never capped. Unset: throughput first (a request takes every free slot)."""
     http_header_timeout_s: PositiveFloat = 30.0
     """Seconds a client of the HTTP servers rollflow starts (``rollflow serve``, the router, the TITO proxy)
     has to send a request's line and headers, counted from the connection opening or its previous response;
@@ -219,7 +225,10 @@ def server_option_errors(inference: InferenceConfig) -> list[str]:
         )
     spec = ServerSpec.from_inference(inference)
     for name, value, why in spec.engine_refusals(inference.engine):
-        errors.append(f"inference.{name} = {value!r} needs vLLM servers (inference.engine = 'vllm'): {why}")
+        needs = (
+            "vLLM servers (inference.engine = 'vllm')" if inference.engine == "torch" else "the torch engine"
+        )
+        errors.append(f"inference.{name} = {value!r} needs {needs}: {why}")
     managed = managed_flags()
     for index, arg in enumerate(inference.server_args):
         flag = arg.split("=", 1)[0]

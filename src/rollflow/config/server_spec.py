@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -43,12 +44,28 @@ class ServerOption:
     """Values the torch engine takes for an option it has no flag for (None: any; it ignores the option)."""
     torch_refusal: str = ""
     """Why the torch engine refuses other values, and the fix."""
+    vllm_accepts: tuple[Any, ...] | None = None
+    """Values vLLM takes for an option it has no flag for (None: any; it ignores the option)."""
+    vllm_refusal: str = ""
+    """Why vLLM refuses other values, and the fix."""
     help: str = ""
     """``rollflow serve --help`` text (torch flags only)."""
+    parse: Callable[[str], Any] | None = None
+    """How ``rollflow serve`` reads the flag (None: as the field's type), raising ``argparse.ArgumentTypeError``."""
 
 
 def _option(**kwargs: Any) -> ServerOption:
     return ServerOption(**kwargs)
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share in (0, 1], e.g. 0.125; got {text!r}")
+    return value
 
 
 #: Flags the command builders set from elsewhere than the spec, and the key that sets each ("": none, rollflow
@@ -127,6 +144,18 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
             help="MoE models: return each token's routed experts in generate responses (vLLM's flag)",
         ),
     ] = False
+    max_request_share: Annotated[
+        float | None,
+        _option(
+            torch="--max-request-share",
+            parse=_share,
+            vllm_accepts=(None,),
+            vllm_refusal="it is the torch engine's latency-first cap; vLLM schedules its batch itself "
+            "(its --max-num-batched-tokens bounds a step); remove it",
+            help="latency first: while other requests are in the engine, no request holds more than this "
+            "share of the batch's slots (default: off, throughput first)",
+        ),
+    ] = None
     # The program and first arguments of a vLLM server (``inference.vllm_command``); not a flag.
     vllm_command: Annotated[tuple[str, ...], _option()] = ("vllm", "serve")
     # The --http-* flags are parsed by ``rollflow.cli`` for ``rollflow serve`` and ``rollflow router`` alike.
@@ -156,13 +185,16 @@ class ServerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def engine_refusals(self, engine: Engine) -> list[tuple[str, Any, str]]:
         """``(field, value, why)`` for each option ``engine`` cannot honour at its value."""
-        if engine != "torch":
-            return []
-        return [
-            (name, getattr(self, name), option.torch_refusal)
-            for name, option in _OPTIONS.items()
-            if option.torch_accepts is not None and getattr(self, name) not in option.torch_accepts
-        ]
+        refusals = []
+        for name, option in _OPTIONS.items():
+            accepts, why = (
+                (option.torch_accepts, option.torch_refusal)
+                if engine == "torch"
+                else (option.vllm_accepts, option.vllm_refusal)
+            )
+            if accepts is not None and getattr(self, name) not in accepts:
+                refusals.append((name, getattr(self, name), why))
+        return refusals
 
 
 def managed_flags() -> dict[str, str]:
@@ -192,7 +224,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             option.torch,
             dest=name,
-            type=kind,
+            type=option.parse or kind,
             choices=choices,
             default=_SERVE_DEFAULTS.get(name, _DEFAULTS[name]),
             help=option.help,

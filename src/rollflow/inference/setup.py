@@ -55,6 +55,7 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
             max_batch_size=config.inference.max_batch_size,
             max_model_len=config.inference.max_model_len,
             return_routed_experts=config.inference.return_routed_experts,
+            max_request_share=config.inference.max_request_share,
         )
         for _ in range(config.inference.num_engines)
     ]

@@ -31,6 +31,12 @@ The bound is in steps: a step over a full batch costs more than one over a lone 
 rows times the context they attend to), so behind a full batch a short request's wall-clock latency is its
 tokens times a full step (``benchmarks/fair_scheduling.py`` measures both).
 
+Latency first (``max_request_share``, off by default): while another request is in the engine, no request holds
+more than ``max(1, max_request_share * max_batch_size)`` slots; one holding more when another arrives is
+preempted down to that cap, and the slots stay free. Steps then stay small while short requests share the
+engine with a long one, at the long one's expense; alone, a request takes every slot again. Requests of one
+sequence each (a training run's usual traffic) are never capped.
+
 Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
 belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
 of its prompt (``ModelRunner.extend``); otherwise it takes an unlabelled slot, or evicts the least recently used
@@ -146,7 +152,10 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         enable_prefix_caching: bool = True,
         return_routed_experts: bool = False,
         logprobs_mode: LogprobsMode = "processed_logprobs",
+        max_request_share: float | None = None,
     ):
+        if max_request_share is not None and not 0 < max_request_share <= 1:
+            raise ValueError(f"max_request_share must be in (0, 1] or None, got {max_request_share}")
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(
                 f"logprobs_mode must be 'processed_logprobs' or 'raw_logprobs', got {logprobs_mode!r}"
@@ -188,6 +197,12 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         self._running_per_group: dict[Any, int] = {}
         self._last_served: dict[Any, int] = {}
         self._admissions = 0
+        # Latency-first cap (see the module docstring): the most slots one request may hold while another is
+        # in the engine; None: a request may hold every slot nobody else claims.
+        self.request_slot_cap = (
+            None if max_request_share is None else max(1, int(max_request_share * max_batch_size))
+        )
+        self._cap_until_step = 0  # the cap holds before this step (steps.CAP_LINGER_STEPS)
         self._free_slots = set(range(max_batch_size))
         # Prefix cache: free slot -> the tokens whose keys and values it still holds; LRU clock per slot.
         self._cached_prefixes: dict[int, list[int]] = {}

@@ -179,6 +179,7 @@ class EngineServer(EngineServerAdmin):
         return_routed_experts: bool = False,
         device: str = "auto",
         logprobs_mode: str = "processed_logprobs",
+        max_request_share: float | None = None,
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
@@ -187,12 +188,13 @@ class EngineServer(EngineServerAdmin):
         ``return_routed_experts`` (MoE models): generate responses carry each choice's ``routed_experts``.
         ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``; the engine computes in float32.
         ``logprobs_mode``: vLLM's ``--logprobs-mode`` (``TorchEngine``'s ``logprobs_mode``).
+        ``max_request_share``: ``TorchEngine``'s latency-first cap (None: off).
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
             EngineError: the architecture is not supported, or ``return_routed_experts`` for a dense model.
             ConfigError: ``device`` is unknown or not available (``cuda`` without CUDA).
-            ValueError: ``max_batch_size`` or ``max_model_len`` out of range.
+            ValueError: ``max_batch_size``, ``max_model_len`` or ``max_request_share`` out of range.
         """
         from rollflow.config import ModelConfig
         from rollflow.models.loading import (
@@ -215,6 +217,7 @@ class EngineServer(EngineServerAdmin):
             max_model_len=max_model_len,
             return_routed_experts=return_routed_experts,
             logprobs_mode=logprobs_mode,
+            max_request_share=max_request_share,
         )
         try:
             renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))

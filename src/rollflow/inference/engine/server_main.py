@@ -35,6 +35,7 @@ async def serve(
     logprobs_mode: str = "processed_logprobs",
     ready: Callable[[dict[str, Any]], None] | None = None,
     request_limits: RequestLimits | None = None,
+    max_request_share: float | None = None,
 ) -> None:
     """Load the model, serve it until SIGTERM or SIGINT, then shut down cleanly.
 
@@ -60,6 +61,7 @@ async def serve(
             device=device,
             logprobs_mode=logprobs_mode,
             request_limits=request_limits,
+            max_request_share=max_request_share,
         )
     except RollflowError:
         raise
@@ -115,6 +117,7 @@ def main(args: Any) -> int:
             request_limits=RequestLimits(
                 max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens
             ),
+            max_request_share=args.max_request_share,
         )
     )
     return 0

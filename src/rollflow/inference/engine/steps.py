@@ -33,6 +33,9 @@ from rollflow.messages import (
 
 log = structlog.get_logger("rollflow.inference.engine.engine")
 
+# Steps the latency-first cap stays on after the engine last held more than one request (``_request_cap_now``).
+CAP_LINGER_STEPS = 32
+
 
 class EngineSteps:
     """The step half of ``TorchEngine``: ``_step`` and what it calls."""
@@ -55,6 +58,11 @@ class EngineSteps:
         holding the fewest slots first (ties: the one served least recently), into free slots, then, with
         every slot taken, into slots preempted from requests above their fair share."""
         running = self._running_per_group
+        cap = self._request_cap_now()
+        if cap is not None:
+            # Latency first: trim every request above the cap (its sequences wait, their slots stay free).
+            while self._preempt(cap, set(), fresh, resumed):
+                pass
         if not self._free_slots:
             # Nothing to preempt unless some request holds more than its share: skip the heap (the common case
             # of a long queue of one-sequence requests behind a full batch). Counting a request both running
@@ -80,6 +88,8 @@ class EngineSteps:
             if held != running.get(group, 0):  # a victim of a preemption since it was pushed
                 heapq.heappush(heap, (running.get(group, 0), self._last_served.get(group, 0), order, group))
                 continue
+            if cap is not None and held >= cap:
+                continue  # at the cap: its next sequence waits for the others to leave
             if not self._free_slots:
                 share = share or self._fair_share()
                 if held >= share or not self._preempt(share, admitted, fresh, resumed):
@@ -106,6 +116,19 @@ class EngineSteps:
             waiting = self._waiting.groups()
             self._last_served = {g: t for g, t in self._last_served.items() if g in waiting or g in running}
 
+    def _request_cap_now(self) -> int | None:
+        """``request_slot_cap`` while more than one request is in the engine (running or waiting), and for
+        ``CAP_LINGER_STEPS`` steps after: short requests one after the other (an agent's turns, an eval's
+        prompts) leave gaps of a step or two, and lifting the cap in each would re-admit the long request's
+        preempted sequences (a prefill of their whole context) just before the next short one arrives."""
+        cap = self.request_slot_cap
+        if cap is None:
+            return None
+        running = self._running_per_group
+        if len(running) > 1 or any(g not in running for g in self._waiting.groups()):
+            self._cap_until_step = self.num_steps + CAP_LINGER_STEPS
+        return cap if self.num_steps < self._cap_until_step else None
+
     def _fair_share(self) -> int:
         """Slots each request may hold while others wait: ``max_batch_size`` over the requests with sequences
         running or waiting, at least 1."""
@@ -121,6 +144,8 @@ class EngineSteps:
         sequence to recompute (one admitted in this step and not run yet, else the fewest tokens) goes back to
         the head of its request's queue with the tokens it has. Returns whether a slot was freed."""
         running = self._running_per_group
+        if not running:
+            return False
         group = max(running, key=running.__getitem__)
         if running[group] <= share:
             return False
