@@ -1,27 +1,26 @@
 """One large request against ``rollflow serve``: does it hold back everyone else (issue 30, item 3)?
 
-One ``rollflow serve`` subprocess (tiny model, ``--max-batch-size`` slots). In one invocation:
+One ``rollflow serve`` subprocess (tiny model, ``--max-batch-size`` slots) per scheduling policy (``--shares``:
+the server's ``--max-request-share``; ``none``, throughput first, is the default server). For each, in one
+invocation:
 
 1. ``short_latency_idle``: ``--requests`` short completions (a 4-token prompt, ``--short-tokens`` tokens, one
    at a time) on the idle server: the baseline.
 2. ``short_latency_behind_hog``: the same while a hog request runs: one ``/v1/completions`` of ``--hog-prompts``
    prompts x ``n = --hog-n`` x ``--hog-tokens`` tokens (256 sequences by default, four times the batch), sent
    first and checked to still be running after the last short request. Reports the short requests' p50 and
-   mean, and the p50 ratio behind the hog vs idle (target: at most 2). Strict first-come scheduling made a
-   short request wait for the hog's whole queue (seconds to minutes); fair scheduling admits it at the next
-   engine step.
-3. ``oversized_request`` (unless ``--no-oversized``): the issue's 40 KB body (10,000 prompts x ``n = 64``): its
+   mean, and the p50 ratio behind the hog vs idle (target: at most 2).
+3. ``hog_throughput``: the hog's tokens/s alone (1 s once it fills the batch) and while the short requests
+   run: what putting latency first costs it.
+4. ``oversized_request`` (unless ``--no-oversized``): the issue's 40 KB body (10,000 prompts x ``n = 64``): its
    status (400 with the ``--max-request-sequences`` limit) and how long the refusal took.
 
 ``engine_steps_p50`` counts the engine steps each short request spanned (``rollflow:engine_steps`` in
-``/metrics``): fair scheduling bounds the wait in steps (the short request is admitted at the next step, so it
-spans as many steps as idle); what a step costs grows with the rows in the batch and the context they attend
-to, so the wall-clock ratio is about the cost of a full-batch step over a lone one (3-5x for the tiny model on
-a 2-core CPU).
-
-Measured on a shared 2-core CPU (``python benchmarks/fair_scheduling.py``): before fair scheduling the short
-request waited 15.7 s behind the hog (idle 2.4 ms); after, 9.6-17.6 ms p50 behind the hog vs 2.3-5.5 ms idle
-(ratio 3.2-4.3x in wall clock, 1.0-1.3x in engine steps), and the oversized request is a 400 in 3-5 ms.
+``/metrics``). Fair scheduling bounds the wait in steps (the short request is admitted at the next step), but
+a step over a full batch costs several lone ones on a CPU, so with throughput first the wall-clock ratio is
+about that cost (3-7x for the tiny model on a 2-core CPU). Latency first (``--max-request-share 0.125``:
+8 of 64 slots while another request is in the engine) keeps the steps small while short requests come, and
+the hog runs at a fraction of its rate meanwhile.
 
 Prints one JSON line per figure.
 """

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO_ROOT
+from .helpers.processes import descendants, still_running
 from .helpers.waits import wait_until_sync
 
 QUICKSTART = REPO_ROOT / "examples" / "quickstart.toml"
@@ -73,46 +74,6 @@ def wait_for(path: Path, process: subprocess.Popen, timeout_s: float = 240) -> N
             )
         time.sleep(0.05)
     raise AssertionError(f"{path.name} did not appear in {timeout_s} s")
-
-
-def _proc_stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text.rsplit(")", 1)[1].split()  # fields from the state on (the name may hold spaces)
-
-
-def descendants(pid: int) -> dict[int, tuple[str, str]]:
-    """Every live descendant of ``pid``: pid -> (start time, to tell a reused pid apart; command line)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
-            children.setdefault(int(stat[1]), []).append(int(entry))
-    found, stack = {}, [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if (stat := _proc_stat(child)) is not None:
-                found[child] = (stat[19], _cmdline(child))
-                stack.append(child)
-    return found
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
-
-def still_running(processes: dict[int, tuple[str, str]]) -> dict[int, str]:
-    """Those of ``processes`` that still exist (zombies and reused pids excluded): pid -> state and command."""
-    alive = {}
-    for pid, (started, cmd) in processes.items():
-        stat = _proc_stat(pid)
-        if stat is not None and stat[19] == started and stat[0] != "Z":
-            alive[pid] = f"[{stat[0]}] {cmd}"
-    return alive
 
 
 def assert_exactly_once(run_dir: Path) -> None:

@@ -73,3 +73,90 @@ def test_the_quickstart_learns_on_a_managed_vllm_server_fed_by_gloo_broadcast(tm
     rewards = [m["reward_mean"] for m in metrics]
     print(f"reward first 5 {[round(r, 3) for r in rewards[:5]]}, last 10 mean {sum(rewards[-10:]) / 10:.3f}")
     assert sum(rewards[-10:]) / 10 >= 0.9, rewards[-10:]
+
+
+def test_a_fully_async_run_on_vllm_killed_mid_run_resumes_exactly_once_per_prompt(tmp_path) -> None:
+    """The fully async schedule on one managed vLLM server, weights pushed by gloo broadcast and proved
+    delivered after every step; the run is SIGKILLed after step 6 (its checkpoint at step 4): its vLLM server
+    (and vLLM's own engine process) ends with it, and ``--resume`` starts another that serves the checkpoint's
+    weights, so the run ends at step 10 with every prompt trained exactly once and each step within the
+    staleness bound."""
+    import subprocess
+    import sys
+
+    from .conftest import REPO_ROOT
+    from .helpers.processes import descendants, still_running
+    from .helpers.waits import wait_until_sync
+
+    python = os.environ.get(PYTHON_ENV)
+    if not python:
+        pytest.skip(SKIP_REASON)
+    steps, prompts_per_step = 10, 4
+    overrides = {
+        "model.path": "'rollflow:tiny-h32'",
+        "inference.mode": "'http'",
+        "inference.engine": "'vllm'",
+        "inference.num_servers": "1",
+        "inference.dtype": "'float32'",
+        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
+        "inference.server_args": json.dumps(["--max-num-batched-tokens", "16384"]),
+        "inference.router_port": "0",
+        **TRANSPORTS["gloo"],
+        "orchestrator.mode": "'fully_async'",
+        "orchestrator.steps": str(steps),
+        "orchestrator.prompts_per_step": str(prompts_per_step),
+        "checkpoint.every": "4",
+    }
+    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    command = [sys.executable, "-m", "rollflow", "run", str(REPO_ROOT / "examples" / "quickstart.toml")]
+    run_dir = tmp_path / "runs" / "quickstart"
+    metrics_path = run_dir / "metrics.jsonl"
+
+    def steps_done() -> list[dict]:
+        if not metrics_path.exists():
+            return []
+        return [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+
+    process = subprocess.Popen(
+        [*command, "--no-progress", *args],
+        cwd=tmp_path,
+        env={**os.environ, **SERVER_ENV},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until_sync(
+            lambda: len(steps_done()) >= 6 or process.poll() is not None,
+            "step 6 of the first run",
+            timeout_s=3000,
+        )
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        children = descendants(process.pid)
+        assert any("vllm" in cmd for _, cmd in children.values()), children
+    finally:
+        process.kill()
+        process.wait()
+    wait_until_sync(
+        lambda: not still_running(children),
+        lambda: f"the killed run's vLLM server ends with it; left: {still_running(children)}",
+        timeout_s=120,
+    )
+    assert (run_dir / "checkpoints" / "step_000004" / "state.json").exists()
+
+    resumed = subprocess.run(
+        [*command[:4], "--resume", str(run_dir), "--no-progress"],
+        cwd=tmp_path,
+        env={**os.environ, **SERVER_ENV},
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    metrics = steps_done()
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    rollouts = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines() if line]
+    assert sorted(r["prompt_index"] for r in rollouts) == list(range(steps * prompts_per_step))
+    resumed_steps = metrics[4:]
+    assert all(m["delivery_check_time_s"] > 0 for m in resumed_steps), resumed_steps
+    # The quickstart's orchestrator.max_staleness (2).
+    assert all(m.get("staleness_max", 0) <= 2 for m in metrics), [m.get("staleness_max") for m in metrics]
