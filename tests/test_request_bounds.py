@@ -151,6 +151,9 @@ async def test_limits_and_flags_refuse_nonsense_and_reach_the_server():
     assert (args.max_request_sequences, args.max_request_tokens) == (8, 4096)
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--model", "m", "--max-request-sequences", "0"])
+    assert _parser().parse_args(["router", "--max-request-sequences", "8"]).max_request_sequences == 8
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["router", "--max-request-sequences", "0"])
     assert (
         _parser().parse_args(["serve", "--model", "m", "--max-request-share", "0.25"]).max_request_share
         == 0.25
@@ -158,3 +161,56 @@ async def test_limits_and_flags_refuse_nonsense_and_reach_the_server():
     for share in ("0", "1.5", "half", "nan"):
         with pytest.raises(SystemExit):
             _parser().parse_args(["serve", "--model", "m", "--max-request-share", share])
+
+
+async def test_the_router_refuses_what_asks_too_many_sequences_before_any_server_sees_it(server):
+    """``rollflow router`` bounds the sequences of a generation request itself (servers such as vLLM bound
+    none): over ``--max-request-sequences`` is its own 400 ``request_too_large`` on each generation path, on
+    the header (hot) path and the body-session path alike; nothing reaches the server. Under the bound, and
+    bodies that are not a generation request (bad JSON, another path), pass through to the server's answer."""
+    from rollflow.inference.request_limits import sequences_asked
+    from rollflow.inference.router import InferenceRouter
+
+    assert sequences_asked("/v1/completions", b'{"prompt": [[1, 2], [3]], "n": 3}') == (2, 3)
+    assert sequences_asked("/v1/completions", b'{"prompt": [1, 2, 3], "n": 3}') == (1, 3)
+    assert sequences_asked("/v1/completions", b'{"prompt": [ "a", "b", "c"]}') == (3, 1)
+    assert sequences_asked("/v1/completions", b'{"prompt": "abc", "n": 2}') == (1, 2)
+    assert sequences_asked("/v1/chat/completions", b'{"messages": [], "n": 9}') == (1, 9)
+    assert sequences_asked("/inference/v1/generate", b'{"token_ids": [1], "sampling_params": {"n": 7}}') == (
+        1,
+        7,
+    )
+    assert sequences_asked("/tokenize", b'{"prompt": "a"}') is None
+    assert sequences_asked("/v1/completions", b"{not json") is None
+    assert sequences_asked("/v1/completions", b'{"n": "many"}') is None
+
+    async with InferenceRouter([server.url], max_request_sequences=8) as router:
+        steps = server.engine.num_steps
+        refused = [
+            ("/v1/completions", {"prompt": [[5]] * 3, "n": 3, "max_tokens": 1}, "prompt"),
+            ("/v1/completions", {"prompt": [5, 6], "n": 9, "max_tokens": 1}, "n"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),
+            ("/inference/v1/generate", {"token_ids": [5], "sampling_params": {"n": 9, "max_tokens": 1}}, "n"),
+        ]
+        async with aiohttp.ClientSession() as http:
+            for path, body, param in refused:
+                for headers in ({"X-Session-ID": "s-1"}, {}):
+                    async with http.post(f"{router.url}{path}", json=body, headers=headers) as response:
+                        assert_too_large(
+                            response.status, await response.json(), "--max-request-sequences", param
+                        )
+                        assert "this router" in (await response.json())["error"]["message"]
+            assert server.engine.num_steps == steps, "a refused request reached the engine"
+            assert router.num_refused_too_large == 2 * len(refused)
+            async with http.get(f"{router.url}/metrics") as response:
+                assert f"rollflow_router_refused_too_large_total {2 * len(refused)}" in await response.text()
+            ok = {"prompt": [[5, 6]] * 2, "n": 4, "max_tokens": 1, "temperature": 0.0}
+            async with http.post(
+                f"{router.url}/v1/completions", json=ok, headers={"X-Session-ID": "s-2"}
+            ) as r:
+                assert r.status == 200 and len((await r.json())["choices"]) == 8
+            async with http.post(
+                f"{router.url}/v1/completions", data=b"{not json", headers={"X-Session-ID": "s"}
+            ) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["code"] != "request_too_large", body

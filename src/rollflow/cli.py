@@ -244,6 +244,13 @@ def _parser() -> argparse.ArgumentParser:
         "one session of each other, larger values come closer to plain consistent hashing",
     )
     router.add_argument(
+        "--max-request-sequences",
+        type=_positive_int,
+        default=256,
+        help="most sequences (prompts x n) one generation request may ask for; more is a 400 before any "
+        "server sees it (default 256, as rollflow serve)",
+    )
+    router.add_argument(
         "--api-key",
         default=None,
         help="bearer token every endpoint but /health and /metrics requires, also sent to the servers "

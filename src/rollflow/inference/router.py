@@ -46,8 +46,10 @@ Failure handling:
 Control plane: vLLM's control endpoints (pause, sleep, weight transfer, world size …) fan out to every healthy
 server, so the router can also be a client's whole control plane; see ``rollflow.inference.router_control``.
 
-Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through unread (only a
-request without it has its body decoded, for ``session_id``), read and answered by the router's own small
+Data-plane cost: a request naming its session in the ``X-Session-ID`` header passes through with only its
+work read (``n``, its prompts counted, not decoded: ``request_limits.sequences_asked``, refused over
+``max_request_sequences`` with a 400 ``request_too_large``; only a request without the header has its body
+decoded, for ``session_id``), read and answered by the router's own small
 HTTP/1.1 front (``rollflow.http.front``) rather than aiohttp's server; it goes out with the caller's raw headers over a
 kept-alive connection of ``rollflow.http.upstream.UpstreamPool``, a client leaner than aiohttp's.
 ``benchmarks/router_compare.py`` measures it against vllm-router and direct calls.
@@ -89,6 +91,13 @@ from rollflow.http.front import Header, HttpFront, count_connections, serve_with
 from rollflow.http.limits import HttpLimits
 from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.http.upstream import UpstreamError, UpstreamPool
+from rollflow.inference.request_limits import (
+    DEFAULT_MAX_SEQUENCES,
+    REQUEST_TOO_LARGE,
+    RequestLimits,
+    request_work_error,
+    sequences_asked,
+)
 from rollflow.inference.router_admin import OPEN_PATHS as OPEN_PATHS
 from rollflow.inference.router_admin import RouterAdmin
 from rollflow.inference.router_control import CONTROL_GET, CONTROL_POST, handle_control
@@ -203,8 +212,13 @@ class InferenceRouter(RouterHealth, RouterAdmin):
         balance_factor: float = 1.0,
         api_key: str | None = None,
         http_limits: HttpLimits | None = None,
+        max_request_sequences: int | None = DEFAULT_MAX_SEQUENCES,
     ):
         self.host = host
+        # The most sequences (prompts x n) one generation request may ask for; None: the servers decide.
+        self.request_limits = (
+            None if max_request_sequences is None else RequestLimits(max_sequences=max_request_sequences)
+        )
         self.http_limits = http_limits or HttpLimits()
         self.port = port
         self.health_check_interval_s = health_check_interval_s
@@ -231,6 +245,7 @@ class InferenceRouter(RouterHealth, RouterAdmin):
         self.num_requests = 0
         self.num_retries = 0
         self.num_errors = 0
+        self.num_refused_too_large = 0  # generation requests over max_request_sequences
         self.num_dead_engines = 0  # times a server was taken out because its engine died
         # Runtime.
         self._runner: web.AppRunner | None = None
@@ -552,6 +567,11 @@ class InferenceRouter(RouterHealth, RouterAdmin):
         A session this request placed is forgotten again when the server refused the request (4xx): a
         refused request opens no session, and pinning it would let refused requests fill the table."""
         self.num_requests += 1
+        asked = sequences_asked(path or path_qs.partition("?")[0], body) if self.request_limits else None
+        if asked and (refusal := request_work_error(self.request_limits, *asked, limiter="this router")):
+            self.num_refused_too_large += 1
+            sink.error(400, refusal[0], param=refusal[1], code=REQUEST_TOO_LARGE)
+            return
         tried: set[str] = set()
         last_error = "no healthy inference server"
         new_session = session_id is not None and session_id not in self._sessions

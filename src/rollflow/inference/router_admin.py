@@ -33,6 +33,7 @@ class RouterAdmin:
     num_requests: int
     num_retries: int
     num_errors: int
+    num_refused_too_large: int
     num_dead_engines: int
     _sessions: OrderedDict[str, str]
 
@@ -146,6 +147,9 @@ class RouterAdmin:
             "# HELP rollflow_router_errors_total Requests that failed on every server tried.",
             "# TYPE rollflow_router_errors_total counter",
             f"rollflow_router_errors_total {self.num_errors}",
+            "# HELP rollflow_router_refused_too_large_total Generation requests over --max-request-sequences.",
+            "# TYPE rollflow_router_refused_too_large_total counter",
+            f"rollflow_router_refused_too_large_total {self.num_refused_too_large}",
             "# HELP rollflow_router_dead_engines_total Servers taken out because their engine died.",
             "# TYPE rollflow_router_dead_engines_total counter",
             f"rollflow_router_dead_engines_total {self.num_dead_engines}",

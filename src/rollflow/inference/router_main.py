@@ -32,6 +32,7 @@ def main(args: Any) -> int:
             balance_factor=args.balance_factor,
             api_key=api_key_or_env(args.api_key),
             http_limits=limits_from_flags(args),
+            max_request_sequences=args.max_request_sequences,
         )
     except ValueError as error:
         raise ConfigError(f"rollflow router: {error}") from None

@@ -62,14 +62,24 @@ class ResponseSink(Protocol):
         """End a streamed answer."""
         ...
 
-    def error(self, status: int, message: str, *, type: str | None = None) -> None:
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         """Answer with the router's own JSON error."""
         ...
 
 
-def error_bytes(status: int, message: str, *, type: str | None = None) -> bytes:
+def error_bytes(
+    status: int, message: str, *, type: str | None = None, param: str | None = None, code: str | None = None
+) -> bytes:
     """A kept-alive HTTP/1.1 response carrying the JSON error (as ``json_error`` shapes it)."""
-    body = msgspec.json.encode(error_body(status, message, type=type))
+    body = msgspec.json.encode(error_body(status, message, type=type, param=param, code=code))
     return raw_json_response(status, body, content_type=b"application/json; charset=utf-8")
 
 
@@ -103,8 +113,16 @@ class AiohttpSink:
         assert self.response is not None
         await self.response.write_eof()
 
-    def error(self, status: int, message: str, *, type: str | None = None) -> None:
-        self.response = json_error(status, message, type=type)
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        self.response = json_error(status, message, type=type, param=param, code=code)
 
 
 class FrontSink:
@@ -143,5 +161,13 @@ class FrontSink:
     async def end(self) -> None:
         self._front.write(b"0\r\n\r\n")
 
-    def error(self, status: int, message: str, *, type: str | None = None) -> None:
-        self._front.write(error_bytes(status, message, type=type))
+    def error(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        self._front.write(error_bytes(status, message, type=type, param=param, code=code))
