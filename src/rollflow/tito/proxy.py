@@ -299,6 +299,9 @@ class TITOProxy:
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
+        # Harnesses probe their base URL before the first call (Claude Code sends HEAD): an open session is up.
+        app.router.add_get("/sessions/{token}", self._models)
+        app.router.add_get("/sessions/{token}/v1", self._models)
         app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
         app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
         app.router.add_post(
