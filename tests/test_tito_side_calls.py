@@ -15,7 +15,6 @@ from rollflow.tito import TITOProxy, compose
 from rollflow.tito.side_calls import SideCallRule, safe_kind
 from tests.helpers.tito import MODEL, ScriptedPolicy, assert_parity
 
-
 SIDE_MODEL = "claude-3-5-haiku-latest"
 
 
