@@ -168,6 +168,15 @@ async def test_claude_code_shapes_are_accepted(scripted_proxy, tiny_chat):
     assert status == 200 and body["type"] == "message", body
     prompt = tiny_chat.tokenizer.decode(scripted_proxy.scripted.requests[0].prompt_token_ids)
     assert "<|im_start|>system\nagents: none<|im_end|>" in prompt
+    # Its probe of the base URL before the first call (HEAD ANTHROPIC_BASE_URL) finds the session up.
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        for url in (session.base_url.removesuffix("/v1"), session.base_url):
+            async with http.head(url) as response:
+                assert response.status == 200, url
+        async with http.head(session.base_url.removesuffix("/v1")[:-3] + "xyz") as response:
+            assert response.status == 404  # an unknown session is not
 
 
 @pytest.mark.parametrize(
