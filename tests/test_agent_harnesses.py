@@ -28,7 +28,7 @@ import openai
 import pytest
 
 from rollflow.tito.side_calls import SideCallRule
-from tests.helpers.harness import EpisodeRow, RecordingProxy, check_episode, cli_path
+from tests.helpers.harness import EpisodeRow, RecordingProxy, check_episode, cli_dir, cli_path
 
 pytestmark = [pytest.mark.agent_cli]
 
@@ -231,6 +231,9 @@ async def test_opencode_run_on_chat_completions(tmp_path, long_engine, long_chat
         }
         (work / "opencode.json").write_text(json.dumps(config))
         env = _scratch_env(tmp_path, OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_MODELS_FETCH="1")
+        seeded = cli_dir() / "opencode-xdg"  # its plugin package, installed by the install script
+        if seeded.is_dir():
+            env["XDG_CONFIG_HOME"] = str(seeded)
         code, output = await _run([str(opencode), "run", "How many apples are in notes.txt?"], env, work)
         trace = await proxy.close_session(session)
     assert code == 0, output
