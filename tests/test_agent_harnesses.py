@@ -250,7 +250,8 @@ ADD_SCHEMA = {
 }
 
 
-async def test_anthropic_sdk_with_tools_streamed(long_engine, long_chat, reference_model):
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+async def test_anthropic_sdk_with_tools(long_engine, long_chat, reference_model, streamed):
     tools = [{"name": "add", "description": "Add two integers.", "input_schema": ADD_SCHEMA}]
     async with _proxy(long_engine, long_chat) as proxy:
         session = await proxy.open_session()
@@ -259,16 +260,20 @@ async def test_anthropic_sdk_with_tools_streamed(long_engine, long_chat, referen
         ) as agent:
             messages = [{"role": "user", "content": "add 2 and 3"}]
             for _ in range(3):
-                async with agent.messages.stream(
+                request = dict(
                     model=MODEL,
                     system="Use the tools.",
                     messages=messages,
                     tools=tools,
                     max_tokens=MAX_TOKENS,
-                ) as stream:
-                    async for _event in stream:
-                        pass
-                    reply = await stream.get_final_message()
+                )
+                if streamed:
+                    async with agent.messages.stream(**request) as stream:
+                        async for _event in stream:
+                            pass
+                        reply = await stream.get_final_message()
+                else:
+                    reply = await agent.messages.create(**request)
                 content = [block.model_dump(exclude_none=True) for block in reply.content]
                 messages.append({"role": "assistant", "content": content})
                 results = [
@@ -285,13 +290,13 @@ async def test_anthropic_sdk_with_tools_streamed(long_engine, long_chat, referen
                 extra_headers={"x-side-call": "title"},
             )
         trace = await proxy.close_session(session)
-    row = check_episode(
-        EpisodeRow("anthropic SDK", "anthropic messages", True), proxy, trace, reference_model
-    )
+    row = EpisodeRow("anthropic SDK", "anthropic messages", streamed)
+    check_episode(row, proxy, trace, reference_model)
     assert row.side_calls == {"title": 1} and len(trace.leaves()) == 2, row
 
 
-async def test_openai_sdk_responses_with_tools_streamed(long_engine, long_chat, reference_model):
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "whole"])
+async def test_openai_sdk_responses_with_tools(long_engine, long_chat, reference_model, streamed):
     tools = [
         {"type": "function", "name": "add", "description": "Add two integers.", "parameters": ADD_SCHEMA}
     ]
@@ -300,12 +305,16 @@ async def test_openai_sdk_responses_with_tools_streamed(long_engine, long_chat, 
         async with openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0) as client:
             items: list = [{"role": "user", "content": "add 2 and 3"}]
             for _ in range(3):
-                async with client.responses.stream(
+                request = dict(
                     model=MODEL, instructions="Use the tools.", input=items, tools=tools, max_output_tokens=12
-                ) as stream:
-                    async for _event in stream:
-                        pass
-                    response = await stream.get_final_response()
+                )
+                if streamed:
+                    async with client.responses.stream(**request) as stream:
+                        async for _event in stream:
+                            pass
+                        response = await stream.get_final_response()
+                else:
+                    response = await client.responses.create(**request)
                 items += [item.model_dump(exclude_none=True) for item in response.output]
                 calls = [item for item in response.output if item.type == "function_call"]
                 items += [
@@ -314,7 +323,8 @@ async def test_openai_sdk_responses_with_tools_streamed(long_engine, long_chat, 
                 if not calls:
                     items.append({"role": "user", "content": "go on"})
         trace = await proxy.close_session(session)
-    row = check_episode(EpisodeRow("openai SDK responses", "responses", True), proxy, trace, reference_model)
+    row = EpisodeRow("openai SDK responses", "responses", streamed)
+    check_episode(row, proxy, trace, reference_model)
     assert len(trace.leaves()) == 1, row  # each turn extends the last: one branch
 
 
