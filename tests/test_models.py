@@ -62,6 +62,28 @@ def test_h32_twins_have_heads_vllm_cpu_serves_and_tinys_tokenizer(tmp_path, monk
     assert renderer.render_ids([{"role": "user", "content": "hi"}], add_generation_prompt=True)
 
 
+def test_tiny_long_is_tiny_with_more_positions(tmp_path, monkeypatch, tiny_model_dir):
+    import torch
+
+    from rollflow.inference.engine.engine import TorchEngine
+    from rollflow.models.tiny import TINY_LONG_POSITIONS
+
+    monkeypatch.setenv("ROLLFLOW_CACHE_DIR", str(tmp_path))
+    built = resolve_model_path("rollflow:tiny-long")
+    assert built.parent == tmp_path and resolve_model_path("rollflow:tiny-long") == built
+    for filename in ("tokenizer.json", "model.safetensors"):
+        assert (built / filename).read_bytes() == (tiny_model_dir / filename).read_bytes(), filename
+    long, tiny = load_causal_lm(built), load_causal_lm(tiny_model_dir)
+    assert long.config.max_position_embeddings == TINY_LONG_POSITIONS
+    assert load_tokenizer(built).model_max_length == TINY_LONG_POSITIONS
+    ids = torch.arange(1, 1500)[None] % len(load_tokenizer(built))
+    with torch.no_grad():
+        assert torch.equal(long(ids).logits, tiny(ids).logits)  # the same model where tiny has positions
+    TorchEngine(long, max_batch_size=1, max_model_len=4096)  # and an engine takes it past tiny's 2048
+    with pytest.raises(ValueError, match="max_position_embeddings 2048"):
+        TorchEngine(tiny, max_batch_size=1, max_model_len=4096)
+
+
 def test_tiny_tokenizer_has_the_qwen3_specials(tiny_model_dir):
     tokenizer = load_tokenizer(tiny_model_dir)
     for token in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>"]:

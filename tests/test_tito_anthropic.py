@@ -153,6 +153,32 @@ ASSISTANT_CALL = {
 }
 
 
+async def test_claude_code_shapes_are_accepted(scripted_proxy, tiny_chat):
+    """Claude Code 2.1 sends system messages inside the conversation and ``thinking: {"type": "adaptive"}``:
+    a system turn where it stands, and the template's own thinking default."""
+    session = await scripted_proxy.open_session()
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "agents: none"}]},
+        {"role": "user", "content": "go"},
+    ]
+    status, body = await post_json(
+        f"{session.base_url}/messages", GOOD | {"messages": messages, "thinking": {"type": "adaptive"}}
+    )
+    assert status == 200 and body["type"] == "message", body
+    prompt = tiny_chat.tokenizer.decode(scripted_proxy.scripted.requests[0].prompt_token_ids)
+    assert "<|im_start|>system\nagents: none<|im_end|>" in prompt
+    # Its probe of the base URL before the first call (HEAD ANTHROPIC_BASE_URL) finds the session up.
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        for url in (session.base_url.removesuffix("/v1"), session.base_url):
+            async with http.head(url) as response:
+                assert response.status == 200, url
+        async with http.head(session.base_url.removesuffix("/v1")[:-3] + "xyz") as response:
+            assert response.status == 404  # an unknown session is not
+
+
 @pytest.mark.parametrize(
     ("change", "where"),
     [
@@ -195,7 +221,7 @@ ASSISTANT_CALL = {
             },
             "messages[1].content[0].signature",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages[0].role"),
         ({"max_tokens": None}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),

@@ -156,7 +156,7 @@ GOOD = {"model": MODEL, "input": "hi", "max_output_tokens": 4}
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": []}, "input"),
         ({"previous_response_id": "resp_unknown"}, "previous_response_id"),
-        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tools": [{"type": "namespace", "name": "agents"}]}, "tools[0].name"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
         ({"text": {"format": {"type": "json_object"}}}, "text.format"),
@@ -198,6 +198,7 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
         "input": [{"role": "user", "content": "hi", "colour": "red"}],
         "truncation": "auto",
         "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [{"type": "web_search", "external_web_access": False}],
     }
     client = ScriptedClient(tiny_chat.tokenizer)
     switchless = tiny_chat.renderer_with(renderer="default")
@@ -210,6 +211,8 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
             "input[0].colour": 1,
             "truncation": 1,
             "chat_template_kwargs.enable_thinking": 1,
+            "tools[0].external_web_access": 1,
+            "tools[0].type": 1,  # a hosted tool: left out
         }
     async with TITOProxy(
         client, switchless, tiny_chat.tokenizer, model_name=MODEL, strict_requests=True
@@ -219,12 +222,26 @@ async def test_unknown_fields_are_counted_by_name_or_refused_when_strict(tiny_ch
             ({"frobnicate": 1}, "frobnicate"),
             ({"input": unknown["input"]}, "input[0].colour"),
             ({"truncation": "auto"}, "truncation"),
+            ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
             ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
         ]:
             status, body = await post_json(f"{session.base_url}/responses", GOOD | field)
             assert (status, body["error"]["param"]) == (400, param), body
             assert "strict_requests" in body["error"]["message"]
     assert len(client.requests) == 1
+
+
+async def test_namespace_tools_are_served_as_their_function_tools(tiny_chat):
+    """Codex CLI groups its sub-agent tools in a ``namespace`` tool: the model sees each of them."""
+    client = ScriptedClient(tiny_chat.tokenizer)
+    tool = {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}
+    async with TITOProxy(client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL) as proxy:
+        session = await proxy.open_session()
+        namespace = {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": [tool]}
+        status, body = await post_json(f"{session.base_url}/responses", GOOD | {"tools": [namespace]})
+        assert status == 200, body
+    prompt = tiny_chat.tokenizer.decode(client.requests[0].prompt_token_ids)
+    assert '"name": "close_agent"' in prompt and "multi_agent_v1" not in prompt
 
 
 async def test_an_error_after_the_stream_began_is_an_error_event(tiny_chat):

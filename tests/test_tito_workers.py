@@ -121,6 +121,24 @@ async def test_close_twice_returns_the_same_trace_and_ids_stay_taken(tiny_chat):
         assert len(client.requests) == 1
 
 
+async def test_side_calls_are_named_and_kept_untrained_on_workers(tiny_chat):
+    from rollflow.tito import compose
+    from rollflow.tito.side_calls import SideCallRule
+
+    client = ScriptedClient(tiny_chat.tokenizer)
+    rule = SideCallRule(models=("title-model",), header="x-side-call")
+    async with workers_over(client, tiny_chat, side_calls=rule) as proxy:
+        session = await proxy.open_session()
+        hi = [{"role": "user", "content": "hi"}]
+        assert (await post_chat(session.base_url, hi))[0] == 200
+        assert (await post_chat(session.base_url, hi, model="title-model"))[0] == 200
+        assert (await post_chat(session.base_url, hi, model="other"))[0] == 404
+        trace = await proxy.close_session(session)
+    assert trace.side_calls == {"model:title-model": 1} and len(trace.side_nodes) == 1
+    (sample,) = compose(trace, reward=1.0, max_seq_len=1000)
+    assert sample.completion_token_ids == client.outputs[0].token_ids  # the trainable call only
+
+
 class StreamSpy:
     """The real client, counting which of its calls the workers used."""
 

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
 from rollflow.config.base import BASE_URL, NonNegative, Positive, PositiveFloat, Section
 
+_HEADER_NAME = re.compile(r"[A-Za-z0-9-]+")
+
 if TYPE_CHECKING:
     from rollflow.config.run import RunConfig
+
+
+class SideCallsConfig(Section):
+    """Which model calls of an agent are side calls (titles, summaries, topic checks): answered and recorded
+    in the trace like any call, never trained, counted per kind (``agent_side_calls``,
+    ``agent_side_calls_<kind>``). See ``rollflow.tito.side_calls``."""
+
+    models: list[str] = []
+    """Model names (or ``fnmatch`` patterns such as ``"*haiku*"``) whose calls are side calls (kind
+    ``model:<name>``); the run's model serves them instead of refusing the name."""
+    header: str | None = None
+    """A request header (e.g. ``"x-rollflow-side-call"``) that marks a side call; its value is the kind."""
+    predicate: str | None = None
+    """``package.module:function`` or ``path/to/file.py:function``, called with a
+    ``rollflow.tito.side_calls.SideCallRequest``; returns the kind (a string) or None for a trainable call."""
 
 
 class AgentConfig(Section):
@@ -74,6 +92,8 @@ class AgentConfig(Section):
     out (its trace sealed, its URL answering 409 that it expired), so sessions nobody closes do not pile up.
     In a run, ``timeout_s`` ends each trajectory's session sooner; set this above the longest pause an agent
     makes between two requests."""
+    side_calls: SideCallsConfig = msgspec.field(default_factory=SideCallsConfig)
+    """Which calls are side calls, never trained (``[agent.side_calls]``; none by default)."""
     save_traces: Literal["none", "sampled", "all"] = "none"
     """Keep agent sessions' message trees with the run, in ``{run_dir}/traces/step_NNNNNN.jsonl`` (one JSON
     trace per line: branches, each turn's render outcome and reason, fork points, per-token policy versions,
@@ -128,4 +148,23 @@ def agent_errors(config: RunConfig) -> list[str]:
                 f"its own, which {' and '.join(listener)} cannot name; set agent.port = 0 and unset "
                 "agent.advertise_url, or set agent.proxy_workers = 1"
             )
+    side = agent.side_calls
+    if side.header is not None and not _HEADER_NAME.fullmatch(side.header):
+        errors.append(
+            f"agent.side_calls.header = {side.header!r} must be an HTTP header name like 'x-side-call' "
+            "(letters, digits and '-')"
+        )
+    for i, pattern in enumerate(side.models):
+        if not pattern.strip():
+            errors.append(f"agent.side_calls.models[{i}] is empty; give a model name or pattern")
+        elif pattern == config.model.path:
+            errors.append(
+                f"agent.side_calls.models[{i}] = {pattern!r} is the trained model's own name "
+                f"(model.path), so every call would be a side call; name the harness's side-call model"
+            )
+    if side.predicate is not None and ":" not in side.predicate:
+        errors.append(
+            f"agent.side_calls.predicate = {side.predicate!r} must be 'package.module:function' or "
+            "'path/to/file.py:function'"
+        )
     return errors

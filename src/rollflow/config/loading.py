@@ -125,6 +125,7 @@ CODE_SPEC_KEYS: tuple[tuple[str, ...], ...] = (
     ("data", "rewards", "[]", "fn"),
     ("agent", "callable"),
     ("agent", "composer"),
+    ("agent", "side_calls", "predicate"),
 )
 
 

@@ -15,10 +15,12 @@ from rollflow.errors import ConfigError, ModelNotFoundError
 from rollflow.models.fast_tokenizer import copy_batch_encoding, with_fast_paths
 from rollflow.models.tiny import (
     TINY_H32_MODEL_NAME,
+    TINY_LONG_MODEL_NAME,
     TINY_MODEL_NAME,
     TINY_MOE_H32_MODEL_NAME,
     TINY_MOE_MODEL_NAME,
     ensure_tiny_h32_model,
+    ensure_tiny_long_model,
     ensure_tiny_model,
     ensure_tiny_moe_h32_model,
     ensure_tiny_moe_model,
@@ -30,6 +32,7 @@ EMBEDDED_MODELS = {
     TINY_MOE_MODEL_NAME: ensure_tiny_moe_model,
     TINY_H32_MODEL_NAME: ensure_tiny_h32_model,
     TINY_MOE_H32_MODEL_NAME: ensure_tiny_moe_h32_model,
+    TINY_LONG_MODEL_NAME: ensure_tiny_long_model,
 }
 
 

@@ -11,6 +11,11 @@ The ``-h32`` twins have the same size, tokenizer and MLPs but 2 attention heads 
 instead of 4 of 16: vLLM's CPU attention serves head sizes of 32 and up only (head_dim 16 loads, then its
 engine core dies on the first request), so these are the models a CPU vLLM can serve. ``rollflow:tiny``
 itself stays as it is, so the figures measured on it (the quickstart's learning curve) hold.
+
+``rollflow:tiny-long`` is ``rollflow:tiny`` itself (the same files, the same weights) with room for
+``TINY_LONG_POSITIONS`` positions instead of 2048: agent harnesses (Claude Code, Codex CLI, opencode) send
+system prompts and tool schemas of 20-60k of its tokens. Its rotary embedding does not depend on the length,
+so every position tiny has gives the same logprobs in both.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ TINY_MODEL_NAME = "rollflow:tiny"
 TINY_MOE_MODEL_NAME = "rollflow:tiny-moe"
 TINY_H32_MODEL_NAME = "rollflow:tiny-h32"
 TINY_MOE_H32_MODEL_NAME = "rollflow:tiny-moe-h32"
+TINY_LONG_MODEL_NAME = "rollflow:tiny-long"
+TINY_LONG_POSITIONS = 131_072
 # Bump when the corpus, the tokenizer recipe or the architecture changes: old caches are then ignored.
 TINY_BUILD_VERSION = 1
 TINY_MOE_BUILD_VERSION = 1
@@ -336,6 +343,11 @@ def ensure_tiny_moe_h32_model() -> Path:
     return _ensure_built(cache_dir() / f"tiny-moe-h32-v{TINY_MOE_BUILD_VERSION}", _write_tiny_moe_h32)
 
 
+def ensure_tiny_long_model() -> Path:
+    """Return the directory of ``rollflow:tiny-long`` (tiny with 131072 positions), building it on first use."""
+    return _ensure_built(cache_dir() / f"tiny-long-v{TINY_BUILD_VERSION}", _write_tiny_long)
+
+
 def _write_tiny(staging: Path) -> None:
     tokenizer = build_tokenizer()
     _save(tokenizer, build_model(**_token_ids(tokenizer)), staging)
@@ -346,6 +358,22 @@ def _tiny_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+def _write_tiny_long(staging: Path) -> None:
+    import json
+
+    source = ensure_tiny_model()
+    for file in source.iterdir():
+        if file.is_file():
+            shutil.copyfile(file, staging / file.name)
+    for name, key in (
+        ("config.json", "max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length"),
+    ):
+        settings = json.loads((staging / name).read_text())
+        settings[key] = TINY_LONG_POSITIONS
+        (staging / name).write_text(json.dumps(settings, indent=2))
 
 
 def _write_tiny_moe(staging: Path) -> None:

@@ -67,8 +67,10 @@ def proxy_options(
     them; 127.0.0.1 and a free port without ``[agent]``), advertises ``agent.advertise_url``, defaults
     requests to ``[sampling]`` and knows the engines' limits (``inference.max_batch_size``,
     ``max_model_len``, ``return_routed_experts``) and bounds its sessions (``agent.max_sessions``,
-    ``agent.session_idle_timeout_s``). Without ``[agent]`` it enforces the run's sampling (its samples train a
+    ``agent.session_idle_timeout_s``) and knows its side calls (``[agent.side_calls]``). Without ``[agent]`` it enforces the run's sampling (its samples train a
     policy at those settings), tolerates unknown fields and keeps the proxy's session defaults."""
+    from rollflow.tito.side_calls import SideCallRule
+
     agent = config.agent
     return {
         "model_name": config.model.path,
@@ -87,7 +89,13 @@ def proxy_options(
         "max_model_len": config.inference.max_model_len,
         "http_limits": config.inference.http_limits(),
         **(
-            {"max_sessions": agent.max_sessions, "session_idle_timeout_s": agent.session_idle_timeout_s}
+            {
+                "max_sessions": agent.max_sessions,
+                "session_idle_timeout_s": agent.session_idle_timeout_s,
+                "side_calls": SideCallRule(
+                    tuple(agent.side_calls.models), agent.side_calls.header, agent.side_calls.predicate
+                ),
+            }
             if agent is not None
             else {}
         ),

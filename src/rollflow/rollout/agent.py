@@ -358,7 +358,8 @@ def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:
     ``agent_turns``, ``agent_branches``, ``agent_bridged_turns``, ``agent_full_render_turns``,
     ``agent_forked_turns``, ``agent_replayed_requests``, ``agent_context_exceeded``,
     ``agent_sampling_overridden``, ``agent_streams_diverged``, ``agent_unknown_fields``,
-    ``agent_ignored_values``, ``agent_errors``, ``agent_timeouts``,
+    ``agent_ignored_values``, ``agent_side_calls`` (and ``agent_side_calls_<kind>``), ``agent_errors``,
+    ``agent_timeouts``,
     ``agent_masked_samples``, ``agent_overlong_samples``. All are counts, so a step's value is the sum over
     its groups."""
     totals: dict[str, float] = {"agent_trajectories": float(len(per_trajectory))}

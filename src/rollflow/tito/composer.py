@@ -9,6 +9,9 @@ Modes:
   (``mask_reason="not_single_branch"``): its turns cannot be trained as one sequence.
 - ``step_wise``: one sample per model call: the prompt it saw and the tokens it sampled.
 
+Side calls' replies (``rollflow.tito.side_calls``) are never trained: a branch of side calls only is not
+emitted, and where a side call's reply is in a trained branch's history it is context.
+
 Every sample gets the trajectory's reward. Masking: an agent error masks every sample (``"error"``, counted as
 an error); an agent timeout masks them as ``"timeout"`` (not an error). A sample longer than ``max_seq_len``
 is masked as ``"overlong"`` with ``filter_overlong=True``, otherwise its completion is cut to fit (its
@@ -69,11 +72,12 @@ def compose(
         raise ValueError(f"mode must be one of {', '.join(COMPOSE_MODES)}, got {mode!r}")
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    side = trace.side_nodes  # side calls' replies: context where a branch holds them, never trained
     if mode == "step_wise":
-        rows = [(node.path(), {node.id}) for node in trace.nodes if node.sampled]
+        rows = [(node.path(), {node.id}) for node in trace.nodes if node.sampled and node.id not in side]
     else:
         rows = []
-        trained_before: set[int] = set()
+        trained_before: set[int] = set(side)
         for path in trace.branches():
             trainable = {node.id for node in path if node.sampled and node.id not in trained_before}
             trained_before |= trainable
@@ -227,6 +231,8 @@ def trace_metrics(trace: Trace, samples: list[Sample]) -> dict[str, float]:
         "num_streams_diverged": float(trace.stats.streams_diverged),
         "num_unknown_fields": float(trace.stats.unknown_fields),
         "num_ignored_values": float(trace.stats.ignored_values),
+        "num_side_calls": float(trace.stats.side_calls),
+        **{f"num_side_calls_{kind}": float(count) for kind, count in trace.side_calls.items()},
         "is_error": float(trace.error is not None or bool(trace.errors)) * float(not trace.timed_out),
         "is_timeout": float(trace.timed_out),
         "num_masked_samples": float(len(reasons)),

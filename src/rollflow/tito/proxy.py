@@ -43,7 +43,7 @@ import hashlib
 import re
 import secrets
 import time
-from collections.abc import Callable, Container, Coroutine
+from collections.abc import Callable, Container, Coroutine, Mapping
 from typing import Any
 
 import anyio
@@ -61,12 +61,13 @@ from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.tito.apis.anthropic import count_tokens, create_message
 from rollflow.tito.apis.chat import ChatStream, chat_completion
-from rollflow.tito.apis.common import error_answer
+from rollflow.tito.apis.common import error_answer, request_key, thinking_switch_unused
 from rollflow.tito.apis.responses import create_response
 from rollflow.tito.apis.streaming import stream_turn
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import Session, TurnSettings
+from rollflow.tito.side_calls import SideCallRule
 from rollflow.tito.trace import Trace
 from rollflow.tito.wire import ChatCompletionRequest, DecodedRequest, ModelCard, ModelList, decode_request
 
@@ -182,6 +183,8 @@ class TITOProxy:
             (HTTP 429, code ``too_many_sessions``).
         session_idle_timeout_s: seconds a session may go without a request in flight before it is closed as
             timed out (checked every quarter of it, at least once a minute).
+        side_calls: which calls are side calls (``rollflow.tito.side_calls``): answered, recorded untrained
+            and counted per kind; its model names are served too. None: every call is trainable.
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class TITOProxy:
         return_routed_experts: bool = False,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         session_idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S,
+        side_calls: SideCallRule | None = None,
     ):
         if isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions < 1:
             raise ValueError(f"max_sessions must be a positive integer, got {max_sessions!r}")
@@ -232,6 +236,7 @@ class TITOProxy:
             return_routed_experts=return_routed_experts,
         )
         self.strict_requests = strict_requests
+        self.side_calls = side_calls if side_calls is not None and side_calls.active else None
         self.max_n = max_n
         self.host = host
         self.port = port
@@ -294,6 +299,9 @@ class TITOProxy:
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
+        # Harnesses probe their base URL before the first call (Claude Code sends HEAD): an open session is up.
+        app.router.add_get("/sessions/{token}", self._models)
+        app.router.add_get("/sessions/{token}/v1", self._models)
         app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
         app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
         app.router.add_post(
@@ -473,12 +481,18 @@ class TITOProxy:
         decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
         headers = request.headers
         key, is_retry = self.admit(
-            session, decoded, body, headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
+            session,
+            decoded,
+            body,
+            headers.get("Idempotency-Key"),
+            headers.get("x-stainless-retry-count"),
+            headers=headers,
         )
-        chat = decoded.request
+        chat, side = decoded.request, decoded.side_call
         if chat.stream:
-            return await stream_turn(request, session, chat, key, is_retry, self._chat_stream(chat))
-        turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+            writer_for = self._chat_stream(chat)
+            return await stream_turn(request, session, chat, key, is_retry, writer_for, side_call=side)
+        turns = await session.complete(chat, request_key=key, is_retry=is_retry, side_call=side)
         return _json(chat_completion(chat, turns, self.settings.model_name, self.renderer))
 
     def _chat_stream(self, chat: ChatCompletionRequest) -> Callable[[str, int], ChatStream]:
@@ -493,14 +507,23 @@ class TITOProxy:
         body: bytes,
         idempotency_key: str | None,
         retry_count: str | None,
+        *,
+        api: str = "chat",
+        headers: Mapping[str, str] | Callable[[], Mapping[str, str]] | None = None,
     ) -> tuple[str | None, bool]:
-        """The checks of a decoded chat completion before it is sampled; its (request key, is_retry).
+        """The checks of a decoded chat completion before it is sampled; its (request key, is_retry). Whether
+        it is a side call (``side_calls``, from ``api``, the model and ``headers``, or a function making them)
+        is set on ``decoded.side_call``.
 
         Raises:
             RequestError: the prompt cannot fit, the model is not served here, or an ``Idempotency-Key`` is
                 reused with another body.
         """
         chat = decoded.request
+        if self.side_calls is not None:
+            found = (headers() if callable(headers) else headers) or {}
+            lower = {name.lower(): value for name, value in found.items()}
+            decoded.side_call = self.side_calls.kind(api, chat.model, lower, chat)
         thinking = (chat.chat_template_kwargs or {}).get("enable_thinking")
         if thinking is not None and self.renderer.variant(enable_thinking=thinking) is None:
             decoded.ignored_values.append(thinking_switch_unused(self.strict_requests))
@@ -516,14 +539,17 @@ class TITOProxy:
                     param="messages",
                     code="context_length_exceeded",
                 )
-        if chat.model != self.settings.model_name:
+        served = chat.model == self.settings.model_name or (
+            decoded.side_call is not None and decoded.side_call == self.side_calls.model_kind(chat.model)
+        )
+        if not served:
             raise RequestError(
                 f"model {chat.model!r} is not served here; use {self.settings.model_name!r}",
                 status=404,
                 param="model",
                 code="model_not_found",
             )
-        key, is_retry = _request_key(idempotency_key, retry_count, body)
+        key, is_retry = request_key(idempotency_key, retry_count, body)
         if key is not None and key.startswith("key:"):
             # The key names one request: replaying its reply for another body would answer the wrong one.
             digest = hashlib.blake2b(body, digest_size=16).digest()
@@ -567,7 +593,7 @@ class TITOProxy:
                 idempotency_key = value.decode("latin-1")
             elif lower == b"x-stainless-retry-count" and retry_count is None:
                 retry_count = value.decode("latin-1")
-        return self._complete_fast(front, session, decoded, body, idempotency_key, retry_count)
+        return self._complete_fast(front, session, decoded, body, idempotency_key, retry_count, headers)
 
     async def _complete_fast(
         self,
@@ -577,12 +603,21 @@ class TITOProxy:
         body: bytes,
         idempotency_key: str | None,
         retry_count: str | None,
+        headers: list[Header],
     ) -> None:
         """``_chat_completions`` for a request the front read, the answer written straight to its connection."""
+
+        def header_map() -> dict[str, str]:  # made only when side-call rules read headers
+            return {lower.decode("latin-1"): value.decode("latin-1") for lower, _, value in reversed(headers)}
+
         try:
-            key, is_retry = self.admit(session, decoded, body, idempotency_key, retry_count)
+            key, is_retry = self.admit(
+                session, decoded, body, idempotency_key, retry_count, headers=header_map
+            )
             chat = decoded.request
-            turns = await session.complete(chat, request_key=key, is_retry=is_retry)
+            turns = await session.complete(
+                chat, request_key=key, is_retry=is_retry, side_call=decoded.side_call
+            )
             status, data = 200, chat_completion(chat, turns, self.settings.model_name, self.renderer)
         except Exception as error:
             status, data = error_answer(error)
@@ -647,24 +682,6 @@ class TITOProxy:
         return web.Response(body=body, content_type="application/json")
 
 
-def thinking_switch_unused(strict: bool) -> str:
-    """The ignored value's name for ``chat_template_kwargs.enable_thinking`` on a renderer without that switch
-    (its template ignores the key, as vLLM's does: many agent configs send it to every model).
-
-    Raises:
-        RequestError: ``strict`` (``agent.strict_requests``) refuses it instead.
-    """
-    param = "chat_template_kwargs.enable_thinking"
-    if strict:
-        raise RequestError(
-            f"{param}: this model's renderer has no thinking switch (agent.strict_requests is on; turn it off to "
-            "ignore it, or leave it unset)",
-            param=param,
-            code="unsupported_value",
-        )
-    return param
-
-
 def too_many_sessions(open_sessions: int, max_sessions: int) -> RequestError:
     """The 429 for a session opened beyond ``max_sessions``."""
     return RequestError(
@@ -674,17 +691,3 @@ def too_many_sessions(open_sessions: int, max_sessions: int) -> RequestError:
         code="too_many_sessions",
         type="RateLimitError",
     )
-
-
-def _request_key(
-    idempotency_key: str | None, retry_count: str | None, body: bytes
-) -> tuple[str | None, bool]:
-    """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
-    ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
-    are new requests (an agent may legitimately repeat one)."""
-    if idempotency_key:
-        return "key:" + idempotency_key, True
-    if retry_count is None:
-        return None, False
-    digest = hashlib.blake2b(body, digest_size=16).hexdigest()
-    return "body:" + digest, retry_count.strip() not in ("", "0")

@@ -155,6 +155,7 @@ class Session:
         request_key: str | None = None,
         is_retry: bool = False,
         on_tokens: TokenWatcher | None = None,
+        side_call: str | None = None,
     ) -> list[Turn]:
         """Answer one validated request: replay the recorded turns for a retry, else sample new ones (one per
         reply: ``request.n``, default 1).
@@ -162,6 +163,8 @@ class Session:
         ``request_key`` identifies a request across client retries (an ``Idempotency-Key``, or the body
         digest of an SDK-marked retry); ``is_retry`` says this call is such a retry. ``on_tokens`` is called
         (on this loop) as tokens of a ``stream`` request are sampled, with the turn's progress so far.
+        ``side_call``: the request is a side call of this kind (``rollflow.tito.side_calls``): its replies are
+        recorded as non-trainable branches, and counted.
 
         Raises:
             TraceSealedError: the session is closed.
@@ -179,7 +182,7 @@ class Session:
             entry = self._inflight.get(request_key)  # the first attempt is still running: join it
         if entry is None:
             entry = _InFlight()
-            task = asyncio.get_running_loop().create_task(self._run(request, request_key, entry))
+            task = asyncio.get_running_loop().create_task(self._run(request, request_key, entry, side_call))
             entry.task = task
             self._tasks.add(task)
             task.add_done_callback(self._forget(request_key, entry))
@@ -229,7 +232,11 @@ class Session:
     # ------------------------------------------------------------------ one turn
 
     async def _run(
-        self, request: ChatCompletionRequest, request_key: str | None, entry: _InFlight
+        self,
+        request: ChatCompletionRequest,
+        request_key: str | None,
+        entry: _InFlight,
+        side_call: str | None = None,
     ) -> list[Turn]:
         sampling = self._sampling(request)
         self._check_sampling(request, sampling)
@@ -271,9 +278,15 @@ class Session:
                 parsed = _cut_reply(parsed, stop, include=bool(request.include_stop_str_in_output))
             message, finish_reason = _assistant_message(parsed, sampled.finish_reason)
             turn_options = options if stop is None else {**options, "stop_reason": stop}
+            if side_call is not None:
+                turn_options = {**turn_options, "side_call": side_call}
             choices.append((sampled, message, finish_reason, turn_options or None))
         return await self.trace.commit_choices(
-            prepared, choices, response_id=entry.progress.response_id, request_key=request_key
+            prepared,
+            choices,
+            response_id=entry.progress.response_id,
+            request_key=request_key,
+            side_call=side_call,
         )
 
     def _unavailable(self, error: RollflowError) -> RequestError:

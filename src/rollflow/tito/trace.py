@@ -137,6 +137,8 @@ class TraceStats:
     unknown_fields: int = 0
     # Known request values the proxy cannot enforce, left aside (``tool_choice: "required"``).
     ignored_values: int = 0
+    # Side calls (``rollflow.tito.side_calls``): recorded, never trained; by kind in ``Trace.side_calls``.
+    side_calls: int = 0
 
 
 _BRIDGE_REASON = "the history extends a recorded sampled turn"
@@ -167,6 +169,9 @@ class Trace:
         self._replays: dict[str, tuple[int, int]] = {}  # request key -> (first turn, number of turns)
         # Names of the ignored fields and values, with how often each was seen.
         self.ignored: dict[str, int] = {}
+        # Side calls by kind, and the sampled node of each side-call reply with its kind (never trained).
+        self.side_calls: dict[str, int] = {}
+        self.side_nodes: dict[int, str] = {}
         # The last committed turn's node and its request: a request that repeats that request and adds the
         # reply is matched by one digest instead of a walk over the tree.
         self._cursor: tuple[int, _RequestPrefix] | None = None
@@ -282,16 +287,17 @@ class Trace:
         *,
         response_id: str,
         request_key: str | None = None,
+        side_call: str | None = None,
     ) -> list[Turn]:
         """Record the replies sampled for one prepared request, in one operation so their turns are
         consecutive: each choice is ``(sampled, message, finish_reason, options)``, where ``options`` is
         what the request set for the turn (``chat_template_kwargs``, the ``stop_reason``), kept with it. The
-        replies of one prompt become sibling branches.
+        replies of one prompt become sibling branches; of a ``side_call`` (its kind), non-trainable ones.
 
         Raises:
             as ``commit``.
         """
-        return await self._call(self._commit_choices, prepared, choices, response_id, request_key)
+        return await self._call(self._commit_choices, prepared, choices, response_id, request_key, side_call)
 
     async def seal(self) -> None:
         """Refuse further turns (queued operations still run first)."""
@@ -341,6 +347,7 @@ class Trace:
             "errors": list(self.errors),
             "stats": vars(self.stats) | {"branches": len(self.leaves()), "nodes": len(self.nodes) - 1},
             "ignored": dict(self.ignored),
+            "side_calls": dict(self.side_calls),
             "nodes": [
                 {
                     "id": node.id,
@@ -551,6 +558,7 @@ class Trace:
         options: dict[str, Any] | None = None,
         *,
         replay_count: int = 1,
+        side_call: str | None = None,
     ) -> Turn:
         self._check_open()
         if not len(sampled.token_ids) == len(sampled.logprobs) == len(sampled.policy_versions) or (
@@ -582,7 +590,12 @@ class Trace:
             expert_rows(experts, start, total),
             sampled=sampled,
             tools_key=prepared._tools_key,
+            side_call=side_call,
         )
+        if side_call is not None:
+            self.side_nodes[node] = side_call
+            self.side_calls[side_call] = self.side_calls.get(side_call, 0) + 1
+            self.stats.side_calls += 1
         if experts is not None and len(sampled.routed_experts) == total - 1:
             self._padded_routes.add(node)
         self._latest_sampled = max(self._latest_sampled, node)
@@ -613,6 +626,7 @@ class Trace:
         choices: list[tuple[Sampled, dict[str, Any], str, dict[str, Any] | None]],
         response_id: str,
         request_key: str | None,
+        side_call: str | None = None,
     ) -> list[Turn]:
         turns = []
         for index, (sampled, message, finish_reason, options) in enumerate(choices):
@@ -627,6 +641,7 @@ class Trace:
                     key,
                     options,
                     replay_count=len(choices),
+                    side_call=side_call,
                 )
             )
         return turns
@@ -652,8 +667,10 @@ class Trace:
         *,
         sampled: Sampled | None = None,
         tools_key: bytes | None = None,
+        side_call: str | None = None,
     ) -> int:
-        """The child of ``parent`` with this message and these tokens: an existing one, else a new one."""
+        """The child of ``parent`` with this message and these tokens: an existing one, else a new one (a
+        side call's reply never shares a node with a trainable reply)."""
         store = self._store
         encoded = encode_message(message)
         for child in store.children(parent):
@@ -661,6 +678,7 @@ class Trace:
                 store.num_tokens(child) == len(token_ids)
                 and store.num_prompt[child] == num_prompt
                 and store.sampled(child) == (sampled is not None)
+                and self.side_nodes.get(child) == side_call
                 and store.same_message(child, message, encoded)
                 and store.token_ids(child) == token_ids
             ):

@@ -141,6 +141,8 @@ class DecodedRequest:
     unknown_fields: list[str] = field(default_factory=list)
     # Known fields whose value the proxy cannot enforce and leaves aside (``tool_choice``).
     ignored_values: list[str] = field(default_factory=list)
+    # Set by the proxy's admission: the side-call kind (``rollflow.tito.side_calls``), None when trainable.
+    side_call: str | None = None
 
 
 def decode_request(body: bytes, *, strict: bool = False, max_n: int = 16) -> DecodedRequest:

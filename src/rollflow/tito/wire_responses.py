@@ -55,6 +55,8 @@ class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    # A ``namespace`` tool's function tools (Codex CLI groups its sub-agent tools so).
+    tools: list[FunctionTool] | None = None
 
 
 class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

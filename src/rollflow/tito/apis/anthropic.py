@@ -118,7 +118,7 @@ async def create_message(proxy: TITOProxy, request: web.Request) -> web.StreamRe
         return MessageStream(chat, response_id, session.token, model_name=model_name, renderer=proxy.renderer)
 
     answer = await serve_turn(
-        proxy, request, session, body, DecodedRequest(chat, unknown, ignored), writer_for
+        proxy, request, session, body, DecodedRequest(chat, unknown, ignored), writer_for, api="messages"
     )
     if isinstance(answer, web.StreamResponse):
         return answer
@@ -135,7 +135,8 @@ async def count_tokens(proxy: TITOProxy, request: web.Request) -> web.StreamResp
     body = await proxy.read_body(request)
     wire, _ = decode_body(body, MessagesRequest, strict=proxy.strict_requests)
     chat = to_chat(wire, session, strict=proxy.strict_requests, ignored=[])
-    if chat.model != proxy.settings.model_name:
+    side_model = proxy.side_calls is not None and proxy.side_calls.model_kind(chat.model) is not None
+    if chat.model != proxy.settings.model_name and not side_model:
         raise RequestError(
             f"model {chat.model!r} is not served here; use {proxy.settings.model_name!r}",
             status=404,
@@ -179,14 +180,19 @@ def to_chat(
             messages += _user_messages(message.content, where, call_ids)
         elif message.role == "assistant":
             messages.append(_assistant_message(message.content, where, call_ids, session.token))
+        elif message.role == "system":
+            # A system message inside the conversation (Claude Code sends them, beta
+            # "mid-conversation-system"): a system turn where it stands, as the chat template renders one.
+            messages.append(ChatMessage(role="system", content=_text(message.content, f"{where}.content")))
         else:
-            raise refuse(f"{where}.role", f"must be user or assistant, got {message.role!r}")
+            raise refuse(f"{where}.role", f"must be user, assistant or system, got {message.role!r}")
     kwargs = dict(wire.chat_template_kwargs or {})
     if wire.thinking is not None:
         kind = wire.thinking.get("type")
-        if kind not in ("enabled", "disabled"):
-            raise refuse("thinking.type", f"must be 'enabled' or 'disabled', got {kind!r}")
-        kwargs["enable_thinking"] = kind == "enabled"
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise refuse("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+        if kind != "adaptive":  # adaptive: the model decides, so the template's own default applies
+            kwargs["enable_thinking"] = kind == "enabled"
         if "budget_tokens" in wire.thinking:
             leave_aside(
                 ignored, "thinking.budget_tokens", "a thinking budget cannot be enforced", strict=strict

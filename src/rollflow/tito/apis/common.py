@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Callable
@@ -121,8 +122,10 @@ async def serve_turn(
     body: bytes,
     decoded: DecodedRequest,
     writer_for: Callable[[str, int], TurnWriter],
+    *,
+    api: str,
 ) -> web.StreamResponse | list[Turn]:
-    """Admit a translated request (``TITOProxy.admit``: prompt size, model, idempotency; counting what it
+    """Admit a translated request of ``api`` ("responses", "messages") (``TITOProxy.admit``: prompt size, model, idempotency; counting what it
     ignores) and run its turn: streamed by ``writer_for``'s writer, else the recorded turns.
 
     Raises:
@@ -131,9 +134,45 @@ async def serve_turn(
     """
     headers = request.headers
     key, is_retry = proxy.admit(
-        session, decoded, body, headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
+        session,
+        decoded,
+        body,
+        headers.get("Idempotency-Key"),
+        headers.get("x-stainless-retry-count"),
+        api=api,
+        headers=headers,
     )
-    chat = decoded.request
+    chat, side = decoded.request, decoded.side_call
     if chat.stream:
-        return await stream_turn(request, session, chat, key, is_retry, writer_for)
-    return await session.complete(chat, request_key=key, is_retry=is_retry)
+        return await stream_turn(request, session, chat, key, is_retry, writer_for, side_call=side)
+    return await session.complete(chat, request_key=key, is_retry=is_retry, side_call=side)
+
+
+def thinking_switch_unused(strict: bool) -> str:
+    """The ignored value's name for ``chat_template_kwargs.enable_thinking`` on a renderer without that switch
+    (its template ignores the key, as vLLM's does: many agent configs send it to every model).
+
+    Raises:
+        RequestError: ``strict`` (``agent.strict_requests``) refuses it instead.
+    """
+    param = "chat_template_kwargs.enable_thinking"
+    if strict:
+        raise RequestError(
+            f"{param}: this model's renderer has no thinking switch (agent.strict_requests is on; turn it off to "
+            "ignore it, or leave it unset)",
+            param=param,
+            code="unsupported_value",
+        )
+    return param
+
+
+def request_key(idempotency_key: str | None, retry_count: str | None, body: bytes) -> tuple[str | None, bool]:
+    """(key, is_retry): an ``Idempotency-Key`` names a request across retries; otherwise the openai SDK's
+    ``x-stainless-retry-count`` marks retries, recognized by an identical body. Unmarked identical bodies
+    are new requests (an agent may legitimately repeat one)."""
+    if idempotency_key:
+        return "key:" + idempotency_key, True
+    if retry_count is None:
+        return None, False
+    digest = hashlib.blake2b(body, digest_size=16).hexdigest()
+    return "body:" + digest, retry_count.strip() not in ("", "0")

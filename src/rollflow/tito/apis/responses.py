@@ -80,7 +80,7 @@ async def create_response(proxy: TITOProxy, request: web.Request) -> web.StreamR
             wire, chat, response_id, created, model_name=model_name, renderer=proxy.renderer, on_turn=recorded
         )
 
-    answer = await serve_turn(proxy, request, session, body, decoded, writer_for)
+    answer = await serve_turn(proxy, request, session, body, decoded, writer_for, api="responses")
     if isinstance(answer, web.StreamResponse):
         return answer
     (turn,) = answer
@@ -131,7 +131,7 @@ def to_chat(
     chat = ChatCompletionRequest(
         model=wire.model,
         messages=messages,
-        tools=[_tool(i, tool) for i, tool in enumerate(wire.tools or ())] or None,
+        tools=_tools(wire.tools or (), strict=strict, ignored=ignored) or None,
         tool_choice=_tool_choice(wire.tool_choice),
         parallel_tool_calls=wire.parallel_tool_calls,
         temperature=wire.temperature,
@@ -264,12 +264,27 @@ def _input_messages(items: list[InputItem], before: list[ChatMessage]) -> list[C
     return out
 
 
-def _tool(index: int, tool: Any) -> Tool:
-    if tool.type != "function" or not tool.name:
-        raise refuse(
-            f"tools[{index}].type", f"only function tools with a name are supported, got {tool.type!r}"
-        )
-    return Tool(FunctionDef(tool.name, tool.description, tool.parameters, tool.strict))
+def _tools(tools: Any, *, strict: bool, ignored: list[str], where: str = "tools") -> list[Tool]:
+    """Function tools as the model sees them: a ``namespace``'s tools each in its place; tools that OpenAI's
+    servers run (``web_search``, ``file_search``, ``mcp``, ...) cannot run here and are left out, counted (or,
+    strict, refused)."""
+    out: list[Tool] = []
+    for index, tool in enumerate(tools):
+        here = f"{where}[{index}]"
+        if tool.type == "function" and tool.name:
+            out.append(Tool(FunctionDef(tool.name, tool.description, tool.parameters, tool.strict)))
+        elif tool.type == "namespace" and tool.tools:
+            out += _tools(tool.tools, strict=strict, ignored=ignored, where=f"{here}.tools")
+        elif tool.type in ("function", "namespace"):
+            raise refuse(f"{here}.name", f"a {tool.type} tool needs a name (and a namespace its tools)")
+        else:
+            leave_aside(
+                ignored,
+                f"{here}.type",
+                f"{tool.type!r} tools run on OpenAI's servers, not here (only function tools are served)",
+                strict=strict,
+            )
+    return out
 
 
 def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:

@@ -99,8 +99,11 @@ async def stream_turn(
     request_key: str | None,
     is_retry: bool,
     writer_for: Callable[[str, int], TurnWriter],
+    *,
+    side_call: str | None = None,
 ) -> web.StreamResponse:
-    """Stream one turn: ``writer_for(response_id, created)`` writes its events as tokens arrive.
+    """Stream one turn (``side_call``: its side-call kind, see ``Session.complete``):
+    ``writer_for(response_id, created)`` writes its events as tokens arrive.
 
     Parsing backs off (``PARSE_BACKOFF``), so that it stays a small share of the time however long the reply
     grows. A request refused before its first token is answered as a JSON error (raised); after, the error
@@ -115,7 +118,9 @@ async def stream_turn(
         woke.set()
 
     turn_task = asyncio.ensure_future(
-        session.complete(chat, request_key=request_key, is_retry=is_retry, on_tokens=on_tokens)
+        session.complete(
+            chat, request_key=request_key, is_retry=is_retry, on_tokens=on_tokens, side_call=side_call
+        )
     )
     try:
         await _until(turn_task, woke)
