@@ -18,13 +18,9 @@ from .helpers.vllm_server import MODULE_ENTRY_POINT, PYTHON_ENV, SERVER_ENV, SKI
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
-@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
-def test_a_run_starts_its_vllm_server_and_pushes_each_step_into_it(transport: str, tmp_path) -> None:
-    python = os.environ.get(PYTHON_ENV)
-    if not python:  # ROLLFLOW_VLLM_URL alone names a running server; this test starts its own
-        pytest.skip(SKIP_REASON)
-    steps = int(os.environ.get("ROLLFLOW_VLLM_TRAIN_STEPS", "3"))
-    overrides = {
+def managed_vllm(python: str) -> dict[str, str]:
+    """Overrides of a run on one vLLM server it starts from ``python``'s environment (float32, tiny-h32)."""
+    return {
         "model.path": "'rollflow:tiny-h32'",
         "inference.mode": "'http'",
         "inference.engine": "'vllm'",
@@ -32,6 +28,17 @@ def test_a_run_starts_its_vllm_server_and_pushes_each_step_into_it(transport: st
         "inference.dtype": "'float32'",
         "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
         "inference.router_port": "0",
+    }
+
+
+@pytest.mark.parametrize("transport", sorted(TRANSPORTS))
+def test_a_run_starts_its_vllm_server_and_pushes_each_step_into_it(transport: str, tmp_path) -> None:
+    python = os.environ.get(PYTHON_ENV)
+    if not python:  # ROLLFLOW_VLLM_URL alone names a running server; this test starts its own
+        pytest.skip(SKIP_REASON)
+    steps = int(os.environ.get("ROLLFLOW_VLLM_TRAIN_STEPS", "3"))
+    overrides = {
+        **managed_vllm(python),
         **TRANSPORTS[transport],
         "orchestrator.steps": str(steps),
         "orchestrator.prompts_per_step": "4",
@@ -57,13 +64,7 @@ def test_the_quickstart_learns_on_a_managed_vllm_server_fed_by_gloo_broadcast(tm
     if not python:
         pytest.skip(SKIP_REASON)
     overrides = {
-        "model.path": "'rollflow:tiny-h32'",
-        "inference.mode": "'http'",
-        "inference.engine": "'vllm'",
-        "inference.num_servers": "1",
-        "inference.dtype": "'float32'",
-        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.router_port": "0",
+        **managed_vllm(python),
         **TRANSPORTS["gloo"],
         "checkpoint.every": "0",
     }
@@ -92,13 +93,7 @@ def test_a_fully_async_run_on_vllm_killed_mid_run_resumes_exactly_once_per_promp
         pytest.skip(SKIP_REASON)
     steps, prompts_per_step = 10, 4
     overrides = {
-        "model.path": "'rollflow:tiny-h32'",
-        "inference.mode": "'http'",
-        "inference.engine": "'vllm'",
-        "inference.num_servers": "1",
-        "inference.dtype": "'float32'",
-        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.router_port": "0",
+        **managed_vllm(python),
         **TRANSPORTS["gloo"],
         "orchestrator.mode": "'fully_async'",
         "orchestrator.steps": str(steps),
