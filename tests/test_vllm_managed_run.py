@@ -123,7 +123,12 @@ def test_a_fully_async_run_on_vllm_killed_mid_run_resumes_exactly_once_per_promp
             "step 6 of the first run",
             timeout_s=3000,
         )
-        assert process.poll() is None, process.stderr.read()[-3000:]
+        if process.poll() is not None:
+            logs = sorted(run_dir.rglob("server-*.log"))
+            server_log = logs[0].read_text()[-4000:] if logs else "(no server log)"
+            raise AssertionError(
+                f"{process.stderr.read()[-3000:]}\n--- vLLM server log, last lines:\n{server_log}"
+            )
         children = descendants(process.pid)
         assert any("vllm" in cmd for _, cmd in children.values()), children
     finally:
