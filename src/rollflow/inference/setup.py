@@ -55,10 +55,24 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
             max_batch_size=config.inference.max_batch_size,
             max_model_len=config.inference.max_model_len,
             return_routed_experts=config.inference.return_routed_experts,
+            adapter_versions=adapter_versions(config),
         )
         for _ in range(config.inference.num_engines)
     ]
     return LocalInferenceClient(engines)
+
+
+def adapter_versions(config: RunConfig) -> int:
+    """LoRA versions each torch engine keeps unmerged: ``orchestrator.max_staleness + 1`` in the async modes
+    with ``[trainer.lora]``, so a request started on version k finishes on k (``rollflow.inference.engine
+    .adapter_versions``); 0 (each push merged) otherwise, where no request outlives a version."""
+    if (
+        config.trainer.lora is None
+        or config.orchestrator.mode == "sync"
+        or config.inference.engine != "torch"
+    ):
+        return 0
+    return config.orchestrator.max_staleness + 1
 
 
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
@@ -74,6 +88,8 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
         "api_key": api_key,
         "extra_args": list(inference.server_args),
     }
+    if versions := adapter_versions(config):
+        options["extra_args"] = ["--adapter-versions", str(versions), *inference.server_args]
     strategy = config.weight_sync.resolved_strategy(inference.mode)
     gloo = strategy == "broadcast" and config.weight_sync.backend == "gloo"
     if inference.engine == "vllm" and (strategy == "checkpoint" or gloo):

@@ -179,6 +179,7 @@ class EngineServer(EngineServerAdmin):
         return_routed_experts: bool = False,
         device: str = "auto",
         logprobs_mode: str = "processed_logprobs",
+        adapter_versions: int = 0,
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
@@ -187,6 +188,7 @@ class EngineServer(EngineServerAdmin):
         ``return_routed_experts`` (MoE models): generate responses carry each choice's ``routed_experts``.
         ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``; the engine computes in float32.
         ``logprobs_mode``: vLLM's ``--logprobs-mode`` (``TorchEngine``'s ``logprobs_mode``).
+        ``adapter_versions``: LoRA versions kept unmerged (``TorchEngine``'s; 0 merges each push).
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
@@ -215,6 +217,7 @@ class EngineServer(EngineServerAdmin):
             max_model_len=max_model_len,
             return_routed_experts=return_routed_experts,
             logprobs_mode=logprobs_mode,
+            adapter_versions=adapter_versions,
         )
         try:
             renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))

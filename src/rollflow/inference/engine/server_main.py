@@ -33,6 +33,7 @@ async def serve(
     http_limits: HttpLimits | None = None,
     device: str = "auto",
     logprobs_mode: str = "processed_logprobs",
+    adapter_versions: int = 0,
     ready: Callable[[dict[str, Any]], None] | None = None,
     request_limits: RequestLimits | None = None,
 ) -> None:
@@ -59,6 +60,7 @@ async def serve(
             http_limits=http_limits,
             device=device,
             logprobs_mode=logprobs_mode,
+            adapter_versions=adapter_versions,
             request_limits=request_limits,
         )
     except RollflowError:
@@ -111,6 +113,7 @@ def main(args: Any) -> int:
             http_limits=limits_from_flags(args),
             device=args.device,
             logprobs_mode=args.logprobs_mode,
+            adapter_versions=args.adapter_versions,
             ready=eventloop.announce_ready,  # model loaded
             request_limits=RequestLimits(
                 max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens
