@@ -105,3 +105,36 @@ async def test_unmerged_serving_matches_merged_serving(base_model):
 
         AdapterVersions(base_model, 0)
     assert torch.equal(base_model.lm_head.weight, base_model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["orchestrator.mode='fully_async'", "orchestrator.max_staleness=2", "trainer.lora.rank=4"], 3),
+        (["orchestrator.mode='one_step'", "trainer.lora.rank=4"], 3),
+        (["orchestrator.mode='sync'", "trainer.lora.rank=4"], 0),
+        (["orchestrator.mode='fully_async'"], 0),
+    ],
+)
+def test_async_lora_runs_give_the_engines_max_staleness_plus_one_versions(overrides, expected):
+    from rollflow.config import load_config
+    from rollflow.inference.setup import adapter_versions, server_options
+
+    config = load_config([], overrides)
+    assert adapter_versions(config) == expected
+    extra = server_options(config, None)["extra_args"]
+    assert (extra[:2] == ["--adapter-versions", str(expected)]) == bool(expected)
+
+
+def test_a_negative_adapter_versions_flag_is_refused_naming_it():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "rollflow", "serve", "--model", "rollflow:tiny", "--adapter-versions", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "--adapter-versions" in result.stderr and "non-negative" in result.stderr
