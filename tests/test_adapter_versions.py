@@ -18,7 +18,9 @@ from rollflow.models.loading import load_causal_lm
 from .test_adapter_stack import random_adapter
 
 PROMPT = [5, 17, 42, 99, 3]
-LONG = SamplingParams(max_tokens=24, temperature=1.0, seed=11)
+# Long enough to be still decoding when the test pauses the engine (each test checks that it is).
+LONG = SamplingParams(max_tokens=600, temperature=1.0, seed=11)
+SAME = 48
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def base_model(tiny_model_dir):
 
 
 def engine_of(base_model, **options) -> TorchEngine:
-    return TorchEngine(copy.deepcopy(base_model), max_batch_size=4, max_model_len=128, **options)
+    return TorchEngine(copy.deepcopy(base_model), max_batch_size=4, max_model_len=640, **options)
 
 
 async def alone_on(base_model, adapter, version: int) -> list[int]:
@@ -48,6 +50,7 @@ async def test_a_request_started_on_version_k_finishes_on_k(base_model):
         stream = engine.generate_stream(GenerateRequest(PROMPT, LONG))
         head = await anext(stream)  # running now, on version 1
         await engine.pause("keep")
+        assert engine.num_running == 1, "the request finished before the push: make LONG longer"
         await engine.load_weights(list(second.items()), policy_version=2)
         await engine.resume()
         chunks = [head] + [chunk async for chunk in stream]
@@ -58,11 +61,12 @@ async def test_a_request_started_on_version_k_finishes_on_k(base_model):
     versions = [version for chunk in chunks for version in chunk.policy_versions]
     assert len(tokens) == LONG.max_tokens and len(head.token_ids) < LONG.max_tokens
     assert set(versions) == {1}
-    assert tokens == await alone_on(base_model, first, 1)
+    # The first tokens: unmerged and merged round differently, which over hundreds of samples could flip one.
+    assert tokens[:SAME] == (await alone_on(base_model, first, 1))[:SAME]
     assert set(fresh.policy_versions) == {2}
-    assert fresh.token_ids == await alone_on(base_model, second, 2)
+    assert fresh.token_ids[:SAME] == (await alone_on(base_model, second, 2))[:SAME]
     # The two versions sample differently: the checks above tell them apart.
-    assert fresh.token_ids != tokens
+    assert fresh.token_ids[:SAME] != tokens[:SAME]
 
 
 async def test_a_push_with_every_version_still_decoding_fails_naming_the_setting(base_model):
@@ -72,11 +76,13 @@ async def test_a_push_with_every_version_still_decoding_fails_naming_the_setting
         one = engine.generate_stream(GenerateRequest(PROMPT, LONG))
         await anext(one)
         await engine.pause("keep")
+        assert engine.num_running == 1
         await engine.load_weights(list(random_adapter(base_model, 2).items()), policy_version=2)
         await engine.resume()
         two = engine.generate_stream(GenerateRequest(PROMPT, LONG))
         await anext(two)
         await engine.pause("keep")
+        assert engine.num_running == 2
         with pytest.raises(EngineError, match="--adapter-versions"):
             await engine.load_weights(list(random_adapter(base_model, 3).items()), policy_version=3)
         assert engine.policy_version == 2  # the refused push changed nothing
@@ -98,7 +104,7 @@ async def test_unmerged_serving_matches_merged_serving(base_model):
         checksums = engine.adapter_checksums()
     finally:
         await engine.shutdown()
-    assert output.token_ids == await alone_on(base_model, adapter, 1)
+    assert output.token_ids[:SAME] == (await alone_on(base_model, adapter, 1))[:SAME]
     assert sorted(checksums) == sorted(adapter)
     with pytest.raises(ValueError, match="adapter_versions must be >= 1"):
         from rollflow.inference.engine.adapter_versions import AdapterVersions
