@@ -110,9 +110,10 @@ def test_adapters_on_the_projections_alone_leave_the_output_near_uniform(base_mo
     assert entropy > math.log(base_model.config.vocab_size) - 0.05
 
 
-def test_the_engine_samples_from_the_adapted_model_not_the_base(base_model):
-    """The adapter (the head's included) reaches the engine: its logprobs are the trainer's with the adapter
-    on, and far from the trainer's with it off."""
+@pytest.mark.parametrize("adapter_versions", [0, 3], ids=["merged", "unmerged"])
+def test_the_engine_samples_from_the_adapted_model_not_the_base(base_model, adapter_versions):
+    """The adapter (the head's included) reaches the engine, merged (sync runs) or unmerged (async runs): its
+    logprobs are the trainer's with the adapter on, and far from the trainer's with it off."""
     from rollflow.inference.engine.engine import TorchEngine
 
     lora, _ = quickstart_lora()
@@ -120,7 +121,9 @@ def test_the_engine_samples_from_the_adapted_model_not_the_base(base_model):
     for seed in range(3):
         batch = pack_for_trainer(make_batch(base_model, seed=seed), trainer.config, 1)
         assert trainer.train_step(batch).updated
-    engine = TorchEngine(copy.deepcopy(base_model), max_batch_size=4, max_model_len=256)
+    engine = TorchEngine(
+        copy.deepcopy(base_model), max_batch_size=4, max_model_len=256, adapter_versions=adapter_versions
+    )
 
     async def sample() -> list:
         await engine.load_weights(list(trainer.named_weights()), policy_version=3)
