@@ -105,6 +105,8 @@ def learning(schedules: list[str], loras: list[tuple[int, float]], steps: int, t
                 "last10_reward": statistics.fmean(rewards[-WINDOW:]),
                 "first5_reward": statistics.fmean(rewards[:5]),
                 "logprob_mismatch_max": max(mismatch, default=math.nan),
+                # Steps with on-policy tokens (sampled by the weights trained): in fully_async only the first.
+                "logprob_mismatch_steps": len(mismatch),
                 "wall_s": elapsed,
             }
             if baseline is None:
