@@ -106,6 +106,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
+    return value
+
+
 def _add_http_limits(parser: argparse.ArgumentParser) -> None:
     """Flags of ``rollflow.http.limits.HttpLimits`` (the config keys ``inference.http_*``)."""
     from rollflow.http.limits import HttpLimits
@@ -195,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM's flag: processed_logprobs (default) reports the logprob of the distribution each token was "
         "drawn from (after temperature and top-k/top-p), what the trainer recomputes; raw_logprobs reports "
         "log_softmax(logits) before both, like a vLLM started without the flag (for tests)",
+    )
+    serve.add_argument(
+        "--adapter-versions",
+        type=_non_negative_int,
+        default=0,
+        help="LoRA adapter versions kept unmerged, each request decoding to its end on the version it started "
+        "on; 0 (default) merges each adapter push into the weights served",
     )
     serve.add_argument(
         "--max-request-sequences",

@@ -31,7 +31,9 @@ class LoraConfig(Section):
     expression (``model\\.layers\\.[01]\\..*_proj``). Every entry must match at least one ``Linear``. The
     output head is adapted only by an entry ``lm_head`` (then the logits are computed whole, not in
     ``logprob_chunk_tokens`` chunks); its adapter changes the logits directly, and a tied head is untied
-    where the adapter is merged (engine, ``--merge``)."""
+    where the adapter is merged (engine, ``--merge``). A model whose head was never trained (the random-init
+    ``rollflow:tiny``) needs ``lm_head`` here: adapters on the projections alone cannot move its near-uniform
+    output (``examples/quickstart_lora.toml``)."""
     init: Literal["default", "gaussian"] = "default"
     """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""

@@ -56,6 +56,7 @@ def _build_local_client(config: RunConfig) -> LocalInferenceClient:
             max_model_len=config.inference.max_model_len,
             return_routed_experts=config.inference.return_routed_experts,
             max_request_share=config.inference.max_request_share,
+            adapter_versions=adapter_versions(config),
         )
         for _ in range(config.inference.num_engines)
     ]
@@ -68,6 +69,19 @@ CHUNK_FLAG = "--max-num-batched-tokens"
 
 def _sets_flag(args: list[str] | tuple[str, ...], flag: str) -> bool:
     return any(arg == flag or arg.startswith(flag + "=") for arg in args)
+
+
+def adapter_versions(config: RunConfig) -> int:
+    """LoRA versions each torch engine keeps unmerged: ``orchestrator.max_staleness + 1`` in the async modes
+    with ``[trainer.lora]``, so a request started on version k finishes on k (``rollflow.inference.engine
+    .adapter_versions``); 0 (each push merged) otherwise, where no request outlives a version."""
+    if (
+        config.trainer.lora is None
+        or config.orchestrator.mode == "sync"
+        or config.inference.engine != "torch"
+    ):
+        return 0
+    return config.orchestrator.max_staleness + 1
 
 
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
@@ -93,6 +107,8 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
             # reaches within a few steps; a budget holding every slot's longest prompt keeps prefills whole.
             budget = str(inference.max_batch_size * inference.max_model_len)
             options["extra_args"] = [CHUNK_FLAG, budget, *inference.server_args]  # the user's stay last
+    if versions := adapter_versions(config):
+        options["extra_args"] = ["--adapter-versions", str(versions), *inference.server_args]
     strategy = config.weight_sync.resolved_strategy(inference.mode)
     gloo = strategy == "broadcast" and config.weight_sync.backend == "gloo"
     if inference.engine == "vllm" and (strategy == "checkpoint" or gloo):

@@ -107,7 +107,12 @@ class AdapterMerge:
 
     def checksums(self) -> dict[str, str]:
         """SHA-256 of each adapter tensor's bytes, as held: ``{name: hex}``."""
-        return {
-            name: hashlib.sha256(tensor.to("cpu").contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            for name, tensor in sorted(self.adapter.items())
-        }
+        return adapter_checksums(self.adapter)
+
+
+def adapter_checksums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """SHA-256 of each tensor's bytes: ``{name: hex}``, by name."""
+    return {
+        name: hashlib.sha256(tensor.to("cpu").contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, tensor in sorted(tensors.items())
+    }

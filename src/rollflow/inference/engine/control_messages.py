@@ -73,7 +73,7 @@ class EngineControlMessages:
                 )
                 return
             try:
-                self._load(named_tensors)
+                self._load(named_tensors, policy_version)
             except EngineError as exc:
                 reply.send(error=exc)
             else:
@@ -153,10 +153,23 @@ class EngineControlMessages:
         self._reply_drained()
         return aborted
 
-    def _load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _load(self, named_tensors: list[tuple[str, torch.Tensor]], policy_version: int) -> None:
         state = self.model.state_dict(keep_vars=True)
-        # LoRA adapter tensors become the merged weights of their modules (adapters.py).
         adapter = [(name, tensor) for name, tensor in named_tensors if is_adapter_name(name)]
+        if adapter and self._adapter_versions is not None:
+            # Unmerged: a new slot for this version; sequences running keep theirs (adapter_versions.py).
+            held = [
+                s.adapter_slot for s in (*self._slots, *self._waiting) if s is not None and s.adapter_slot
+            ]
+            self._adapter_versions.put(adapter, policy_version, held)
+            self._weights_generation += 1  # prefixes cached under the older adapter are not this one's
+            self._cached_prefixes.clear()
+            self._cached_routes.clear()
+            named_tensors = [(name, tensor) for name, tensor in named_tensors if not is_adapter_name(name)]
+            if not named_tensors:
+                return
+            adapter = []
+        # LoRA adapter tensors become the merged weights of their modules (adapters.py).
         if adapter:
             named_tensors = [(name, tensor) for name, tensor in named_tensors if not is_adapter_name(name)]
             full = dict(named_tensors)

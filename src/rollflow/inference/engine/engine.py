@@ -76,6 +76,7 @@ import torch
 
 from rollflow.errors import ContextLengthExceededError, EngineDeadError, EngineError
 from rollflow.inference.client import PAUSE_MODES, LogprobsMode, PauseMode
+from rollflow.inference.engine.adapter_versions import AdapterVersions
 from rollflow.inference.engine.adapters import AdapterMerge
 from rollflow.inference.engine.control_messages import SLEEP_MEMORY_TAGS, EngineControlMessages
 from rollflow.inference.engine.model_runner import ModelRunner
@@ -114,6 +115,9 @@ class TorchEngine(EngineControlMessages, EngineSteps):
             distribution each token was drawn from (after temperature, renormalised over the tokens top-k/top-p
             kept), what the trainer recomputes. ``raw_logprobs``: ``log_softmax(logits)`` before temperature
             and truncation, as vLLM returns by default; only to emulate such a server (tests).
+        adapter_versions: 0 merges each LoRA adapter push into the weights it serves (one version at a time);
+            N > 0 keeps the last N versions unmerged, and a request decodes to its end on the version it
+            started on (``adapter_versions.py``).
 
     Stops only on ``SamplingParams.stop_token_ids`` (callers pass the tokenizer's eos there); the stop token is
     part of ``token_ids``. Logprobs are ``log_softmax(logits / temperature)`` at the sampled token over the
@@ -153,6 +157,7 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         return_routed_experts: bool = False,
         logprobs_mode: LogprobsMode = "processed_logprobs",
         max_request_share: float | None = None,
+        adapter_versions: int = 0,
     ):
         if max_request_share is not None and not 0 < max_request_share <= 1:
             raise ValueError(f"max_request_share must be in (0, 1] or None, got {max_request_share}")
@@ -208,6 +213,11 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         self._cached_prefixes: dict[int, list[int]] = {}
         # LoRA pushes: unmerged base copies of the adapted modules and the adapter as received (adapters.py).
         self._adapters = AdapterMerge()
+        # adapter_versions > 0: adapters unmerged instead, that many versions in flight (adapter_versions.py).
+        self._adapter_versions: AdapterVersions | None = None
+        if adapter_versions:
+            self._adapter_versions = AdapterVersions(model, adapter_versions)
+            self.runner.adapter_stack = self._adapter_versions.stack
         self._weights_generation = (
             0  # += 1 at every load of new weights (see EngineSequence.weights_generation)
         )
@@ -413,6 +423,8 @@ class TorchEngine(EngineControlMessages, EngineSteps):
     def adapter_checksums(self) -> dict[str, str]:
         """SHA-256 of each LoRA adapter tensor the engine serves, as it arrived: ``{name: hex}`` (empty
         before any adapter load). Read between loads (the weight barrier pauses the engine around them)."""
+        if self._adapter_versions is not None:
+            return self._adapter_versions.checksums()
         return self._adapters.checksums()
 
     @property

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rollflow.errors import EngineError
+from rollflow.inference.engine.adapter_stack import HEAD, AdapterStack
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # RoPE variants whose cos/sin depend on the sequence length; a fixed table cannot reproduce them.
@@ -188,6 +189,10 @@ class ModelRunner:
             self._row_offsets = (slots * 2 * self.num_kv_heads + heads) * max_model_len
             self._key_index = torch.arange(max_model_len, device=self.device)
         self._layers: list[_LayerWeights] = []
+        #: Unmerged LoRA (``adapter_stack``): the stack, and each row's slot in the next forward (one slot for
+        #: every row, or a ``[rows]`` tensor); set by the caller before ``prefill``/``extend``/``decode``.
+        self.adapter_stack: AdapterStack | None = None
+        self.adapter_rows: torch.Tensor | int = 0
         # Set while the weights are released (sleep): name -> (CPU copy or None when discarded, shape).
         self._released_weights: dict[str, tuple[torch.Tensor | None, torch.Size]] | None = None
         self.refresh_weights()
@@ -448,22 +453,33 @@ class ModelRunner:
         qk_heads = q_heads + kv_heads
         hidden_shape = (self.hidden_size,)
         act = self._act
+        stack, rows = self.adapter_stack, self.adapter_rows
         routes: list[torch.Tensor] | None = [] if self.record_routed_experts else None
         for index, w in enumerate(self._layers):
             h = F.rms_norm(x, hidden_shape, w.input_norm, w.input_norm_eps)
-            qkv = F.linear(h, w.qkv_weight, w.qkv_bias).view(n, seq_len, qk_heads + kv_heads, head_dim)
+            qkv = F.linear(h, w.qkv_weight, w.qkv_bias)
+            if stack is not None:
+                qkv = stack.add(qkv, h, (index, "qkv"), rows)
+            qkv = qkv.view(n, seq_len, qk_heads + kv_heads, head_dim)
             qk = qkv[:, :, :qk_heads]
             if w.qk_norm is not None:
                 qk = F.rms_norm(qk, (head_dim,), None, w.qk_norm_eps) * w.qk_norm
             qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
             attn = attend(index, qk[:, :, :q_heads], qk[:, :, q_heads:], qkv[:, :, qk_heads:])
-            x = x + F.linear(attn, w.o_weight, w.o_bias)
+            out = F.linear(attn, w.o_weight, w.o_bias)
+            x = x + (out if stack is None else stack.add(out, attn, (index, "o"), rows))
             h = F.rms_norm(x, hidden_shape, w.post_norm, w.post_norm_eps)
             if w.router_weight is not None:
                 x = x + self._moe(h.view(n * seq_len, -1), w, routes).view_as(x)
                 continue
-            gate, up = F.linear(h, w.gate_up_weight, w.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(act(gate) * up, w.down_weight, w.down_bias)
+            gate_up = F.linear(h, w.gate_up_weight, w.gate_up_bias)
+            if stack is None:
+                gate, up = gate_up.chunk(2, dim=-1)
+                x = x + F.linear(act(gate) * up, w.down_weight, w.down_bias)
+                continue
+            gate, up = stack.add(gate_up, h, (index, "gate_up"), rows).chunk(2, dim=-1)
+            inner = act(gate) * up
+            x = x + stack.add(F.linear(inner, w.down_weight, w.down_bias), inner, (index, "down"), rows)
         if routes is not None:
             self.last_routed_experts = torch.stack(routes, dim=1).view(n, seq_len, len(routes), -1)
         return x
@@ -489,4 +505,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = F.rms_norm(hidden, (self.hidden_size,), self._final_norm, self._final_norm_eps)
-        return F.linear(hidden, self._lm_head, self._lm_head_bias)
+        logits = F.linear(hidden, self._lm_head, self._lm_head_bias)
+        if self.adapter_stack is None:
+            return logits
+        return self.adapter_stack.add(logits, hidden, (-1, HEAD), self.adapter_rows)

@@ -121,6 +121,10 @@ class EngineSequence:
     # The engine's weights generation at admission: keys and values computed under older weights (a request
     # kept running through a weight update) never become a cached prefix.
     weights_generation: int = 0
+    # Unmerged adapters (``adapter_versions.py``): the adapter slot and policy version it runs on, set at its
+    # first admission; None otherwise.
+    adapter_slot: int | None = None
+    adapter_version: int | None = None
     # Routes [tokens, moe_layers, topk] of the tokens run so far, in pieces (one per forward); None when the
     # engine does not record them.
     routes: list[np.ndarray] | None = None

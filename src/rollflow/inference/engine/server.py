@@ -180,6 +180,7 @@ class EngineServer(EngineServerAdmin):
         device: str = "auto",
         logprobs_mode: str = "processed_logprobs",
         max_request_share: float | None = None,
+        adapter_versions: int = 0,
         **kwargs: Any,
     ) -> EngineServer:
         """Load ``model`` (``rollflow:tiny``, a local HF directory or a cached HF name) and wrap it. Blocking.
@@ -189,6 +190,7 @@ class EngineServer(EngineServerAdmin):
         ``device``: ``auto`` (CUDA when available), ``cpu`` or ``cuda``; the engine computes in float32.
         ``logprobs_mode``: vLLM's ``--logprobs-mode`` (``TorchEngine``'s ``logprobs_mode``).
         ``max_request_share``: ``TorchEngine``'s latency-first cap (None: off).
+        ``adapter_versions``: LoRA versions kept unmerged (``TorchEngine``'s; 0 merges each push).
 
         Raises:
             ModelNotFoundError: the model cannot be resolved locally.
@@ -218,6 +220,7 @@ class EngineServer(EngineServerAdmin):
             return_routed_experts=return_routed_experts,
             logprobs_mode=logprobs_mode,
             max_request_share=max_request_share,
+            adapter_versions=adapter_versions,
         )
         try:
             renderer = create_chat_renderer(tokenizer, ModelConfig(path=model))

@@ -33,6 +33,7 @@ async def serve(
     http_limits: HttpLimits | None = None,
     device: str = "auto",
     logprobs_mode: str = "processed_logprobs",
+    adapter_versions: int = 0,
     ready: Callable[[dict[str, Any]], None] | None = None,
     request_limits: RequestLimits | None = None,
     max_request_share: float | None = None,
@@ -60,6 +61,7 @@ async def serve(
             http_limits=http_limits,
             device=device,
             logprobs_mode=logprobs_mode,
+            adapter_versions=adapter_versions,
             request_limits=request_limits,
             max_request_share=max_request_share,
         )
@@ -113,6 +115,7 @@ def main(args: Any) -> int:
             http_limits=limits_from_flags(args),
             device=args.device,
             logprobs_mode=args.logprobs_mode,
+            adapter_versions=args.adapter_versions,
             ready=eventloop.announce_ready,  # model loaded
             request_limits=RequestLimits(
                 max_sequences=args.max_request_sequences, max_tokens=args.max_request_tokens

@@ -108,6 +108,9 @@ class EngineSteps:
                 sequence.routes.append(cached_routes[:cached_len])  # a resumed sequence has its routes
             sequence.cached_len = cached_len
             sequence.weights_generation = self._weights_generation
+            if self._adapter_versions is not None and sequence.adapter_slot is None:
+                sequence.adapter_slot = self._adapter_versions.current
+                sequence.adapter_version = self.policy_version
             (resumed if cached_len else fresh).append(sequence)
             if group in self._waiting.groups():
                 heapq.heappush(heap, (held + 1, self._admissions, order, group))
@@ -171,18 +174,24 @@ class EngineSteps:
     def _forward_prefill(
         self, sequences: list[EngineSequence]
     ) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        self._set_adapter_rows([s.adapter_slot for s in sequences])
         logits = self.runner.prefill([s.slot for s in sequences], [s.run_ids for s in sequences])
         return logits, self._admission_routes(sequences)
 
     def _forward_extend(
         self, sequences: list[EngineSequence]
     ) -> tuple[torch.Tensor, list[np.ndarray] | None]:
+        self._set_adapter_rows([s.adapter_slot for s in sequences])
         logits = self.runner.extend(
             [s.slot for s in sequences],
             [s.run_ids for s in sequences],
             [s.cached_len for s in sequences],
         )
         return logits, self._admission_routes(sequences)
+
+    def _set_adapter_rows(self, slots: list[int | None]) -> None:
+        if self._adapter_versions is not None:
+            self.runner.adapter_rows = self._adapter_versions.rows([slot or 0 for slot in slots])
 
     def _admission_routes(self, sequences: list[EngineSequence]) -> list[np.ndarray] | None:
         """The routes of the tokens an admission ran that the sequences do not have yet: all of them for a
@@ -207,6 +216,11 @@ class EngineSteps:
         for sequence in sequences:
             token_ids[sequence.slot] = sequence.token_ids[-1]
             positions[sequence.slot] = sequence.prompt_len + len(sequence.token_ids) - 1
+        if self._adapter_versions is not None:
+            rows = [0] * num_rows  # empty rows compute garbage on the base
+            for sequence in sequences:
+                rows[sequence.slot] = sequence.adapter_slot
+            self._set_adapter_rows(rows)
         logits = self.runner.decode(token_ids, positions)
         routes = self._routes([s.slot for s in sequences], [1] * len(sequences))
         if len(sequences) < num_rows:  # the other rows computed garbage
@@ -348,16 +362,18 @@ class EngineSteps:
         self.total_generated_tokens += len(sampled.tokens)
         finished: list[tuple[int, FinishReason]] = []
         for sequence, token, logprob, kept_count in zip(sequences, *sampled, strict=True):
+            # Unmerged adapters: the version it started on, else the weights' version.
+            token_version = version if sequence.adapter_version is None else sequence.adapter_version
             sequence.token_ids.append(token)
             sequence.logprobs.append(logprob)
-            sequence.policy_versions.append(version)
+            sequence.policy_versions.append(token_version)
             sequence.kept_counts.append(kept_count)
             if token in sequence.stop_token_ids:
                 finished.append((sequence.slot, FinishReason.STOP))
             elif len(sequence.token_ids) >= sequence.max_output_len:
                 finished.append((sequence.slot, FinishReason.LENGTH))
             if type(sequence.reply) is StreamReply:
-                sequence.reply.pending.append((token, logprob, version, kept_count))
+                sequence.reply.pending.append((token, logprob, token_version, kept_count))
                 self._unsent_streams.add(sequence.reply)
         for slot, reason in finished:
             self._finish(slot, reason)  # a stream's outcome goes out with its pending tokens
@@ -420,6 +436,8 @@ class EngineSteps:
             self.enable_prefix_caching
             and sequence is not None
             and sequence.weights_generation == self._weights_generation
+            # A sequence on an older adapter version (resumed after a preemption) holds that version's cache.
+            and (self._adapter_versions is None or sequence.adapter_slot == self._adapter_versions.current)
         ):
             # The last sampled token was never fed back, so its keys and values are not in the cache.
             tokens = sequence.request.prompt_token_ids + sequence.token_ids[:-1]
