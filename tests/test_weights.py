@@ -27,6 +27,7 @@ from rollflow.weights import (
 from rollflow.weights.packing import pack, plan_buckets, specs_from_info, specs_of, specs_to_info, unpack
 from rollflow.weights.server.receiver import create_receiver
 
+from .helpers.gpus import needs_two_gpus
 from .helpers.weights import ThreadClient, assert_same_weights, fake_world
 
 # How much later than its timeout a bounded wait may end: generous, for a loaded machine.
@@ -610,6 +611,7 @@ async def test_cuda_ipc_round_trip_to_receiver_process(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_two_gpus
 async def test_broadcast_nccl_round_trip_to_receiver_process(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -22,6 +22,7 @@ from rollflow.weights.server.receiver import create_receiver
 from rollflow.weights.trainer.cuda_ipc import ipc_update_info
 from rollflow.weights.vllm_nccl import VllmNcclSender, VllmTrainerApi
 
+from .helpers.gpus import needs_two_gpus
 from .helpers.weights import fake_world
 
 # vLLM 0.33's dataclasses, field for field (nccl_engine.py / ipc_engine.py); any other key is rejected there.
@@ -249,6 +250,7 @@ def test_create_receiver_reads_vllm_ipc_init_info_as_ipc() -> None:
 @pytest.mark.http_only(reason="vLLM servers receiving a broadcast")
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_two_gpus
 async def test_vllm_server_receives_a_broadcast_and_labels_the_version(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
