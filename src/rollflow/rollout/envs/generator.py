@@ -182,9 +182,16 @@ class EnvGenerator:
                     _mask(sample, reason)
             results[sample_index] = (samples, metrics, cause, outcome)
 
-        async with anyio.create_task_group() as tg:
-            for sample_index in range(num):
-                tg.start_soon(run, sample_index)
+        try:
+            async with anyio.create_task_group() as tg:
+                for sample_index in range(num):
+                    tg.start_soon(run, sample_index)
+        except BaseExceptionGroup as group:
+            # The limit is the run's stop, not one of several task failures: raise it as itself.
+            limit = group.subgroup(EnvFailureRateError)
+            if limit is None:
+                raise
+            raise _first(limit) from None
         metrics = group_metrics([metrics for _, metrics, _, _ in results])
         metrics.update(counts)
         good = [outcome for _, _, cause, outcome in results if cause is None]
@@ -225,6 +232,11 @@ def _failure_cause(metrics: dict[str, float], outcome: EnvOutcome | None) -> str
     if metrics.get("is_error") or (outcome is not None and outcome.error is not None):
         return "error"
     return None
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    error = group.exceptions[0]
+    return _first(error) if isinstance(error, BaseExceptionGroup) else error
 
 
 def _mask(sample: Sample, reason: str) -> None:
