@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollflow.config.base import NonNegative, Positive, PositiveFloat, Section
+from rollflow.config.base import BASE_URL, NonNegative, Positive, PositiveFloat, Section
 
 if TYPE_CHECKING:
     from rollflow.config.run import RunConfig
@@ -26,15 +26,27 @@ class EnvConfig(Section):
     (an OpenEnv environment server)."""
     id: str
     """verifiers: the taskset's module (``verifiers.load_environment``'s ``taskset.id``), or a path to its
-    ``.py`` file or package directory. openenv: the environment's client class,
-    ``package.module:ClientClass``."""
+    ``.py`` file or package directory. openenv: the environment's name (for prompts and logs)."""
     args: dict[str, Any] = {}
     """verifiers: the rest of the environment's config (its ``EnvConfig`` fields, e.g. ``{agent = {runtime
-    = {type = "subprocess"}}}``, ``{taskset = {...}}``). openenv: keyword arguments of its server app."""
+    = {type = "subprocess"}}}``, ``{taskset = {...}}``)."""
     url: str | None = None
     """openenv: the environment server's base URL; unset: rollflow starts the server (``server``)."""
     server: str | None = None
-    """openenv: the server's ASGI app, ``package.module:app``, run by rollflow with uvicorn on loopback."""
+    """openenv: the server's ASGI app, ``module:app`` (e.g. ``echo_env.server.app:app`` of an environment
+    made by ``openenv init echo_env``), run by rollflow with uvicorn on a free loopback port."""
+    server_dir: str | None = None
+    """openenv: the directory ``server`` is imported from (uvicorn's ``--app-dir``)."""
+    server_start_timeout_s: PositiveFloat = 60.0
+    """openenv: longest the started server may take to answer ``/health``."""
+    action_key: str = "message"
+    """openenv: the action field the model's reply fills (the echo environment's ``message``)."""
+    observation_key: str | None = None
+    """openenv: the observation field the model is shown as the user's message (unset: the observation as
+    JSON)."""
+    max_turns: Positive = 1
+    """openenv: most model turns (environment steps) per trajectory; it ends sooner when the environment is
+    done."""
     num_tasks: Positive | None = None
     """Tasks taken from the environment (unset: all of a finite taskset; required for endless ones)."""
     max_seq_len: Positive | None = None
@@ -84,10 +96,14 @@ def env_errors(config: RunConfig) -> list[str]:
             errors.append(
                 "env.kind = 'openenv' needs exactly one of env.url (a running server) and env.server"
             )
-        if ":" not in env.id:
-            errors.append(f"env.id = {env.id!r} must name the OpenEnv client class as 'package.module:Class'")
-    elif env.url is not None or env.server is not None:
-        errors.append(f"env.url and env.server are for env.kind = 'openenv', not {env.kind!r}")
+        if env.server is not None and ":" not in env.server:
+            errors.append(f"env.server = {env.server!r} must name the server's ASGI app as 'module:app'")
+        if env.url is not None and not BASE_URL.fullmatch(env.url):
+            errors.append(f"env.url = {env.url!r} must be a base URL like 'http://127.0.0.1:8000'")
+    elif env.url is not None or env.server is not None or env.server_dir is not None:
+        errors.append(
+            f"env.url, env.server and env.server_dir are for env.kind = 'openenv', not {env.kind!r}"
+        )
     if env.max_seq_len is None:
         errors.append("env.max_seq_len must be set: the longest training sample in tokens")
     elif env.max_seq_len < config.sampling.max_tokens:
