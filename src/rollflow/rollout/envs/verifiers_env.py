@@ -125,8 +125,23 @@ class VerifiersSource:
         vf = self.vf
         client = vf.EvalClientConfig(base_url=base_url, api_key_var="ROLLFLOW_UNUSED_API_KEY")
         ctx = vf.ModelContext(model=task.model or self.model, client=client)
-        episode = await self.env.run_episode(self.tasks[task.metadata[ENV_TASK]], ctx)
+        try:
+            episode = await self.env.run_episode(self.tasks[task.metadata[ENV_TASK]], ctx)
+        finally:
+            await self._release_client(client)
         return episode_outcome(episode)
+
+    async def _release_client(self, client: Any) -> None:
+        """Close the model client verifiers' interception server made for this trajectory's endpoint.
+
+        It keeps one client per distinct endpoint config until the environment closes; every trajectory has
+        an endpoint of its own (its session URL), so a long run would otherwise hold one open HTTP client per
+        trajectory it ever ran."""
+        key = client.model_dump_json()
+        for server in getattr(self.env._interception, "servers", ()):
+            cached = server.clients.pop(key, None)
+            if cached is not None:
+                await cached.close()
 
 
 def episode_outcome(episode: Any) -> EnvOutcome:

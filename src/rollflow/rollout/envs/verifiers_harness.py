@@ -13,6 +13,7 @@ Importing this module imports verifiers (``pip install 'rollflow[envs]'``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import Any
@@ -21,6 +22,7 @@ from rollflow.rollout.envs.verifiers_env import import_verifiers
 
 vf = import_verifiers()
 
+import httpx  # noqa: E402
 from openai import AsyncOpenAI  # noqa: E402 - verifiers (and its openai pin) first, for the error message
 from verifiers.v1.harnesses.utils.mcp import call_mcp, connect_mcp  # noqa: E402
 
@@ -39,6 +41,17 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
     SUPPORTS_MCP = True
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
+
+    def _http(self) -> httpx.AsyncClient:
+        """One HTTP client for every episode of this harness on this event loop: a new one per episode
+        would load the system's CA certificates each time (tens of ms of CPU), for a loopback endpoint."""
+        loop = asyncio.get_running_loop()
+        if getattr(self, "_http_loop", None) is not loop:
+            self._http_client = httpx.AsyncClient(
+                timeout=None, limits=httpx.Limits(max_keepalive_connections=64)
+            )
+            self._http_loop = loop
+        return self._http_client
 
     async def launch(
         self,
@@ -59,10 +72,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages += [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in prompt]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0)
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=self._http())
         specs = {name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()}
         async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_callback(client.close)
             tools, dispatch, servers = await connect_mcp({"mcpServers": specs}, stack)
             for _ in range(self.config.max_turns):
                 extra = {"tools": tools} if tools else {}
