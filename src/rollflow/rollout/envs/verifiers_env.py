@@ -3,9 +3,9 @@
 The environment is built by ``verifiers.load_environment`` from ``{"taskset": {"id": env.id}, **env.args}``
 (narrowed to its own config class by ``resolve_env_config``), held open (``Env.serving()``: its interception
 server and shared tool servers) for the whole run, and its taskset is the run's prompts. A trajectory is one
-``Env.run_episode`` whose model client (``EvalClientConfig``) points at the trajectory's TITO session, so its
-harness's every model call, turn after turn and tool call after tool call, is sampled and recorded by
-rollflow. The reward is the episode's: the weighted sum of its tasks' ``@vf.reward`` scores, each logged as
+``Env.run_episode`` whose model calls reach the trajectory's TITO session (the episode's model client points
+at a ``SessionRouter`` that routes each trace to its session), so its harness's every model call, turn after
+turn and tool call after tool call, is sampled and recorded by rollflow. The reward is the episode's: the weighted sum of its tasks' ``@vf.reward`` scores, each logged as
 ``reward/NAME``. An episode that verifiers records as failed (an error on the episode or a trace, a scoring
 error, its own deadline) is a failed trajectory, never a 0.
 
@@ -109,39 +109,54 @@ class VerifiersSource:
             source=self,
         )
         self._serving: contextlib.AbstractAsyncContextManager[Any] | None = None
+        self._router: Any = None
+        self._client: Any = None
 
     async def __aenter__(self) -> VerifiersSource:
-        self._serving = self.env.serving()
-        await self._serving.__aenter__()
+        from rollflow.rollout.envs.session_router import SessionRouter
+
+        self._router = await SessionRouter().__aenter__()
+        # One endpoint config for every episode (see rollflow.rollout.envs.session_router).
+        self._client = self.vf.EvalClientConfig(
+            base_url=self._router.base_url, api_key_var="ROLLFLOW_UNUSED_API_KEY"
+        )
+        try:
+            self._serving = self.env.serving()
+            await self._serving.__aenter__()
+        except BaseException:
+            await self._router.__aexit__(None, None, None)
+            raise
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if self._serving is not None:
-            serving, self._serving = self._serving, None
-            await serving.__aexit__(*exc)
+        try:
+            if self._serving is not None:
+                serving, self._serving = self._serving, None
+                await serving.__aexit__(*exc)
+        finally:
+            if self._router is not None:
+                router, self._router = self._router, None
+                await router.__aexit__(None, None, None)
 
     async def rollout(self, base_url: str, task: AgentTask) -> EnvOutcome:
-        """One episode of the task ``task.metadata["env_task"]`` with its model client at ``base_url``."""
-        vf = self.vf
-        client = vf.EvalClientConfig(base_url=base_url, api_key_var="ROLLFLOW_UNUSED_API_KEY")
-        ctx = vf.ModelContext(model=task.model or self.model, client=client)
+        """One episode of the task ``task.metadata["env_task"]``, every model call of each of its traces
+        routed to the trajectory's session at ``base_url``."""
+        router = self._router
+        if router is None:
+            raise ConfigError("VerifiersSource.rollout needs the source entered (async with)")
+        traces: list[str] = []
+
+        def minted(trace: Any) -> None:  # before the trace's first model call
+            traces.append(trace.id)
+            router.route(trace.id, base_url)
+
+        ctx = self.vf.ModelContext(model=task.model or self.model, client=self._client)
         try:
-            episode = await self.env.run_episode(self.tasks[task.metadata[ENV_TASK]], ctx)
+            episode = await self.env.run_episode(self.tasks[task.metadata[ENV_TASK]], ctx, on_trace=minted)
         finally:
-            await self._release_client(client)
+            for trace_id in traces:
+                router.unroute(trace_id)
         return episode_outcome(episode)
-
-    async def _release_client(self, client: Any) -> None:
-        """Close the model client verifiers' interception server made for this trajectory's endpoint.
-
-        It keeps one client per distinct endpoint config until the environment closes; every trajectory has
-        an endpoint of its own (its session URL), so a long run would otherwise hold one open HTTP client per
-        trajectory it ever ran."""
-        key = client.model_dump_json()
-        for server in getattr(self.env._interception, "servers", ()):
-            cached = server.clients.pop(key, None)
-            if cached is not None:
-                await cached.close()
 
 
 def episode_outcome(episode: Any) -> EnvOutcome:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from typing import Any
 
 from rollflow.rollout.envs.verifiers_env import import_verifiers
@@ -42,17 +43,6 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
     EXECUTES_CODE = False
     NEEDS_CONTAINER = False
 
-    def _http(self) -> httpx.AsyncClient:
-        """One HTTP client for every episode of this harness on this event loop: a new one per episode
-        would load the system's CA certificates each time (tens of ms of CPU), for a loopback endpoint."""
-        loop = asyncio.get_running_loop()
-        if getattr(self, "_http_loop", None) is not loop:
-            self._http_client = httpx.AsyncClient(
-                timeout=None, limits=httpx.Limits(max_keepalive_connections=64)
-            )
-            self._http_loop = loop
-        return self._http_client
-
     async def launch(
         self,
         ctx: Any,
@@ -72,7 +62,7 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt is not None:
             messages += [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in prompt]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=self._http())
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=_http())
         specs = {name: {"url": url, "timeout": self.config.tool_timeout} for name, url in mcp_urls.items()}
         async with contextlib.AsyncExitStack() as stack:
             tools, dispatch, servers = await connect_mcp({"mcpServers": specs}, stack)
@@ -94,6 +84,21 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                         }
                     )
         return vf.ProgramResult(exit_code=0, stdout="", stderr="")
+
+
+# One HTTP client per event loop for every episode (harness objects are per episode): a client per episode
+# would load the system's CA certificates each time (tens of ms of CPU) for a loopback endpoint.
+_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
+
+
+def _http() -> httpx.AsyncClient:
+    loop = asyncio.get_running_loop()
+    client = _HTTP.get(loop)
+    if client is None:
+        client = _HTTP[loop] = httpx.AsyncClient(
+            timeout=None, limits=httpx.Limits(max_keepalive_connections=64)
+        )
+    return client
 
 
 async def _tool_result(servers: Any, dispatch: dict[str, Any], call: Any) -> Any:
