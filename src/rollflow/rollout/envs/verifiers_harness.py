@@ -95,9 +95,10 @@ def _http() -> httpx.AsyncClient:
     loop = asyncio.get_running_loop()
     client = _HTTP.get(loop)
     if client is None:
-        client = _HTTP[loop] = httpx.AsyncClient(
-            timeout=None, limits=httpx.Limits(max_keepalive_connections=64)
-        )
+        # Room for every concurrent episode's connection to be kept: new connections come in bursts at the
+        # start of each step, and a burst is where the interception server dropped a few.
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+        client = _HTTP[loop] = httpx.AsyncClient(timeout=None, limits=limits)
     return client
 
 
