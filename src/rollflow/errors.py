@@ -348,6 +348,15 @@ class AgentError(RollflowError):
     """The agent failed: it raised, exited non-zero, or did not report a usable reward."""
 
 
+class EnvError(RollflowError):
+    """An environment (``[env]``) failed one trajectory: it raised, timed out or lost its server."""
+
+
+class EnvFailureRateError(RollflowError):
+    """Too many of an environment's recent trajectories failed (``env.max_failure_rate``): the run stops
+    instead of training on what is left."""
+
+
 class RewardPartError(RollflowError):
     """A part of a weighted reward failed; names it."""
 

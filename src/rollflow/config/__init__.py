@@ -16,6 +16,7 @@ from rollflow.config.agent import AgentConfig
 from rollflow.config.base import Section
 from rollflow.config.cluster import ClusterConfig
 from rollflow.config.data import DataConfig, RewardSpec
+from rollflow.config.env import EnvConfig
 from rollflow.config.evaluation import EvalConfig
 from rollflow.config.inference import API_KEY_ENV, InferenceConfig, api_key_or_env, resolve_api_key
 from rollflow.config.loading import (
@@ -51,6 +52,7 @@ __all__ = [
     "CheckpointConfig",
     "ClusterConfig",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "InferenceConfig",
     "LoggingConfig",

@@ -25,7 +25,8 @@ class DataConfig(Section):
     path: str | None = None
     """Prompts from a dataset instead of ``task``: a ``.jsonl`` or ``.parquet`` file, a directory (holding
     ``{split}.jsonl`` / ``{split}.parquet``, or saved with HF datasets' ``save_to_disk``), or ``hf:NAME`` from
-    the local HF datasets cache (needs ``pip install datasets``)."""
+    the local HF datasets cache (needs ``pip install datasets``), or ``reasoning-gym:NAME``, a reasoning-gym
+    task (``[data.args]``: ``size`` and its configuration; ``seed``; its own scorer is the reward)."""
     split: str | None = None
     """Split of a directory or ``hf:`` dataset (unset: ``train``); not for a single file."""
     prompt_key: str = "prompt"
@@ -47,7 +48,8 @@ class DataConfig(Section):
     """Passes over a dataset (``path``); sets the run's length to ``ceil(epochs * rows / prompts_per_step)``
     steps, in place of ``orchestrator.steps``. Every row is trained exactly once per epoch, across resumes."""
     args: dict[str, Any] = {}
-    """Keyword arguments for a custom task factory (``[data.args]``): ``factory(seed, **args)``."""
+    """Keyword arguments for a custom task factory (``[data.args]``): ``factory(seed, **args)``; for
+    ``reasoning-gym:NAME``, its ``size`` and configuration."""
     reward: str | None = None
     """Reward override: a built-in (``math``, ``exact``, ``case``) or ``package.module:function``, sync or
     async, called as ``fn(completion, item)``. Required with ``path`` unless ``rewards`` is set."""
@@ -109,6 +111,6 @@ def data_errors(config: RunConfig) -> list[str]:
         problem = sampling_error(max_tokens=1, temperature=temperature, top_p=1.0, top_k=-1)
         if problem is not None:
             errors.append(f"eval.{problem[1]}")
-    if data.args and data.path is not None:
+    if data.args and data.path is not None and not data.path.startswith("reasoning-gym:"):
         errors.append("[data.args] is for custom task factories (data.task), not for a dataset (data.path)")
     return errors

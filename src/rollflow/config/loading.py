@@ -116,7 +116,12 @@ def build_config(data: Mapping[str, Any], source: str = "config") -> RunConfig:
 
 #: Config keys whose values name a file or directory. ``load_config`` resolves them relative to the file
 #: that sets them.
-FILE_PATH_KEYS: tuple[tuple[str, ...], ...] = (("data", "path"), ("eval", "path"))
+FILE_PATH_KEYS: tuple[tuple[str, ...], ...] = (
+    ("data", "path"),
+    ("eval", "path"),
+    ("env", "id"),
+    ("env", "server_dir"),
+)
 #: Config keys whose values may be code specs ``path/to/file.py:attribute`` (``[]``: each entry of a list);
 #: ``load_config`` resolves the file part likewise. Built-in names and module paths are left alone.
 CODE_SPEC_KEYS: tuple[tuple[str, ...], ...] = (

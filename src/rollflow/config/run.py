@@ -13,6 +13,7 @@ from rollflow.config.agent import AgentConfig, agent_errors
 from rollflow.config.base import Section
 from rollflow.config.cluster import ClusterConfig, cluster_errors
 from rollflow.config.data import DataConfig, data_errors
+from rollflow.config.env import EnvConfig, env_errors
 from rollflow.config.evaluation import EvalConfig
 from rollflow.config.inference import (
     InferenceConfig,
@@ -49,6 +50,8 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
     agent: AgentConfig | None = None
     """Agent rollouts (``[agent]``); unset: single-turn generation."""
+    env: EnvConfig | None = None
+    """An environment as the rollout source (``[env]``); unset: ``[data]`` or ``[agent]``."""
     eval: EvalConfig | None = None
     """Held-out evaluation (``[eval]``); unset: none during training."""
 
@@ -87,6 +90,7 @@ def cross_field_errors(config: RunConfig) -> list[str]:
     errors += server_option_errors(config.inference)
     errors += colocation_errors(config)
     errors += agent_errors(config)
+    errors += env_errors(config)
     errors += cluster_errors(config)
     errors += weight_sync_errors(config)
     return errors

@@ -7,7 +7,8 @@
 - ``build_proxy``: a TITO proxy over a client, with ``[agent]``'s listener and request policy and the
   ``[sampling]`` defaults (``proxy_options``); ``build_agent_proxy``: the same in ``agent.proxy_workers``
   worker processes when that is set;
-- ``open_generator``: the generator of the run (``[agent]`` sessions through the proxy, else single-turn);
+- ``open_generator``: the generator of the run (``[env]`` or ``[agent]`` sessions through the proxy, else
+  single-turn); ``open_env``: the ``[env]`` environment, entered;
 - ``push_policy``: checkpoint weights into the engines.
 
 Components (``rollout``, ``tito``, ``inference``, ``weights``, ``train``) never import this package; it
@@ -178,6 +179,53 @@ async def build_agent_generator(
 
 
 @contextlib.asynccontextmanager
+async def open_env(config: RunConfig) -> AsyncIterator[Any]:
+    """The entered ``EnvSource`` of ``config.env`` (loaded off the event loop); its ``task`` is the run's
+    prompts.
+
+    Raises:
+        ConfigError: ``config.env`` is unset or the environment does not load.
+        MissingExtraError: the environment kind's package is not installed.
+    """
+    from rollflow.rollout.envs import env_source
+
+    if config.env is None:
+        raise ConfigError("open_env needs an [env] section in the config")
+    source = await anyio.to_thread.run_sync(env_source, config.env, config.model.path)
+    async with source:
+        yield source
+
+
+@contextlib.asynccontextmanager
+async def build_env_generator(
+    config: RunConfig, client: Any, renderer: Any, tokenizer: Any, source: Any
+) -> AsyncIterator[Any]:
+    """An ``EnvGenerator`` for ``config.env`` over the entered ``source``, with the TITO proxy it owns
+    (``build_proxy``), listening for as long as the context is open."""
+    from rollflow.rollout.envs import EnvGenerator
+
+    settings = config.env
+    if settings is None or settings.max_seq_len is None:
+        raise ConfigError("build_env_generator needs an [env] section with env.max_seq_len")
+    async with build_proxy(config, client, renderer, tokenizer) as proxy:
+        yield EnvGenerator(
+            proxy,
+            source,
+            max_seq_len=settings.max_seq_len,
+            mode=settings.mode,
+            timeout_s=settings.timeout_s,
+            filter_overlong=settings.filter_overlong,
+            seed=config.seed,
+            max_concurrent=settings.max_concurrent,
+            on_failure=settings.on_failure,
+            max_retries=settings.max_retries,
+            min_group_samples=settings.min_group_samples,
+            max_failure_rate=settings.max_failure_rate,
+            failure_window=settings.failure_window,
+        )
+
+
+@contextlib.asynccontextmanager
 async def open_generator(
     config: RunConfig,
     client: Any,
@@ -186,7 +234,8 @@ async def open_generator(
     task: Any,
     rewarder: Any = None,
 ) -> AsyncIterator[Any]:
-    """The generator a config asks for: ``AgentGenerator`` with ``[agent]`` (its proxy listens while the
+    """The generator a config asks for: ``EnvGenerator`` with ``[env]`` (``task`` is then the entered
+    ``EnvSource``'s, see ``open_env``), ``AgentGenerator`` with ``[agent]`` (its proxy listens while the
     context is open), else ``SingleTurnGenerator`` scored by ``rewarder`` (default: ``data.reward`` and
     ``data.rewards`` over ``task``, under ``data.reward_timeout_s``), continuing aborted samples per
     ``orchestrator.partial_rollouts``, with prompts that cannot fit ``inference.max_model_len`` refused or
@@ -195,6 +244,13 @@ async def open_generator(
     Raises:
         ConfigError: the agent, composer or reward does not resolve.
     """
+    if config.env is not None:
+        source = getattr(task, "source", None)
+        if source is None:
+            raise ConfigError("with [env], open_generator needs the task of open_env's source")
+        async with build_env_generator(config, client, renderer, tokenizer, source) as generator:
+            yield generator
+        return
     if config.agent is not None:
         async with build_agent_generator(config, client, renderer, tokenizer) as generator:
             yield generator

@@ -55,6 +55,9 @@ MEANING_KEYS = (
     "seed",
     "agent.callable",
     "agent.command",
+    "env.kind",
+    "env.id",
+    "env.args",
 )
 """Config keys a resume may not change without ``--force``: they define what the checkpoints and metrics
 so far are of (the policy, its task and data stream, the group size its advantages assume, the seeds)."""

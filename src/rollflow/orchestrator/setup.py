@@ -22,7 +22,7 @@ from rollflow.errors import (
     describe_os_error,
 )
 from rollflow.metrics import JsonlWriter, truncate_jsonl_after_step
-from rollflow.orchestrator.builders import build_barrier, load_chat, open_generator
+from rollflow.orchestrator.builders import build_barrier, load_chat, open_env, open_generator
 from rollflow.orchestrator.checkpoint import (
     latest_checkpoint,
     load_state,
@@ -66,7 +66,10 @@ class OrchestratorSetup:
             self._lock.acquire()
             self._exit_stack.callback(self._lock.release)
             # The data first: a bad file fails before anything is written, and epochs set the run's length.
-            self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
+            if config.env is not None:  # an environment's tasks are the prompts; it is held open for the run
+                self.task = (await self._exit_stack.enter_async_context(open_env(config))).task
+            else:
+                self.task = await anyio.to_thread.run_sync(task_from_config, config.data)
             rewarder = Rewarder.from_config(
                 config.data.reward, self.task, config.data.rewards, timeout_s=config.data.reward_timeout_s
             )

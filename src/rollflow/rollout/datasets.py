@@ -335,10 +335,15 @@ class DatasetTask:
         return f"{self.key}.path = {self.source!r}, {row_name(row, self.lines)}"
 
 
+REASONING_GYM = "reasoning-gym:"
+"""``data.path`` prefix of a reasoning-gym task (``rollflow.rollout.reasoning_gym``)."""
+
+
 def task_from_config(
     data: Any, *, path: str | None = None, split: str | None = None, key: str = "data"
 ) -> Any:
-    """The run's task: a ``DatasetTask`` over ``data.path`` (or ``path``), else ``data.task``.
+    """The run's task: a ``DatasetTask`` over ``data.path`` (or ``path``), a ``ReasoningGymTask`` for
+    ``reasoning-gym:NAME`` (``[data.args]``: its size and configuration), else ``data.task``.
 
     Raises:
         ConfigError: see ``read_rows``, ``DatasetTask`` and ``rollflow.rollout.tasks.load_task``.
@@ -348,6 +353,10 @@ def task_from_config(
     source = path if path is not None else data.path
     if source is None:
         return load_task(data.task, data.seed, data.args)
+    if source.startswith(REASONING_GYM):
+        from rollflow.rollout.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(source.removeprefix(REASONING_GYM), seed=data.seed, **data.args)
     rows = read_rows(source, split if path is not None else data.split, key=f"{key}.path")
     return DatasetTask(
         rows,

@@ -1,0 +1,145 @@
+"""``env.kind = "verifiers"``: environments written with verifiers' own classes (``verifiers.v1``), run by
+``EnvGenerator`` through a real ``TITOProxy`` over the tiny model (the ``inference_client`` fixture): the
+single-turn case taskset of ``examples/envs`` (a ``@vf.reward`` rubric) and a multi-turn tool environment
+(a ``vf.Toolset`` MCP server in verifiers' subprocess runtime, ``tests/helpers/vf_tool_env.py``). Rewards
+equal verifiers' own reward functions on the same completions; sampled tokens carry the model's own
+logprobs. The tool call turn is forced (``ScriptedPolicy``): the tiny model does not write tool calls."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+
+from rollflow.config import EnvConfig
+from rollflow.messages import RolloutRequest
+from rollflow.tito import TITOProxy
+from tests.helpers.tito import MODEL, ScriptedPolicy
+
+from .conftest import REPO_ROOT
+
+pytest.importorskip("verifiers.v1", reason="needs pip install 'rollflow[envs]'")
+
+from rollflow.rollout.envs import ENV_TASK, EnvGenerator
+from rollflow.rollout.envs.verifiers_env import VerifiersSource
+
+CASE_ENV = str(REPO_ROOT / "examples" / "envs" / "case_env.py")
+TOOL_ENV = str(REPO_ROOT / "tests" / "helpers" / "vf_tool_env.py")
+LOCAL = {"agent": {"runtime": {"type": "subprocess"}}}
+
+
+def env_config(path: str, **fields) -> EnvConfig:
+    return EnvConfig(kind="verifiers", id=path, args=LOCAL, max_seq_len=512, **fields)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    from rollflow.models.loading import load_causal_lm
+
+    return load_causal_lm(tiny_model_dir)
+
+
+def request(source, index: int, num_samples: int) -> RolloutRequest:
+    item = source.task.item(index)
+    return RolloutRequest(
+        prompt_index=index, messages=item.messages, metadata=item.metadata, num_samples=num_samples
+    )
+
+
+def model_logprobs(model, ids: list[int]):
+    import torch
+
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float()[:-1], dim=-1)
+
+
+async def test_single_turn_rubric_rewards_and_exact_tokens(inference_client, tiny_chat, tiny_model):
+    source = VerifiersSource(env_config(CASE_ENV, num_tasks=4), MODEL)
+    assert len(source.task) == 4
+    async with (
+        source,
+        TITOProxy(
+            inference_client, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=8
+        ) as proxy,
+    ):
+        generator = EnvGenerator(proxy, source, max_seq_len=512)
+        groups = [await generator.generate_group(request(source, index, 3)) for index in range(2)]
+        # One model client for every trajectory (each reaches its own session through the router).
+        assert [len(server.clients) for server in source.env._interception.servers] == [1]
+    checked = 0
+    for group in groups:
+        assert group.metrics["env_errors"] == group.metrics["env_timeouts"] == 0
+        assert len(group.samples) == 3 and not any(sample.masked for sample in group.samples)
+        vf_task = source.tasks[source.task.item(group.prompt_index).metadata[ENV_TASK]]
+        for sample in group.samples:
+            text = tiny_chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            # verifiers' own reward function of the task, on the same completion.
+            own = await vf_task.case(types.SimpleNamespace(last_reply=text.strip()))
+            assert sample.reward == pytest.approx(own, abs=1e-6)
+            logprobs = model_logprobs(tiny_model, sample.prompt_token_ids + sample.completion_token_ids)
+            offset = len(sample.prompt_token_ids)
+            for i, token in enumerate(sample.completion_token_ids):
+                if sample.loss_mask[i]:
+                    assert abs(logprobs[offset + i - 1, token].item() - sample.logprobs[i]) <= 1e-4
+                    checked += 1
+        rewards = [sample.reward for sample in group.samples]
+        assert group.metrics["reward_sum/case"] == pytest.approx(sum(rewards))
+        assert group.metrics["reward_count/case"] == 3
+    assert checked > 0
+
+
+@pytest.mark.slow
+async def test_multi_turn_tool_environment(inference_client, tiny_chat, tiny_model):
+    def script(call, request):
+        prompt = tiny_chat.tokenizer.decode(request.prompt_token_ids)
+        if "<tool_response>" not in prompt:  # each episode's first call: the tool call
+            return '<tool_call>\n{"name": "add_toolset_add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        return None  # the answer after the tool result: the tiny model's own sample
+
+    policy = ScriptedPolicy(inference_client, tiny_chat.tokenizer, script)
+    source = VerifiersSource(env_config(TOOL_ENV, num_tasks=1), MODEL)
+    async with (
+        source,
+        TITOProxy(
+            policy, tiny_chat.renderer, tiny_chat.tokenizer, model_name=MODEL, default_max_tokens=48
+        ) as proxy,
+    ):
+        generator = EnvGenerator(proxy, source, max_seq_len=1024, max_concurrent=1)
+        group = await generator.generate_group(request(source, 0, 2))
+    assert group.metrics["env_errors"] == 0, group
+    assert group.metrics["agent_turns"] == 4  # two model calls per episode
+    vf_task = source.tasks[0]
+    for sample in group.samples:
+        assert not sample.masked
+        text = tiny_chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=False)
+        assert "<tool_call>" in text and "5" in text  # the call, then the tool's answer as context
+        # The tool's answer is context, not trained; the model's tokens around it are.
+        assert not all(sample.loss_mask) and any(sample.loss_mask)
+        reply = text.rsplit("<|im_start|>assistant", 1)[-1].replace("<|im_end|>", "").strip()
+        messages = [types.SimpleNamespace(role="tool")]
+        trace = types.SimpleNamespace(last_reply=reply, messages=messages)
+        own = await vf_task.correct(trace) + 0.5 * await vf_task.used_tool(trace)
+        assert sample.reward == pytest.approx(own, abs=1e-6)
+    assert group.metrics["reward_sum/used_tool"] == 2
+    # The last call of each episode was the tiny model's own sample: its logprobs are the model's.
+    prompt, sampled = policy.calls[-1]
+    logprobs = model_logprobs(tiny_model, prompt + sampled)
+    full = prompt + sampled
+    sample = next(
+        s for s in group.samples if (s.prompt_token_ids + s.completion_token_ids)[: len(full)] == full
+    )
+    start = len(prompt) - len(sample.prompt_token_ids)
+    for i, token in enumerate(sampled):
+        assert sample.loss_mask[start + i]
+        assert abs(logprobs[len(prompt) + i - 1, token].item() - sample.logprobs[start + i]) <= 1e-4
+
+
+def test_bad_environment_is_a_config_error():
+    from rollflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="env.id = 'no_such_taskset_xyz'"):
+        VerifiersSource(env_config("no_such_taskset_xyz"), MODEL)
+    with pytest.raises(ConfigError, match="no such file"):
+        VerifiersSource(env_config("missing/dir/env.py"), MODEL)
+    assert json.dumps(LOCAL)
