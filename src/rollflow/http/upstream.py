@@ -19,6 +19,13 @@ import ssl as ssl_module
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
+# Seconds an idle pooled connection of rollflow's aiohttp clients (the remote inference client, the router's
+# probes and control fan-out) is kept: below the keep-alive of the servers behind them (vLLM's uvicorn closes an
+# idle connection after 5 s), so a request never goes out on a connection the server is closing. With
+# aiohttp's 15 s, a control call after 5-15 s of quiet could meet "Server disconnected" without the server
+# having seen it (a fully async run on vLLM failed so at a weight update).
+CLIENT_KEEPALIVE_S = 4.0
+
 # Response bodies buffered beyond this stop the socket's reading until the caller takes them (flow control).
 _HIGH_WATER = 1 << 20
 _MAX_HEAD_BYTES = 64 * 1024

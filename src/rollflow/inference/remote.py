@@ -43,6 +43,7 @@ from rollflow.errors import (
     RemoteUnavailableError,
 )
 from rollflow.http.sse import iter_sse
+from rollflow.http.upstream import CLIENT_KEEPALIVE_S
 from rollflow.inference.control import PauseMode, WorldSize
 from rollflow.inference.remote_control import HttpControlPlane
 from rollflow.inference.remote_retry import DataRetry
@@ -150,7 +151,9 @@ class RemoteInferenceClient:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # A session belongs to one loop; a client used from another loop (after pickling, or from
             # a fresh asyncio.run) gets its own.
-            connector = aiohttp.TCPConnector(limit=self.connection_limit, limit_per_host=0)
+            connector = aiohttp.TCPConnector(
+                limit=self.connection_limit, limit_per_host=0, keepalive_timeout=CLIENT_KEEPALIVE_S
+            )
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(
                 connector=connector,

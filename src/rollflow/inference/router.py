@@ -90,7 +90,7 @@ from rollflow.http.errors import json_error, json_errors_middleware, raw_json_re
 from rollflow.http.front import Header, HttpFront, count_connections, serve_with_front, stop_listening
 from rollflow.http.limits import HttpLimits
 from rollflow.http.runner import JSONErrorAppRunner
-from rollflow.http.upstream import UpstreamError, UpstreamPool
+from rollflow.http.upstream import CLIENT_KEEPALIVE_S, UpstreamError, UpstreamPool
 from rollflow.inference.request_limits import (
     DEFAULT_MAX_SEQUENCES,
     REQUEST_TOO_LARGE,
@@ -269,7 +269,7 @@ class InferenceRouter(RouterHealth, RouterAdmin):
         self._client = aiohttp.ClientSession(
             # Kept-alive connections to the servers are reused, without a cap; no cookie jar (a proxy holds
             # no cookies of its own, and filtering them costs every request).
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
             cookie_jar=aiohttp.DummyCookieJar(),
             timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
             auto_decompress=False,  # bodies pass through byte for byte, with their Content-Encoding
