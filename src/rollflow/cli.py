@@ -17,6 +17,13 @@ from pathlib import Path
 import structlog
 
 from rollflow import eventloop
+from rollflow.cli_args import (
+    add_http_limits,
+    balance_factor,
+    non_negative_int,
+    port,
+    positive_int,
+)
 from rollflow.errors import ConfigError, RollflowError, RunDirectoryInUseError
 from rollflow.logs import configure_logging
 
@@ -59,86 +66,6 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="override one config value, e.g. --set trainer.lr=3e-4 (repeatable; wins over files)",
-    )
-
-
-def _port(text: str) -> int:
-    """``--port``: 0-65535 (0 picks a free port); anything else is a usage error naming the flag."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; use 0-65535") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port number; use 0-65535 (0 picks a free port)")
-    return port
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
-    return value
-
-
-def _balance_factor(text: str) -> float:
-    """``rollflow router --balance-factor``: a finite number >= 1.0 (``validate_balance_factor``)."""
-    from rollflow.inference.router import validate_balance_factor
-
-    try:
-        return validate_balance_factor(float(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a valid balance factor; use a finite number >= 1.0 (1.0: servers differ by "
-            "at most one session; larger: closer to plain consistent hashing)"
-        ) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a non-negative integer")
-    return value
-
-
-def _add_http_limits(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``rollflow.http.limits.HttpLimits`` (the config keys ``inference.http_*``)."""
-    from rollflow.http.limits import HttpLimits
-
-    defaults = HttpLimits()
-    parser.add_argument(
-        "--http-header-timeout-s",
-        type=_positive_float,
-        default=defaults.header_timeout_s,
-        help="seconds a client has to send a request's line and headers; idle kept-alive connections are "
-        f"closed after as long (default {defaults.header_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--http-body-timeout-s",
-        type=_positive_float,
-        default=defaults.body_timeout_s,
-        help=f"seconds a client has to send a request's body (default {defaults.body_timeout_s:g})",
-    )
-    parser.add_argument(
-        "--http-max-connections",
-        type=_positive_int,
-        default=defaults.max_connections,
-        help=f"connections served at once; more get 503 (default {defaults.max_connections})",
     )
 
 
@@ -186,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     serve.add_argument(
-        "--port", type=_port, default=8000, help="port to bind; 0 picks a free one (default 8000)"
+        "--port", type=port, default=8000, help="port to bind; 0 picks a free one (default 8000)"
     )
     add_serve_arguments(serve)  # the options rollflow sets on the servers it starts (``ServerSpec``)
     serve.add_argument(
@@ -208,25 +135,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--adapter-versions",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=0,
         help="LoRA adapter versions kept unmerged, each request decoding to its end on the version it started "
         "on; 0 (default) merges each adapter push into the weights served",
     )
     serve.add_argument(
         "--max-request-sequences",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="most sequences (prompts x n) one generation request may ask for; more is a 400 (default 256)",
     )
     serve.add_argument(
         "--max-request-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=2**19,
         help="most tokens (over its sequences, prompt tokens plus max_tokens) one generation request may ask "
         f"for; more is a 400 (default {2**19})",
     )
-    _add_http_limits(serve)
+    add_http_limits(serve)
 
     router = commands.add_parser(
         "router", help="session-aware HTTP router in front of inference servers (prints a JSON ready line)"
@@ -241,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     router.add_argument(
-        "--port", type=_port, default=8080, help="port to bind; 0 picks a free one (default 8080)"
+        "--port", type=port, default=8080, help="port to bind; 0 picks a free one (default 8080)"
     )
     router.add_argument(
         "--health-check-interval-s", type=float, default=2.0, help="seconds between health probes (default 2)"
@@ -254,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument(
         "--balance-factor",
-        type=_balance_factor,
+        type=balance_factor,
         default=1.0,
         help="a new session goes to the first server on its consistent-hash ring walk holding fewer than "
         "ceil(balance_factor x (pinned sessions + 1) / healthy servers); 1.0 (default) keeps servers within "
@@ -262,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     router.add_argument(
         "--max-request-sequences",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="most sequences (prompts x n) one generation request may ask for; more is a 400 before any "
         "server sees it (default 256, as rollflow serve)",
@@ -273,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         help="bearer token every endpoint but /health and /metrics requires, also sent to the servers "
         "(default: $ROLLFLOW_API_KEY, else none)",
     )
-    _add_http_limits(router)
+    add_http_limits(router)
 
     proxy = commands.add_parser(
         "proxy",
@@ -285,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_overrides(proxy)
     proxy.add_argument("--host", default=None, help="interface to bind (default agent.host, 127.0.0.1)")
     proxy.add_argument(
-        "--port", type=_port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
+        "--port", type=port, default=None, help="port to bind; 0 picks a free one (default agent.port, 0)"
     )
 
     _add_artifact_commands(commands)
