@@ -15,6 +15,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # that; the Ctrl-C tests send SIGINT to subprocesses, so give this process (and thereby them) the default.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread per test process, and for the runs and servers it starts. pytest-xdist's two workers on a
+# 2-core machine, each test with torch's default of 2 threads, oversubscribe the cores, and OpenMP's spinning
+# threads then slow the tiny model's small ops manyfold: two 60-step quickstarts side by side took 88 s with 2
+# threads each and 13 s with 1 (alone: 14 s vs 13 s). A test that needs another count sets it itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -416,24 +416,31 @@ async def test_idle_engine_releases_its_worker_thread(engine):
     assert len((await engine.generate(request([5, 6, 7]))).token_ids) == GREEDY.max_tokens
 
 
-async def test_engine_thread_count_stays_inside_its_worker(engine):
-    """The worker runs with one intra-op thread; threads that start using torch later keep the process's count."""
-    process_count = torch.get_num_threads()
-    worker_counts = []
-    decode = engine.runner.decode
+async def test_engine_thread_count_stays_inside_its_worker(varied_model):
+    """The worker runs with one intra-op thread; threads that start using torch later keep the process's count.
+    The suite runs with one thread (conftest), so the process gets 2 here: a count the worker's 1 differs from."""
+    suite_count = torch.get_num_threads()
+    torch.set_num_threads(2)
+    engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=8, max_model_len=512)
+    try:
+        worker_counts = []
+        decode = engine.runner.decode
 
-    def counting_decode(*args):
-        worker_counts.append(torch.get_num_threads())
-        return decode(*args)
+        def counting_decode(*args):
+            worker_counts.append(torch.get_num_threads())
+            return decode(*args)
 
-    engine.runner.decode = counting_decode
-    await engine.generate(request([5, 6, 7]))
-    assert set(worker_counts) == {1}
-    fresh_counts = []
-    fresh = threading.Thread(target=lambda: fresh_counts.append(torch.get_num_threads()))
-    fresh.start()
-    fresh.join()
-    assert fresh_counts == [process_count]
+        engine.runner.decode = counting_decode
+        await engine.generate(request([5, 6, 7]))
+        assert set(worker_counts) == {1}
+        fresh_counts = []
+        fresh = threading.Thread(target=lambda: fresh_counts.append(torch.get_num_threads()))
+        fresh.start()
+        fresh.join()
+        assert fresh_counts == [2]
+    finally:
+        await engine.shutdown()
+        torch.set_num_threads(suite_count)
 
 
 async def test_a_failing_forward_fails_its_requests_only_and_the_engine_keeps_serving(varied_model):

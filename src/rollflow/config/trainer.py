@@ -206,8 +206,9 @@ class TrainerConfig(Section):
     group (``advantage``), so the penalty acts through them, and the loss has no KL term. ``reward``
     needs ``kl_coef > 0``."""
     num_threads: Positive | None = None
-    """Torch threads of a training step; unset keeps torch's count. When generation shares the cores
-    (async modes on one machine), fewer threads than cores lets the two overlap instead of contending."""
+    """Torch threads of a training step; unset keeps torch's count (the cores, or ``OMP_NUM_THREADS``),
+    which trainer workers share. When generation shares the cores (async modes on one machine), fewer
+    threads than cores lets the two overlap instead of contending."""
     placement: Literal["thread", "process"] = "thread"
     """Where training steps run. ``thread``: a worker thread of the orchestrator's process. ``process``: a
     child process of its own (``rollflow.train.process``), so a step never waits for the interpreter lock

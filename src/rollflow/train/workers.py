@@ -76,7 +76,8 @@ class TrainerWorkers(RankGroup):
         self.world_size = config.num_workers
         self.parallelism = config.parallelism
         device = _check_devices(config)
-        threads = config.num_threads or max(1, (os.cpu_count() or 1) // self.world_size)
+        # Unset: the process's torch count (the cores, or OMP_NUM_THREADS where set) shared among the workers.
+        threads = config.num_threads or max(1, _torch_threads() // self.world_size)
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._workers: list[_Worker] = []
@@ -223,6 +224,12 @@ def _check_devices(config: Any) -> str:
             cpu_count=cores,
         )
     return "cpu"
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 # -------------------------------------------------------------------- the worker process
