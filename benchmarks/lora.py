@@ -11,8 +11,8 @@ Three parts (``--parts``, default all):
   move the near-uniform output (``examples/quickstart_lora.toml``, ``tests/test_lora_learning.py``); the
   default ``8:3e-3`` is that file's recipe (at 1e-2 the head's adapter collapses the output before the
   policy reads the prompt).
-- ``weights``: one weight update of a ~100M-parameter random-init Qwen3 (``QWEN3_100M``; the tiny model's
-  tokenizer size does not matter here), full against adapter-only, after one training step: the bytes every
+- ``weights``: one weight update of a ~100M-parameter random-init Qwen3 (``_models.QWEN3_100M``; the tiny
+  model's tokenizer size does not matter here), full against adapter-only, after one training step: the bytes every
   strategy sends (the named weights, float32) and the time of an in-process update (``TorchEngine
   .load_weights``: the adapter merged onto the engine's unmerged base, or the full copy), median of
   ``--repeats``.
@@ -38,22 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _models import QWEN3_100M
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 BAR = 0.9
 WINDOW = 10
-# ~100M parameters, as benchmarks/weight_sync.py: 32k x 768 tied embeddings + 12 layers of 6.3M.
-QWEN3_100M = {
-    "vocab_size": 32_000,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
 LORA_RANK = 8
 
 

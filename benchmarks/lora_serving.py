@@ -7,7 +7,7 @@
 - ``update_ms``: one adapter push into an engine's runner: the merge (``W_base + B @ A`` per module and a
   refresh of the fused weights) against writing the adapter into a stack slot.
 
-Models: ``rollflow:tiny`` and a random-init Qwen3 of ~100M parameters (``benchmarks/lora.py``'s), LoRA rank
+Models: ``rollflow:tiny`` and a random-init Qwen3 of ~100M parameters (``benchmarks/_models.py``), LoRA rank
 ``--rank`` on the seven projections and ``lm_head``.
 
     python benchmarks/lora_serving.py [--models tiny 100m] [--batch 8] [--steps 32] [--repeats 5]
@@ -23,20 +23,11 @@ import statistics
 import time
 from typing import Any
 
+from _models import QWEN3_100M
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QWEN3_100M = {
-    "vocab_size": 32_000,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
 
 
 def emit(line: dict[str, Any]) -> None:

@@ -31,22 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _models import QWEN3_100M
 from rollflow.inference.control import WorldSize
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-# ~100M parameters: 32k x 768 tied embeddings (24.6M) + 12 layers of 6.3M.
-QWEN3_100M = {
-    "vocab_size": 32_000,
-    "hidden_size": 768,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
 
 RECEIVER_PROCESS = """
 import json, sys
