@@ -245,16 +245,9 @@ class AgentGenerator:
                     "writing agent traces failed", prompt_index=request.prompt_index, error=str(error)
                 )
                 metrics["agent_trace_write_errors"] = float(len(records))
-        samples = []
-        for trajectory, (composed, _) in enumerate(results):
-            for sample in composed:
-                sample.trajectory = trajectory
-                samples.append(sample)
-        for index, sample in enumerate(samples):
-            sample.sample_index = index
         return ScoredGroup(
             prompt_index=request.prompt_index,
-            samples=samples,
+            samples=number_samples([composed for composed, _ in results]),
             generation_time_s=time.perf_counter() - started,
             metrics=metrics,
         )
@@ -351,6 +344,18 @@ def _empty_sample(prompt_index: int, reason: str) -> TITOSample:
         masked=True,
         mask_reason=reason,
     )
+
+
+def number_samples(trajectories: list[list[Sample]]) -> list[Sample]:
+    """The samples of a group's trajectories in one list, each labelled with its trajectory's index and its
+    own place in the group (a trajectory composes into one sample per branch)."""
+    samples = [sample for composed in trajectories for sample in composed]
+    for trajectory, composed in enumerate(trajectories):
+        for sample in composed:
+            sample.trajectory = trajectory
+    for index, sample in enumerate(samples):
+        sample.sample_index = index
+    return samples
 
 
 def group_metrics(per_trajectory: list[dict[str, float]]) -> dict[str, float]:

@@ -23,7 +23,7 @@ import structlog
 
 from rollflow.errors import ConfigError, EnvError, EnvFailureRateError
 from rollflow.messages import RolloutRequest, Sample, ScoredGroup
-from rollflow.rollout.agent import AgentGenerator, AgentTask, group_metrics
+from rollflow.rollout.agent import AgentGenerator, AgentTask, group_metrics, number_samples
 from rollflow.rollout.envs.base import EnvOutcome, EnvSource
 from rollflow.rollout.rewards import REWARD_COUNT, REWARD_SUM
 
@@ -208,15 +208,10 @@ class EnvGenerator:
             for name, value in (outcome.parts if outcome is not None else {}).items():
                 metrics[REWARD_SUM + name] = metrics.get(REWARD_SUM + name, 0.0) + value
                 metrics[REWARD_COUNT + name] = metrics.get(REWARD_COUNT + name, 0.0) + 1.0
-        samples = []
-        for trajectory, (composed, _, _, _) in enumerate(results):
-            for sample in composed:
-                sample.trajectory = trajectory
-                if dropped and not sample.masked:
-                    _mask(sample, ENV_GROUP_DROPPED)
-                samples.append(sample)
-        for index, sample in enumerate(samples):
-            sample.sample_index = index
+        samples = number_samples([composed for composed, _, _, _ in results])
+        for sample in samples if dropped else []:
+            if not sample.masked:
+                _mask(sample, ENV_GROUP_DROPPED)
         return ScoredGroup(
             prompt_index=request.prompt_index,
             samples=samples,
