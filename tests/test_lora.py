@@ -44,7 +44,10 @@ def step(trainer: Trainer, base_model, seed: int, policy_version: int = 0):
     ("overrides", "named"),
     [
         (
-            {"inference": {"engine": "vllm", "mode": "http"}, "trainer": {"lora": {"target_modules": ["lm_head"]}}},
+            {
+                "inference": {"engine": "vllm", "mode": "http"},
+                "trainer": {"lora": {"target_modules": ["lm_head"]}},
+            },
             "inference.engine = 'vllm'",
         ),
         ({"inference": {"mode": "http"}, "weight_sync": {"strategy": "cuda_ipc"}}, "weight_sync.strategy"),

@@ -31,7 +31,9 @@ def _load(*overrides: str, files=(QUICKSTART,)):
 
 
 def test_the_lora_quickstart_recipe_on_vllm_is_refused_for_its_lm_head_target() -> None:
-    with pytest.raises(ConfigError, match=r"trainer\.lora\.target_modules names 'lm_head'.*inference\.engine"):
+    with pytest.raises(
+        ConfigError, match=r"trainer\.lora\.target_modules names 'lm_head'.*inference\.engine"
+    ):
         _load(files=(QUICKSTART, "examples/quickstart_lora.toml"))
 
 
@@ -73,7 +75,10 @@ def test_a_projection_adapter_on_vllm_is_accepted_and_its_servers_get_the_lora_f
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     sync = _load("trainer.lora.rank=8", f"trainer.lora.target_modules={json.dumps(PROJECTIONS)}")
     assert server_options(sync, None)["max_loras"] == 1
-    assert VllmLoraStrategy(keep_versions=1).create_sender(1).keep_versions == 1
+    sender = VllmLoraStrategy(keep_versions=1).create_sender(1)
+    assert sender.keep_versions == 1 and sender.directory.is_dir()
+    sender.close()  # its temporary directory goes with it
+    assert not sender.directory.exists()
 
 
 def test_the_written_peft_directory_is_the_trainers_adapter(tmp_path) -> None:
@@ -100,7 +105,9 @@ def test_the_written_peft_directory_is_the_trainers_adapter(tmp_path) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
     path = VllmLoraTransport(directory=str(tmp_path)).push(0, adapter_weights(trained), lora_name="v1")
     assert path == str(tmp_path / "v1")
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), path)
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), path
+    )
     tokens = torch.tensor([[1, 5, 9, 200, 300, 17, 42, 99]])
     with torch.no_grad():
         expected, served = trained(tokens).logits, loaded(tokens).logits
