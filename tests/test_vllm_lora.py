@@ -177,3 +177,86 @@ def test_a_lora_run_on_a_managed_vllm_server_loads_each_versions_adapter(tmp_pat
     assert loaded == list(range(1, steps + 1)), log[-3000:]
     assert removed == list(range(1, steps + 1 - kept)), log[-3000:]
     print(f"{schedule}: mismatch {[m['logprob_mismatch'] for m in metrics]}")
+
+
+class _Servers:
+    """A control plane of two servers that take every LoRA call, one of which (``lost``) never serves the
+    adapter it accepted (or serves another directory): the silent failure a real vLLM cannot be made to
+    show on demand, so a double stands in for the servers here; the transport half is the real one."""
+
+    def __init__(self, lost: str | None, elsewhere: bool = False):
+        self.lost, self.elsewhere = lost, elsewhere
+        self.adapters: dict[str, dict[str, str]] = {"a": {}, "b": {}}
+        self.served: tuple[str | None, int] | None = None
+        self.calls: list[tuple[str, str]] = []
+
+    async def world_size(self):
+        from rollflow.inference.control import WorldSize
+
+        return WorldSize(total_workers=2, workers_per_server=1, num_servers=2)
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        self.calls.append(("load", name))
+        for url in self.adapters:
+            if url != self.lost:
+                self.adapters[url][name] = path
+            elif self.elsewhere:
+                self.adapters[url][name] = "/somewhere/else"
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        self.calls.append(("unload", name))
+        for adapters in self.adapters.values():
+            adapters.pop(name, None)
+
+    async def lora_adapters(self):
+        return {url: dict(adapters) for url, adapters in self.adapters.items()}
+
+    def serve_adapter(self, name, policy_version) -> None:
+        self.served = (name, policy_version)
+
+
+def _adapter_source():
+    import torch
+
+    from rollflow.weights import StaticWeights
+
+    return StaticWeights(
+        lambda: [
+            ("model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(2, 8)),
+            ("model.layers.0.self_attn.q_proj.lora_B.weight", torch.ones(8, 2)),
+        ]
+    )
+
+
+async def test_versions_are_loaded_served_and_retired_beyond_the_kept_number(tmp_path) -> None:
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    servers = _Servers(lost=None)
+    transfer = WeightTransfer(VllmLoraStrategy(checkpoint_dir=tmp_path, keep_versions=2))
+    for version in (1, 2, 3):
+        await transfer.push(servers, _adapter_source(), version)
+        assert servers.served == (f"rollflow-lora-{version}", version)
+        assert transfer.delivery_check_s is not None and transfer.delivery_check_s >= 0
+    assert sorted(servers.adapters["a"]) == ["rollflow-lora-2", "rollflow-lora-3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rollflow-lora-2", "rollflow-lora-3"]
+    assert ("unload", "rollflow-lora-1") in servers.calls
+    transfer.close()
+    assert tmp_path.is_dir()  # a configured directory is the user's: only the retired versions go
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+async def test_an_adapter_a_server_does_not_serve_stops_the_push(tmp_path, elsewhere) -> None:
+    """The push broken on purpose (one server drops the adapter, or serves another directory) is stopped by
+    proof of delivery, and the client keeps naming the previous version."""
+    from rollflow.errors import WeightTransferError
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    servers = _Servers(lost="b", elsewhere=elsewhere)
+    transfer = WeightTransfer(VllmLoraStrategy(checkpoint_dir=tmp_path))
+    shown = "serves 'rollflow-lora-1' from '/somewhere/else'" if elsewhere else "lists no 'rollflow-lora-1'"
+    with pytest.raises(WeightTransferError, match=f"b {shown}.*does not serve the pushed adapter"):
+        await transfer.push(servers, _adapter_source(), 1)
+    assert servers.served is None
+    transfer.close()
