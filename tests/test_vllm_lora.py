@@ -260,3 +260,99 @@ async def test_an_adapter_a_server_does_not_serve_stops_the_push(tmp_path, elsew
         await transfer.push(servers, _adapter_source(), 1)
     assert servers.served is None
     transfer.close()
+
+
+# ---------------------------------------------------------------- one real vLLM server with LoRA serving
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory):
+    """One vLLM server of this module's own with ``--enable-lora`` (rank 8, two adapters at once)."""
+    from .helpers.vllm_server import PYTHON_ENV, SKIP_REASON, VllmServer
+
+    if not os.environ.get(PYTHON_ENV):
+        pytest.skip(SKIP_REASON)
+    server = VllmServer(tmp_path_factory.mktemp("vllm-lora"), lora=(8, 2))
+    yield server
+    server.close()
+
+
+def _adapted_model(seed: int):
+    """tiny-h32 with a rank-4 adapter on the projections whose B is random (so it moves the logits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.config import LoraConfig
+    from rollflow.models.tiny import ensure_tiny_h32_model
+    from rollflow.train.lora import apply_lora
+
+    model = apply_lora(
+        AutoModelForCausalLM.from_pretrained(ensure_tiny_h32_model(), dtype=torch.float32),
+        LoraConfig(rank=4, alpha=8.0, target_modules=PROJECTIONS),
+    ).eval()
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
+def _mismatch(model, prompt: list[int], output) -> float:
+    """Largest |served logprob - the model's| over the sampled tokens (temperature 1)."""
+    import torch
+
+    tokens = torch.tensor([prompt + output.token_ids])
+    with torch.no_grad():
+        logprobs = model(tokens).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+    mine = logprobs.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+    return float((mine - torch.tensor(output.logprobs)).abs().max())
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+async def test_adapters_pushed_into_a_real_vllm_serve_the_trainers_logprobs_per_version(lora_server) -> None:
+    """Two versions pushed into a real vLLM by the vLLM LoRA transfer (proved by ``/v1/models`` each time):
+    requests started on each version (the client names its adapter) get that version's logprobs (< 1e-4
+    from the adapted model's), the base model is left alone, and a third push retires the first."""
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.messages import GenerateRequest, SamplingParams
+    from rollflow.train.lora import adapter_disabled, adapter_weights
+    from rollflow.weights import StaticWeights, WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    models = {version: _adapted_model(seed=version) for version in (1, 2, 3)}
+    client = RemoteInferenceClient(lora_server.url, [lora_server.url], control_timeout_s=120)
+    transfer = WeightTransfer(VllmLoraStrategy(keep_versions=2, timeout_s=120))
+    prompt, sampling = [1, 5, 9, 200, 300, 17, 42, 99], SamplingParams(max_tokens=12, seed=3)
+    try:
+        base = await client.generate(GenerateRequest(prompt, sampling))
+        outputs = {}
+        for version in (1, 2):
+            weights = list(adapter_weights(models[version]))
+            await transfer.push(client.control, StaticWeights(lambda w=weights: w), version)
+            assert transfer.delivery_check_s is not None
+            outputs[version] = await client.generate(GenerateRequest(prompt, sampling))
+        client.serve_adapter("rollflow-lora-1", 1)  # a request started on version 1 while 2 is current
+        late_first = await client.generate(GenerateRequest(prompt, sampling))
+        weights = list(adapter_weights(models[3]))
+        await transfer.push(client.control, StaticWeights(lambda: weights), 3)
+        served = await client.control.lora_adapters()
+        client.serve_adapter(None, 0)
+        base_after = await client.generate(GenerateRequest(prompt, sampling))
+    finally:
+        transfer.close()
+        await client.close()
+    assert sorted(served[lora_server.url]) == ["rollflow-lora-2", "rollflow-lora-3"]
+    figures = {version: _mismatch(models[version], prompt, out) for version, out in outputs.items()}
+    figures["late 1"] = _mismatch(models[1], prompt, late_first)
+    with adapter_disabled(models[1]):
+        figures["base"] = _mismatch(models[1], prompt, base)
+        figures["base after"] = _mismatch(models[1], prompt, base_after)
+    print(f"served vs adapted-model logprobs: {figures}")
+    assert max(figures.values()) < 1e-4, figures
+    assert [set(out.policy_versions) for out in outputs.values()] == [{1}, {2}]
+    assert set(late_first.policy_versions) == {1}
+    # The versions differ: each check above tells them apart.
+    assert _mismatch(models[2], prompt, outputs[1]) > 1e-3
+    assert _mismatch(models[1], prompt, base_after) > 1e-3

@@ -95,8 +95,12 @@ def vllm_lora_rank(rank: int) -> int:
 
 def lora_versions_kept(config: RunConfig) -> int:
     """LoRA adapter versions each vLLM server keeps loaded: ``orchestrator.max_staleness + 1`` in the async
-    modes (a request started on version k finishes on k), 1 in sync mode (no request outlives a version)."""
-    return 1 if config.orchestrator.mode == "sync" else config.orchestrator.max_staleness + 1
+    modes (a request started on version k finishes on k), at least 2 there (a request that named version k
+    and waited out the pause of push k + 1 is sent after it); 1 in sync mode (no request outlives a
+    version)."""
+    if config.orchestrator.mode == "sync":
+        return 1
+    return max(2, config.orchestrator.max_staleness + 1)
 
 
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
