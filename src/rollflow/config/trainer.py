@@ -33,7 +33,8 @@ class LoraConfig(Section):
     ``logprob_chunk_tokens`` chunks); its adapter changes the logits directly, and a tied head is untied
     where the adapter is merged (engine, ``--merge``). A model whose head was never trained (the random-init
     ``rollflow:tiny``) needs ``lm_head`` here: adapters on the projections alone cannot move its near-uniform
-    output (``examples/quickstart_lora.toml``)."""
+    output (``examples/quickstart_lora.toml``). With ``inference.engine = "vllm"`` ``lm_head`` is refused
+    (vLLM 0.32 then serves the base model's requests wrongly; ``rollflow.weights.vllm_lora``)."""
     init: Literal["default", "gaussian"] = "default"
     """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""
