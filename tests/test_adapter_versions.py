@@ -144,3 +144,38 @@ def test_a_negative_adapter_versions_flag_is_refused_naming_it():
     )
     assert result.returncode == 2
     assert "--adapter-versions" in result.stderr and "non-negative" in result.stderr
+
+
+def _perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    """Full weights (HF names) of ``model`` with noise: a full-weight push that changes the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        name: tensor + torch.randn(tensor.shape, generator=generator) * 0.05
+        for name, tensor in model.state_dict().items()
+        if tensor.is_floating_point() and name != "lm_head.weight"  # tied: the embeddings carry it
+    }
+
+
+async def test_full_and_adapter_pushes_mix_on_the_unmerged_path(base_model):
+    """Adapter v1, then full weights v2, then adapter v3 into an engine keeping versions unmerged: new
+    requests then sample as an engine that held the full weights with adapter v3 merged, stamped v3; and
+    after the full push alone, as the full weights with adapter v1 (full weights load into the base, which
+    every kept version runs on)."""
+    first, second = random_adapter(base_model, 1), random_adapter(base_model, 3)
+    full = _perturbed(base_model, 2)
+    new_base = copy.deepcopy(base_model)
+    new_base.load_state_dict(full, strict=False)
+    engine = engine_of(base_model, adapter_versions=2)
+    try:
+        await engine.load_weights(list(first.items()), policy_version=1)
+        await engine.load_weights(list(full.items()), policy_version=2)
+        after_full = await engine.generate(GenerateRequest(PROMPT, LONG))
+        await engine.load_weights(list(second.items()), policy_version=3)
+        after_second = await engine.generate(GenerateRequest(PROMPT, LONG))
+    finally:
+        await engine.shutdown()
+    assert set(after_second.policy_versions) == {3}
+    assert after_second.token_ids[:SAME] == (await alone_on(new_base, second, 3))[:SAME]
+    assert after_full.token_ids[:SAME] == (await alone_on(new_base, first, 1))[:SAME]
+    # The full push changed what is sampled: the checks above tell the two bases apart.
+    assert after_full.token_ids[:SAME] != (await alone_on(base_model, first, 1))[:SAME]

@@ -43,7 +43,13 @@ def step(trainer: Trainer, base_model, seed: int, policy_version: int = 0):
 @pytest.mark.parametrize(
     ("overrides", "named"),
     [
-        ({"inference": {"engine": "vllm"}}, "inference.engine = 'vllm'"),
+        (
+            {
+                "inference": {"engine": "vllm", "mode": "http"},
+                "trainer": {"lora": {"target_modules": ["lm_head"]}},
+            },
+            "inference.engine = 'vllm'",
+        ),
         ({"inference": {"mode": "http"}, "weight_sync": {"strategy": "cuda_ipc"}}, "weight_sync.strategy"),
         ({"trainer": {"placement": "process"}}, "trainer.placement = 'process'"),
         ({"trainer": {"lora": {"dropout": 1.0}}}, "trainer.lora.dropout"),

@@ -75,15 +75,23 @@ def server_spec(python: str, **options) -> ServerSpec:
 class VllmServer:
     """One vLLM server for the session (``url``; ``model_dir``: the weights it started from)."""
 
-    def __init__(self, log_dir: Path, *, extra_args: tuple[str, ...] = (), own: bool = False):
-        """``own``: always start a server (one a test may kill), never reuse ``ROLLFLOW_VLLM_URL``'s."""
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        extra_args: tuple[str, ...] = (),
+        own: bool = False,
+        lora: tuple[int, int] | None = None,
+    ):
+        """``own``: always start a server (one a test may kill), never reuse ``ROLLFLOW_VLLM_URL``'s.
+        ``lora``: ``(max_lora_rank, max_loras)`` of a server with LoRA serving (always its own)."""
         from rollflow.models.tiny import ensure_tiny_h32_model
 
         self.model_dir = ensure_tiny_h32_model()
         self.log_dir = log_dir
         self._group: ServerGroup | None = None
         existing = os.environ.get(URL_ENV)
-        if existing and not extra_args and not own:
+        if existing and not extra_args and not own and lora is None:
             self.url = existing.rstrip("/")
             return
         self._loop = asyncio.new_event_loop()
@@ -100,6 +108,7 @@ class VllmServer:
                 "spec": server_spec(os.environ[PYTHON_ENV]),
                 "weight_transfer_backend": CHECKPOINT_BACKEND,
                 "extra_args": list(extra_args),
+                **({} if lora is None else {"max_lora_rank": lora[0], "max_loras": lora[1]}),
             },
         )
         try:

@@ -33,7 +33,8 @@ class LoraConfig(Section):
     ``logprob_chunk_tokens`` chunks); its adapter changes the logits directly, and a tied head is untied
     where the adapter is merged (engine, ``--merge``). A model whose head was never trained (the random-init
     ``rollflow:tiny``) needs ``lm_head`` here: adapters on the projections alone cannot move its near-uniform
-    output (``examples/quickstart_lora.toml``)."""
+    output (``examples/quickstart_lora.toml``). With ``inference.engine = "vllm"`` ``lm_head`` is refused
+    (vLLM 0.32 then serves the base model's requests wrongly; ``rollflow.weights.vllm_lora``)."""
     init: Literal["default", "gaussian"] = "default"
     """How A starts (B starts at 0 either way, so the adapted model starts as the base): ``default``:
     Kaiming-uniform (``peft``'s default), ``gaussian``: normal with std ``1 / rank``."""
@@ -384,13 +385,10 @@ def lora_errors(config: RunConfig) -> list[str]:
         errors.append(
             "trainer.lora.target_modules is empty: name the Linear modules to adapt (e.g. 'q_proj')"
         )
-    if config.inference.engine != "torch":
-        errors.append(
-            f"trainer.lora with inference.engine = {config.inference.engine!r}: adapter-only weight updates "
-            "reach rollflow's torch engine only so far; use inference.engine = 'torch' or unset trainer.lora"
-        )
     strategy = config.weight_sync.resolved_strategy(config.inference.mode)
-    if strategy not in LORA_STRATEGIES:
+    if config.inference.engine == "vllm":
+        errors += _vllm_lora_errors(config)
+    elif strategy not in LORA_STRATEGIES:
         errors.append(
             f"trainer.lora with weight_sync.strategy = {config.weight_sync.strategy!r}: an adapter travels by "
             f"{', '.join(LORA_STRATEGIES)} only; pick one of those (or 'auto') or unset trainer.lora"
@@ -400,6 +398,42 @@ def lora_errors(config: RunConfig) -> list[str]:
             "trainer.lora with trainer.placement = 'process' and in-process engines (weight_sync.strategy = "
             "'local'): those engines read the trainer process's weights through shared memory, which holds "
             "no scaled adapter; use trainer.placement = 'thread' or inference.mode = 'http'"
+        )
+    return errors
+
+
+# The largest --max-lora-rank vLLM accepts.
+VLLM_MAX_LORA_RANK = 512
+
+
+def _vllm_lora_errors(config: RunConfig) -> list[str]:
+    """What vLLM's LoRA serving cannot take (``rollflow.weights.vllm_lora``: one adapter per version, loaded
+    from a PEFT directory)."""
+    lora = config.trainer.lora
+    assert lora is not None
+    errors = []
+    if "lm_head" in lora.target_modules:
+        errors.append(
+            "trainer.lora.target_modules names 'lm_head' with inference.engine = 'vllm': vLLM (0.32.0, "
+            "measured) serves an lm_head adapter's requests right, but from then on serves the base model's "
+            "requests with wrong logprobs (tied embeddings); adapt the projections only, or use inference"
+            ".engine = 'torch' (a random-init model such as rollflow:tiny then needs lm_head to learn)"
+        )
+    if lora.rank > VLLM_MAX_LORA_RANK:
+        errors.append(
+            f"trainer.lora.rank = {lora.rank} is above vLLM's largest --max-lora-rank ({VLLM_MAX_LORA_RANK})"
+        )
+    if config.weight_sync.strategy not in ("auto", "checkpoint"):
+        errors.append(
+            f"trainer.lora with inference.engine = 'vllm' and weight_sync.strategy = "
+            f"{config.weight_sync.strategy!r}: vLLM loads an adapter from a PEFT directory "
+            "(/v1/load_lora_adapter), not by weight transfer; set weight_sync.strategy = 'auto' or "
+            "'checkpoint' (weight_sync.checkpoint_dir: a directory every server reads)"
+        )
+    if config.weight_sync.backend is not None:
+        errors.append(
+            f"weight_sync.backend = {config.weight_sync.backend!r} with trainer.lora on vLLM: the adapter "
+            "travels as files, not by broadcast; leave weight_sync.backend unset"
         )
     return errors
 

@@ -128,6 +128,24 @@ class ControlPlane(Protocol):
         that cannot say), to check that an update took (``rollflow.weights.delivery``)."""
         ...
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Every server loads the PEFT adapter directory ``path`` as LoRA adapter ``name`` (vLLM's
+        ``/v1/load_lora_adapter``)."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Every server drops LoRA adapter ``name``."""
+        ...
+
+    async def lora_adapters(self) -> dict[str, dict[str, str | None]]:
+        """The LoRA adapters each server serves, by URL: ``{name: the directory it was loaded from}``."""
+        ...
+
+    def serve_adapter(self, name: str | None, policy_version: int) -> None:
+        """Requests started from now on are served by LoRA adapter ``name`` (None: the base model) and their
+        tokens carry ``policy_version``."""
+        ...
+
     async def finish_session(self, session_id: str | None) -> None:
         """Tell the router that ``session_id`` is done (best effort, never raises)."""
         ...
@@ -200,6 +218,18 @@ class InProcessControlPlane:
 
     async def weight_checksums(self) -> dict[str, dict[str, set[str]]]:
         raise self._no_servers("weight_checksums")
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        raise self._no_servers("load_lora_adapter")
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        raise self._no_servers("unload_lora_adapter")
+
+    async def lora_adapters(self) -> dict[str, dict[str, str | None]]:
+        raise self._no_servers("lora_adapters")
+
+    def serve_adapter(self, name: str | None, policy_version: int) -> None:
+        raise self._no_servers("serve_adapter")
 
     async def finish_session(self, session_id: str | None) -> None:
         """Nothing to forget: no router in between."""

@@ -119,6 +119,8 @@ class RemoteInferenceClient:
         self.drop_unreachable_servers = drop_unreachable_servers
         self.connection_limit = connection_limit
         self.policy_version = policy_version
+        #: The LoRA adapter requests name as their ``model`` instead of ``model`` (``serve_adapter``).
+        self.adapter: str | None = None
         # Runtime state, never pickled.
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -307,19 +309,29 @@ class RemoteInferenceClient:
                 the bounded connection retries, or ``request_timeout_s`` passed.
         """
         sampling = {**sampling_fields(request.sampling), "detokenize": False}
+        # The version this request starts on (with a LoRA adapter: the one its ``model`` names).
+        version = self.policy_version
         payload = {"token_ids": request.prompt_token_ids, "sampling_params": sampling, **self._ids(request)}
         body = await self._data_call(
             "POST", "/inference/v1/generate", json=payload, session_id=request.session_id
         )
-        return parse_generate(body, request, f"{self.data_url}/inference/v1/generate", self.policy_version)
+        return parse_generate(body, request, f"{self.data_url}/inference/v1/generate", version)
+
+    def serve_adapter(self, name: str | None, policy_version: int) -> None:
+        """Requests started from now on name LoRA adapter ``name`` as their ``model`` (None: ``model``) and
+        their tokens carry ``policy_version`` where the server reports no versions; set together, with no
+        await between, so a request's adapter and version always agree."""
+        self.adapter = name
+        self.policy_version = policy_version
 
     def _ids(self, request: GenerateRequest) -> dict[str, Any]:
         """The request's id, session and the served model name, where set."""
         ids: dict[str, Any] = {}
         if request.request_id:
             ids["request_id"] = request.request_id
-        if self.model is not None:
-            ids["model"] = self.model
+        model = self.adapter or self.model
+        if model is not None:
+            ids["model"] = model
         if request.session_id:
             ids["session_id"] = request.session_id
         return ids
@@ -336,6 +348,7 @@ class RemoteInferenceClient:
         Raises:
             RemoteInferenceError: as ``generate``; also a stream that breaks off or reports an error.
         """
+        version = self.policy_version  # as generate's
         payload = {
             "prompt": request.prompt_token_ids,
             **sampling_fields(request.sampling),
@@ -349,7 +362,7 @@ class RemoteInferenceClient:
         finished = False
         try:
             async for event in iter_sse(response.content.iter_any()):
-                chunk = parse_stream_event(event, url, request, prompt_len, self.policy_version)
+                chunk = parse_stream_event(event, url, request, prompt_len, version)
                 finished = chunk.finish_reason is not None
                 yield chunk
                 if finished:

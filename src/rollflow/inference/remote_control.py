@@ -161,6 +161,48 @@ class HttpControlPlane:
         if policy_version is not None:
             self._client.policy_version = policy_version
 
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` (vLLM with ``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): every server loads the PEFT adapter directory ``path``.
+
+        Raises:
+            ControlPlaneError: naming each server that failed (a missing or unreadable directory, a rank
+                above ``--max-lora-rank``, an adapter of that name loaded already).
+        """
+        body = {"lora_name": name, "lora_path": path}
+        await self._client._control("load_lora_adapter", "POST", "/v1/load_lora_adapter", json=body)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter {"lora_name"}`` on every server.
+
+        Raises:
+            ControlPlaneError: naming each server that failed (none of that name is loaded).
+        """
+        body = {"lora_name": name}
+        await self._client._control("unload_lora_adapter", "POST", "/v1/unload_lora_adapter", json=body)
+
+    async def lora_adapters(self) -> dict[str, dict[str, str | None]]:
+        """``GET /v1/models`` of every server: ``{url: {adapter name: root}}``, the LoRA adapters it serves
+        (entries with a ``parent``) and the directory each was loaded from.
+
+        Raises:
+            ControlPlaneError: naming each server that failed.
+        """
+        answers = await self._client._control("models", "GET", "/v1/models")
+        return {
+            url: {
+                entry["id"]: entry.get("root")
+                for entry in (body or {}).get("data", [])
+                if isinstance(entry, dict) and entry.get("parent")
+            }
+            for url, body in answers.items()
+        }
+
+    def serve_adapter(self, name: str | None, policy_version: int) -> None:
+        """Requests the client starts from now on name LoRA adapter ``name`` as their ``model`` (None: the
+        base model) and their tokens carry ``policy_version``; requests already running keep theirs."""
+        self._client.serve_adapter(name, policy_version)
+
     async def weight_versions(self) -> dict[str, str | None]:
         """``GET /weight_info`` of every server: ``{url: weight_version}`` (None where it reports none).
 

@@ -84,6 +84,25 @@ def adapter_versions(config: RunConfig) -> int:
     return config.orchestrator.max_staleness + 1
 
 
+# The ranks vLLM's --max-lora-rank accepts (vLLM 0.32/0.33).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds adapters of rank ``rank``."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), rank)
+
+
+def lora_versions_kept(config: RunConfig) -> int:
+    """LoRA adapter versions each vLLM server keeps loaded: ``orchestrator.max_staleness + 1`` in the async
+    modes (a request started on version k finishes on k), at least 2 there (a request that named version k
+    and waited out the pause of push k + 1 is sent after it); 1 in sync mode (no request outlives a
+    version)."""
+    if config.orchestrator.mode == "sync":
+        return 1
+    return max(2, config.orchestrator.max_staleness + 1)
+
+
 def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
     """Keyword options of ``build_torch_server_command`` / ``build_vllm_server_command`` for the servers
     rollflow starts (``ServerGroup(server_options=…)``): ``[inference]``'s ``ServerSpec``, the key and
@@ -109,9 +128,13 @@ def server_options(config: RunConfig, api_key: str | None) -> dict[str, object]:
             options["extra_args"] = [CHUNK_FLAG, budget, *inference.server_args]  # the user's stay last
     if versions := adapter_versions(config):
         options["extra_args"] = ["--adapter-versions", str(versions), *inference.server_args]
+    if inference.engine == "vllm" and config.trainer.lora is not None:
+        options["max_lora_rank"] = vllm_lora_rank(config.trainer.lora.rank)
+        options["max_loras"] = lora_versions_kept(config)
     strategy = config.weight_sync.resolved_strategy(inference.mode)
     gloo = strategy == "broadcast" and config.weight_sync.backend == "gloo"
-    if inference.engine == "vllm" and (strategy == "checkpoint" or gloo):
+    lora = config.trainer.lora is not None  # the adapter goes through vLLM's LoRA API, no transfer engine
+    if inference.engine == "vllm" and (strategy == "checkpoint" or gloo or lora):
         from rollflow.vllm_plugin import ENGINE_BACKEND
 
         options["weight_transfer_backend"] = ENGINE_BACKEND  # rollflow's plugin engine: files, or gloo

@@ -135,6 +135,8 @@ def build_vllm_server_command(
     device: str = "auto",
     extra_args: Sequence[str] = (),
     spec: ServerSpec | None = None,
+    max_lora_rank: int | None = None,
+    max_loras: int = 1,
 ) -> tuple[list[str], dict[str, str]]:
     """``vllm serve`` command line and the environment it needs, for a vLLM RL server (0.33; 0.32 too).
 
@@ -153,6 +155,9 @@ def build_vllm_server_command(
     - ``--enable-return-routed-experts`` with ``return_routed_experts`` (MoE routing replay).
     - ``--logprobs-mode processed_logprobs``: logprobs after temperature and top-k/top-p, what the trainer
       recomputes (vLLM's default, ``raw_logprobs``, is before both; ``rollflow.inference.logprob_check``).
+    - With ``max_lora_rank`` (a ``[trainer.lora]`` run): ``--enable-lora --max-lora-rank --max-loras`` and
+      ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, which registers ``/v1/load_lora_adapter`` and
+      ``/v1/unload_lora_adapter`` (``rollflow.weights.vllm_lora``); ``max_loras`` adapters at once.
 
     Returns:
         ``(argv, env)``: ``env`` holds only the variables to add to the parent's environment.
@@ -189,6 +194,9 @@ def build_vllm_server_command(
         "processed_logprobs",
     ]
     env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if max_lora_rank is not None:
+        command += ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", str(max_loras)]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key  # not ``--api-key``: the command line is visible to every user
     if backend == "ipc":

@@ -54,6 +54,17 @@ class WeightBarrier:
         if config.inference.colocate and sync.strategy == "auto" and _colocated_on_cuda(config):
             strategy = "cuda_ipc"  # trainer and servers share the GPU: hand the buffers over, no copy
         master_address = rank0_address if sync.master_address == "auto" else sync.master_address
+        if config.trainer.lora is not None and config.inference.engine == "vllm":
+            # vLLM takes an adapter through its LoRA API (one adapter per version), not as weights.
+            from rollflow.inference.setup import lora_versions_kept
+            from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+            options = VllmLoraStrategy.options_from(sync, engine="vllm", master_address=master_address)
+            return cls(
+                client,
+                WeightTransfer(VllmLoraStrategy(**options, keep_versions=lora_versions_kept(config))),
+                timeout_s=sync.timeout_s,
+            )
         transfer = WeightTransfer(
             strategy_from_config(
                 strategy, sync, engine=config.inference.engine, master_address=master_address

@@ -1,8 +1,10 @@
-"""Weight transfer from the trainer into inference engines: ``local``, ``broadcast``, ``checkpoint``, ``cuda_ipc``.
+"""Weight transfer from the trainer into inference engines: ``local``, ``broadcast``, ``checkpoint``, ``cuda_ipc``,
+and ``vllm_lora`` (a LoRA run's adapter into vLLM's LoRA API; the barrier picks it).
 
 ``rollflow.weights.base`` holds the interface. The package is split by the process each part runs in:
 
-- ``weights/<strategy>.py`` (``local``, ``broadcast``, ``vllm_nccl``, ``checkpoint``, ``cuda_ipc``) and
+- ``weights/<strategy>.py`` (``local``, ``broadcast``, ``vllm_nccl``, ``checkpoint``, ``cuda_ipc``,
+  ``vllm_lora``) and
   ``base``, ``registry``, ``ranks``, ``rounds``: the orchestrator's side, importing no torch: each strategy,
   its control half (HTTP to the servers) and its transport half as a picklable spec;
 - ``weights/trainer/``: what those specs run on the trainer ranks (sessions, process groups, files, IPC

@@ -20,6 +20,8 @@ _REGISTRY: dict[str, str] = {
     "broadcast": "rollflow.weights.broadcast:BroadcastStrategy",
     "checkpoint": "rollflow.weights.checkpoint:CheckpointStrategy",
     "cuda_ipc": "rollflow.weights.cuda_ipc:CudaIpcStrategy",
+    # A [trainer.lora] run's adapter into vLLM servers (chosen by the barrier, not by weight_sync.strategy).
+    "vllm_lora": "rollflow.weights.vllm_lora:VllmLoraStrategy",
 }
 
 
