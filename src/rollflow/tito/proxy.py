@@ -31,8 +31,8 @@ Serving cost: a non-streamed turn of any of the three APIs (chat completion, res
 answered by the listener's own small HTTP/1.1 front (``rollflow.http.front``) rather than aiohttp's server,
 through the same ``prepare_*`` and ``answer_turn`` as the aiohttp routes, so the same checks, the same session
 and the same errors in each API's shape; everything else (streams, ``/models``, ``count_tokens``, admin
-endpoints, bodies that do not decode or translate) is served by aiohttp on the same port. ``benchmarks/tito_load.py`` measures the proxy against calling the engine
-directly.
+endpoints, bodies that do not decode or translate) is served by aiohttp on the same port.
+``benchmarks/tito_load.py`` measures the proxy against calling the engine directly.
 """
 
 from __future__ import annotations

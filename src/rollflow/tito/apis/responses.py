@@ -63,7 +63,8 @@ _ENCODER = msgspec.json.Encoder()
 
 
 async def create_response(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
-    """``POST /sessions/<token>/v1/responses`` (aiohttp's route; the front serves ``prepare_response`` too)."""
+    """``POST /sessions/<token>/v1/responses`` (aiohttp's route; the front serves ``prepare_response``
+    too)."""
     session = proxy.session_for(request)
     body = await proxy.read_body(request)
     return await serve_turn(proxy, request, session, body, prepare_response(proxy, session, body))
