@@ -401,11 +401,14 @@ async def run(args) -> None:
     }
     results: dict[str, list] = {"direct": [], **{shape: [] for shape in shapes}}
     async with open_engine(args.engine, chat, args.batch_size) as (engine, client):
-        for _ in range(args.repeats):
+        order = list(shapes.items())
+        for repeat in range(args.repeats):
             results["direct"].append(
                 await direct_phase(engine, chat.renderer, args.sessions, args.max_tokens)
             )
-            for shape, (workers, api) in shapes.items():
+            # Each repeat starts the proxy runs at another shape, so none always runs right after the baseline.
+            turn = repeat % len(order)
+            for shape, (workers, api) in order[turn:] + order[:turn]:
                 results[shape].append(
                     await proxy_phase(client, chat, args.sessions, args.max_tokens, args.agents, workers, api)
                 )
