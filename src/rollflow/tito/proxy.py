@@ -62,15 +62,16 @@ from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
 from rollflow.tito.apis.anthropic import count_tokens, create_message, prepare_message
-from rollflow.tito.apis.chat import create_chat_completion, prepare_chat
+from rollflow.tito.apis.chat import prepare_chat
 from rollflow.tito.apis.common import (
     TurnRequest,
     answer_turn,
     error_answer,
     request_key,
+    serve_request,
     thinking_switch_unused,
 )
-from rollflow.tito.apis.responses import create_response, prepare_response
+from rollflow.tito.apis.responses import prepare_response
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import Session, TurnSettings
@@ -311,14 +312,15 @@ class TITOProxy:
             OSError: the address is in use or cannot be bound.
         """
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
-        app.router.add_post(
-            "/sessions/{token}/v1/chat/completions", functools.partial(create_chat_completion, self)
-        )
+        chat_completions = functools.partial(serve_request, prepare_chat, self)
+        app.router.add_post("/sessions/{token}/v1/chat/completions", chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
         # Harnesses probe their base URL before the first call (Claude Code sends HEAD): an open session is up.
         app.router.add_get("/sessions/{token}", self._models)
         app.router.add_get("/sessions/{token}/v1", self._models)
-        app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
+        app.router.add_post(
+            "/sessions/{token}/v1/responses", functools.partial(serve_request, prepare_response, self)
+        )
         app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
         app.router.add_post(
             "/sessions/{token}/v1/messages/count_tokens", functools.partial(count_tokens, self)

@@ -37,7 +37,7 @@ from rollflow.tito.apis.common import (
     error_answer,
     leave_aside,
     refuse,
-    serve_turn,
+    serve_request,
     tool_input,
     turn_hex,
     validate_chat,
@@ -110,9 +110,7 @@ def anthropic_errors(handler: Handler) -> Handler:
 @anthropic_errors
 async def create_message(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
     """``POST /sessions/<token>/v1/messages`` (aiohttp's route; the front serves ``prepare_message`` too)."""
-    session = proxy.session_for(request)
-    body = await proxy.read_body(request)
-    return await serve_turn(proxy, request, session, body, prepare_message(proxy, session, body))
+    return await serve_request(prepare_message, proxy, request)
 
 
 def prepare_message(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from rollflow.errors import RequestError
 from rollflow.http.sse import SSE_DONE, sse_event
-from rollflow.tito.apis.common import TurnRequest, serve_turn
+from rollflow.tito.apis.common import TurnRequest
 from rollflow.tito.apis.streaming import StreamedText, open_event_stream
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import Session, TurnProgress, arguments_text
@@ -97,16 +97,9 @@ def chat_completion(
     )
 
 
-async def create_chat_completion(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
-    """``POST /sessions/<token>/v1/chat/completions`` (aiohttp's route; the front serves ``prepare_chat``
-    too)."""
-    session = proxy.session_for(request)
-    body = await proxy.read_body(request)
-    return await serve_turn(proxy, request, session, body, prepare_chat(proxy, session, body))
-
-
 def prepare_chat(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:
-    """A Chat Completions request body decoded and validated, with its answers (``ChatCompletion``, chunks).
+    """A Chat Completions request body decoded and validated, with its answers (``ChatCompletion``, chunks):
+    what ``POST /sessions/<token>/v1/chat/completions`` serves, from the front and from aiohttp.
     ``session`` is unused (the request carries its whole history); it is there to match the other APIs.
 
     Raises:

@@ -1,6 +1,6 @@
 """What the endpoints of every API share: a decoded request and how its API answers (``TurnRequest``), its
-checks and turn (``answer_turn`` for the front and aiohttp alike, ``serve_turn`` for aiohttp, streamed or
-not), and turning recorded messages back into request messages."""
+checks and turn (``answer_turn``, for the front and aiohttp alike; ``serve_request`` and ``serve_turn``, the
+aiohttp route, streamed or not), and turning recorded messages back into request messages."""
 
 from __future__ import annotations
 
@@ -163,6 +163,21 @@ async def answer_turn(
         decoded.request, request_key=key, is_retry=is_retry, side_call=decoded.side_call
     )
     return turn_request.reply(turns)
+
+
+async def serve_request(
+    prepare: Callable[[TITOProxy, Session, bytes], TurnRequest], proxy: TITOProxy, request: web.Request
+) -> web.StreamResponse:
+    """The aiohttp route of a turn endpoint (``/chat/completions``, ``/responses``, ``/messages``): its
+    session and body, ``prepare`` (the API's ``prepare_*``, the one the front serves too), ``serve_turn``.
+
+    Raises:
+        RequestError: an unknown or closed session, a body over the limit, a request that is refused.
+        TraceSealedError: the session is closed.
+    """
+    session = proxy.session_for(request)
+    body = await proxy.read_body(request)
+    return await serve_turn(proxy, request, session, body, prepare(proxy, session, body))
 
 
 async def serve_turn(

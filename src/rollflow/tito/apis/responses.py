@@ -27,7 +27,6 @@ from rollflow.tito.apis.common import (
     history_message,
     leave_aside,
     refuse,
-    serve_turn,
     turn_hex,
     validate_chat,
 )
@@ -62,16 +61,9 @@ _WITH_INSTRUCTIONS = "responses.with_instructions"
 _ENCODER = msgspec.json.Encoder()
 
 
-async def create_response(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
-    """``POST /sessions/<token>/v1/responses`` (aiohttp's route; the front serves ``prepare_response``
-    too)."""
-    session = proxy.session_for(request)
-    body = await proxy.read_body(request)
-    return await serve_turn(proxy, request, session, body, prepare_response(proxy, session, body))
-
-
 def prepare_response(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:
-    """A Responses request body decoded and translated, with its answers (``Response``, stream events).
+    """A Responses request body decoded and translated, with its answers (``Response``, stream events): what
+    ``POST /sessions/<token>/v1/responses`` serves, from the front and from aiohttp.
 
     Raises:
         RequestError: malformed JSON, a wrong type, a field or item the proxy refuses (400 naming it).
