@@ -13,20 +13,11 @@ from rollflow.http.limits import HttpLimits
 from rollflow.tito import TITOProxy
 
 from .helpers.raw_http import exchange
+from .helpers.raw_http import raw_post as chat_request
 from .helpers.tito import MODEL, ScriptedClient
 from .helpers.waits import wait_until
 
 pytestmark = pytest.mark.asyncio
-
-
-def chat_request(path: str, body: dict | bytes, *, extra: bytes = b"", chunked: bool = False) -> bytes:
-    """A raw POST of ``body``; ``chunked`` sends it with chunked transfer coding, which the front never serves
-    (so aiohttp answers: the reference the front's answers are compared with)."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    head = b"POST %s HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n" % path.encode() + extra
-    if chunked:
-        return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
-    return head + b"Content-Length: %d\r\n\r\n" % len(data) + data
 
 
 def completions_path(session) -> str:

@@ -53,6 +53,23 @@ class RecordingProxy(TITOProxy):
         self.answered.append((request.method, suffix, response.status, model))
         return response
 
+    async def _answer_fast(self, front: Any, turn_request: Any, answer: Any) -> None:
+        """The turns the listener's front answers (non-streamed ones), recorded as the middleware records
+        aiohttp's."""
+        status = 200
+
+        async def watched() -> Any:
+            nonlocal status
+            try:
+                return await answer
+            except Exception as error:
+                status = turn_request.error_answer(error)[0]
+                raise
+
+        await super()._answer_fast(front, turn_request, watched())
+        suffix = {"chat": "/chat/completions", "responses": "/responses", "messages": "/messages"}
+        self.answered.append(("POST", suffix[turn_request.api], status, turn_request.decoded.request.model))
+
     def model_calls(self) -> list[tuple[str, str, int, str | None]]:
         return [a for a in self.answered if a[0] == "POST" and a[1].endswith(MODEL_CALL_SUFFIXES)]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 
 async def exchange(reader, writer, raw: bytes) -> tuple[int, dict[str, str], bytes]:
@@ -27,3 +28,14 @@ async def exchange(reader, writer, raw: bytes) -> tuple[int, dict[str, str], byt
             body += chunk[:-2]
         return status, headers, body
     return status, headers, await reader.readexactly(int(headers["content-length"]))
+
+
+def raw_post(path: str, body: dict | bytes, *, extra: bytes = b"", chunked: bool = False) -> bytes:
+    """A raw POST of ``body`` (a dict as JSON, bytes as they are); ``extra``: more header lines. ``chunked``
+    sends it with chunked transfer coding, which a listener's front never serves (so aiohttp answers: the
+    reference the front's answers are compared with)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    head = b"POST %s HTTP/1.1\r\nHost: p\r\nContent-Type: application/json\r\n" % path.encode() + extra
+    if chunked:
+        return head + b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    return head + b"Content-Length: %d\r\n\r\n" % len(data) + data

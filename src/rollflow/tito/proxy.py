@@ -21,16 +21,18 @@ a 429 ``too_many_sessions``, ``RequestError`` in process), and a session without
 URL then answers 409 saying it expired. Each open session holds its trace and bookkeeping (about 5 KB empty)
 until it is closed, so without these an agent that never closes its sessions grows the proxy for good.
 
-HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "code"}}``. Bad input is a 4xx
+HTTP contract: every error is JSON ``{"error": {"message", "type", "param", "code"}}`` (on ``/messages``
+Anthropic's ``{"type": "error", "error": {"type", "message"}}``). Bad input is a 4xx
 (400 naming the field, 404 unknown model or session, 409 closed session, 413 body too large); a 5xx is a bug,
 except 503 when inference itself is gone. A client that disconnects cancels its request, which aborts the
 engine request. This module imports neither torch nor transformers.
 
-Serving cost: a non-streamed chat completion is read and answered by the listener's own small HTTP/1.1 front
-(``rollflow.http.front``) rather than aiohttp's server, through the same checks, the same session
-and the same errors; everything else (streams, ``/models``, admin endpoints, malformed or refused requests) is
-served by aiohttp on the same port. ``benchmarks/tito_load.py`` measures the proxy against calling the engine
-directly.
+Serving cost: a non-streamed turn of any of the three APIs (chat completion, response, message) is read and
+answered by the listener's own small HTTP/1.1 front (``rollflow.http.front``) rather than aiohttp's server,
+through the same ``prepare_*`` and ``answer_turn`` as the aiohttp routes, so the same checks, the same session
+and the same errors in each API's shape; everything else (streams, ``/models``, ``count_tokens``, admin
+endpoints, bodies that do not decode or translate) is served by aiohttp on the same port.
+``benchmarks/tito_load.py`` measures the proxy against calling the engine directly.
 """
 
 from __future__ import annotations
@@ -59,17 +61,23 @@ from rollflow.http.limits import HttpLimits
 from rollflow.http.runner import JSONErrorAppRunner
 from rollflow.inference.client import InferenceClient
 from rollflow.inference.prompt_limits import max_prompt_chars, message_text_chars, prompt_too_long_message
-from rollflow.tito.apis.anthropic import count_tokens, create_message
-from rollflow.tito.apis.chat import ChatStream, chat_completion
-from rollflow.tito.apis.common import error_answer, request_key, thinking_switch_unused
-from rollflow.tito.apis.responses import create_response
-from rollflow.tito.apis.streaming import stream_turn
+from rollflow.tito.apis.anthropic import count_tokens, create_message, prepare_message
+from rollflow.tito.apis.chat import prepare_chat
+from rollflow.tito.apis.common import (
+    TurnRequest,
+    answer_turn,
+    error_answer,
+    request_key,
+    serve_request,
+    thinking_switch_unused,
+)
+from rollflow.tito.apis.responses import prepare_response
 from rollflow.tito.composer import COMPOSE_MODES, compose, trace_metrics
 from rollflow.tito.renderer import TITORenderer
 from rollflow.tito.session import Session, TurnSettings
 from rollflow.tito.side_calls import SideCallRule
 from rollflow.tito.trace import Trace
-from rollflow.tito.wire import ChatCompletionRequest, DecodedRequest, ModelCard, ModelList, decode_request
+from rollflow.tito.wire import DecodedRequest, ModelCard, ModelList
 
 log = structlog.get_logger(__name__)
 
@@ -78,7 +86,14 @@ _ENCODER = msgspec.json.Encoder()
 _MAX_CLOSED_REMEMBERED = 100_000
 _SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 _SESSION_PREFIX = "/sessions/"
-_COMPLETIONS_SUFFIX = "/v1/chat/completions"
+# The endpoints (under a session's URL) whose non-streamed turns the front answers, each by its API's
+# ``prepare_*`` (the same the aiohttp route uses).
+_FAST_ENDPOINTS: dict[str, Callable[[Any, Session, bytes], TurnRequest]] = {
+    "v1/chat/completions": prepare_chat,
+    "v1/responses": prepare_response,
+    "v1/messages": prepare_message,
+}
+_FAST_SUFFIXES = tuple("/" + endpoint for endpoint in _FAST_ENDPOINTS)
 # Defaults of agent.max_sessions and agent.session_idle_timeout_s.
 DEFAULT_MAX_SESSIONS = 10_000
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 3600.0
@@ -297,12 +312,15 @@ class TITOProxy:
             OSError: the address is in use or cannot be bound.
         """
         app = web.Application(middlewares=[self._errors], client_max_size=self.max_body_bytes)
-        app.router.add_post("/sessions/{token}/v1/chat/completions", self._chat_completions)
+        chat_completions = functools.partial(serve_request, prepare_chat, self)
+        app.router.add_post("/sessions/{token}/v1/chat/completions", chat_completions)
         app.router.add_get("/sessions/{token}/v1/models", self._models)
         # Harnesses probe their base URL before the first call (Claude Code sends HEAD): an open session is up.
         app.router.add_get("/sessions/{token}", self._models)
         app.router.add_get("/sessions/{token}/v1", self._models)
-        app.router.add_post("/sessions/{token}/v1/responses", functools.partial(create_response, self))
+        app.router.add_post(
+            "/sessions/{token}/v1/responses", functools.partial(serve_request, prepare_response, self)
+        )
         app.router.add_post("/sessions/{token}/v1/messages", functools.partial(create_message, self))
         app.router.add_post(
             "/sessions/{token}/v1/messages/count_tokens", functools.partial(count_tokens, self)
@@ -475,31 +493,6 @@ class TITOProxy:
         self.session_for(request)
         return _json(ModelList([ModelCard(self.settings.model_name, int(time.time()))]))
 
-    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        session = self.session_for(request)
-        body = await self.read_body(request)
-        decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
-        headers = request.headers
-        key, is_retry = self.admit(
-            session,
-            decoded,
-            body,
-            headers.get("Idempotency-Key"),
-            headers.get("x-stainless-retry-count"),
-            headers=headers,
-        )
-        chat, side = decoded.request, decoded.side_call
-        if chat.stream:
-            writer_for = self._chat_stream(chat)
-            return await stream_turn(request, session, chat, key, is_retry, writer_for, side_call=side)
-        turns = await session.complete(chat, request_key=key, is_retry=is_retry, side_call=side)
-        return _json(chat_completion(chat, turns, self.settings.model_name, self.renderer))
-
-    def _chat_stream(self, chat: ChatCompletionRequest) -> Callable[[str, int], ChatStream]:
-        return lambda response_id, created: ChatStream(
-            chat, response_id, created, model_name=self.settings.model_name, renderer=self.renderer
-        )
-
     def admit(
         self,
         session: Session,
@@ -570,21 +563,24 @@ class TITOProxy:
         return count_connections(self.fronts, self._runner)
 
     def accepts(self, path: str) -> bool:
-        return path.startswith(_SESSION_PREFIX) and path.endswith(_COMPLETIONS_SUFFIX)
+        return path.startswith(_SESSION_PREFIX) and path.endswith(_FAST_SUFFIXES)
 
     def fast_request(
         self, front: HttpFront, path: str, headers: list[Header], body: bytes
     ) -> Coroutine[Any, Any, None] | None:
-        """A non-streamed chat completion of an open session that decodes is answered from the front; anything
-        else (unknown or closed sessions, streams, undecodable bodies) aiohttp serves, answering as always."""
-        session = self._sessions.get(path[len(_SESSION_PREFIX) : -len(_COMPLETIONS_SUFFIX)])
-        if session is None:
+        """A non-streamed turn (Chat Completions, Responses, Messages) of an open session that decodes is
+        answered from the front; anything else (unknown or closed sessions, streams, bodies that do not decode
+        or translate) aiohttp serves, answering as always."""
+        token, _, endpoint = path[len(_SESSION_PREFIX) :].partition("/")
+        session = self._sessions.get(token)
+        prepare = _FAST_ENDPOINTS.get(endpoint)
+        if session is None or prepare is None:
             return None
         try:
-            decoded = decode_request(body, strict=self.strict_requests, max_n=self.max_n)
-        except Exception:  # aiohttp decodes it again and answers the error
+            turn_request = prepare(self, session, body)
+        except Exception:  # aiohttp decodes it again and answers the error in the API's shape
             return None
-        if decoded.request.stream:
+        if turn_request.stream:
             return None
         idempotency_key = retry_count = None
         for lower, _, value in headers:
@@ -593,34 +589,21 @@ class TITOProxy:
                 idempotency_key = value.decode("latin-1")
             elif lower == b"x-stainless-retry-count" and retry_count is None:
                 retry_count = value.decode("latin-1")
-        return self._complete_fast(front, session, decoded, body, idempotency_key, retry_count, headers)
-
-    async def _complete_fast(
-        self,
-        front: HttpFront,
-        session: Session,
-        decoded: DecodedRequest,
-        body: bytes,
-        idempotency_key: str | None,
-        retry_count: str | None,
-        headers: list[Header],
-    ) -> None:
-        """``_chat_completions`` for a request the front read, the answer written straight to its connection."""
 
         def header_map() -> dict[str, str]:  # made only when side-call rules read headers
             return {lower.decode("latin-1"): value.decode("latin-1") for lower, _, value in reversed(headers)}
 
+        answer = answer_turn(self, session, turn_request, body, idempotency_key, retry_count, header_map)
+        return self._answer_fast(front, turn_request, answer)
+
+    async def _answer_fast(
+        self, front: HttpFront, turn_request: TurnRequest, answer: Coroutine[Any, Any, Any]
+    ) -> None:
+        """A turn's answer (or its error, in its API's shape) written straight to the front's connection."""
         try:
-            key, is_retry = self.admit(
-                session, decoded, body, idempotency_key, retry_count, headers=header_map
-            )
-            chat = decoded.request
-            turns = await session.complete(
-                chat, request_key=key, is_retry=is_retry, side_call=decoded.side_call
-            )
-            status, data = 200, chat_completion(chat, turns, self.settings.model_name, self.renderer)
+            status, data = 200, await answer
         except Exception as error:
-            status, data = error_answer(error)
+            status, data = turn_request.error_answer(error)
         front.write(raw_json_response(status, _encode(data), close=front.close_after))
 
     # ------------------------------------------------------------------ HTTP: admin endpoints

@@ -33,10 +33,11 @@ from aiohttp import web
 from rollflow.errors import RequestError
 from rollflow.inference.prompt_limits import OFFLOAD_CHARS, rendered_chars
 from rollflow.tito.apis.common import (
+    TurnRequest,
     error_answer,
     leave_aside,
     refuse,
-    serve_turn,
+    serve_request,
     tool_input,
     turn_hex,
     validate_chat,
@@ -83,6 +84,13 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def anthropic_error_answer(error: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, Anthropic error body) for an exception a request handler raised (``error_answer``'s status
+    and message): the same for aiohttp and the front."""
+    status, body = error_answer(error)
+    return status, error_body(status, body["error"]["message"])
+
+
 def anthropic_errors(handler: Handler) -> Handler:
     """``handler`` answering its errors in the Anthropic shape (the proxy's middleware answers OpenAI's)."""
 
@@ -91,40 +99,44 @@ def anthropic_errors(handler: Handler) -> Handler:
         try:
             return await handler(proxy, request)
         except web.HTTPException as error:  # aiohttp's own: a body over the size limit
-            status, message = error.status, error.reason or error.text or ""
+            status, data = error.status, error_body(error.status, error.reason or error.text or "")
         except Exception as error:
-            status, body = error_answer(error)
-            message = body["error"]["message"]
-        return web.Response(
-            status=status, body=_ENCODER.encode(error_body(status, message)), content_type="application/json"
-        )
+            status, data = anthropic_error_answer(error)
+        return web.Response(status=status, body=_ENCODER.encode(data), content_type="application/json")
 
     return answer
 
 
 @anthropic_errors
 async def create_message(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
-    """``POST /sessions/<token>/v1/messages``."""
-    session = proxy.session_for(request)
-    body = await proxy.read_body(request)
+    """``POST /sessions/<token>/v1/messages`` (aiohttp's route; the front serves ``prepare_message`` too)."""
+    return await serve_request(prepare_message, proxy, request)
+
+
+def prepare_message(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:
+    """A Messages request body decoded and translated, with its answers (``Message``, stream events) and
+    errors in the Anthropic shape.
+
+    Raises:
+        RequestError: malformed JSON, a wrong type, no ``max_tokens``, a block the proxy refuses (400
+            naming the field).
+    """
     wire, unknown = decode_body(body, MessagesRequest, strict=proxy.strict_requests)
     if wire.max_tokens is None:
         raise refuse("max_tokens", "required", code="invalid_request")
     ignored: list[str] = []
     chat = to_chat(wire, session, strict=proxy.strict_requests, ignored=ignored)
-    model_name = proxy.settings.model_name
+    model_name, key = proxy.settings.model_name, session.token
+
+    def reply(turns: list[Turn]) -> dict[str, Any]:
+        (turn,) = turns
+        return message_object(turn, key, model_name)
 
     def writer_for(response_id: str, created: int) -> MessageStream:
-        return MessageStream(chat, response_id, session.token, model_name=model_name, renderer=proxy.renderer)
+        return MessageStream(chat, response_id, key, model_name=model_name, renderer=proxy.renderer)
 
-    answer = await serve_turn(
-        proxy, request, session, body, DecodedRequest(chat, unknown, ignored), writer_for, api="messages"
-    )
-    if isinstance(answer, web.StreamResponse):
-        return answer
-    (turn,) = answer
-    data = message_object(turn, session.token, model_name)
-    return web.Response(body=_ENCODER.encode(data), content_type="application/json")
+    decoded = DecodedRequest(chat, unknown, ignored)
+    return TurnRequest("messages", decoded, reply, writer_for, anthropic_error_answer)
 
 
 @anthropic_errors

@@ -1,8 +1,9 @@
-"""OpenAI Chat Completions: recorded turns as a ``ChatCompletion``, and the SSE chunks of a streamed turn."""
+"""OpenAI Chat Completions (``POST /v1/chat/completions``, streamed and not): recorded turns as a
+``ChatCompletion``, and the SSE chunks of a streamed turn."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -10,9 +11,10 @@ from aiohttp import web
 
 from rollflow.errors import RequestError
 from rollflow.http.sse import SSE_DONE, sse_event
+from rollflow.tito.apis.common import TurnRequest
 from rollflow.tito.apis.streaming import StreamedText, open_event_stream
 from rollflow.tito.renderer import TITORenderer
-from rollflow.tito.session import TurnProgress, arguments_text
+from rollflow.tito.session import Session, TurnProgress, arguments_text
 from rollflow.tito.trace import Turn
 from rollflow.tito.wire import (
     ChatCompletion,
@@ -29,7 +31,11 @@ from rollflow.tito.wire import (
     ResponseToolCall,
     TokenLogprob,
     Usage,
+    decode_request,
 )
+
+if TYPE_CHECKING:
+    from rollflow.tito.proxy import TITOProxy
 
 log = structlog.get_logger(__name__)
 
@@ -89,6 +95,26 @@ def chat_completion(
         usage=Usage(first.prompt_len, completion_len, first.prompt_len + completion_len),
         prompt_token_ids=prompt_ids(first) if chat.return_token_ids else msgspec.UNSET,
     )
+
+
+def prepare_chat(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:
+    """A Chat Completions request body decoded and validated, with its answers (``ChatCompletion``, chunks):
+    what ``POST /sessions/<token>/v1/chat/completions`` serves, from the front and from aiohttp.
+    ``session`` is unused (the request carries its whole history); it is there to match the other APIs.
+
+    Raises:
+        RequestError: malformed JSON, a wrong type or value (400 naming the field).
+    """
+    decoded = decode_request(body, strict=proxy.strict_requests, max_n=proxy.max_n)
+    chat, model_name, renderer = decoded.request, proxy.settings.model_name, proxy.renderer
+
+    def reply(turns: list[Turn]) -> ChatCompletion:
+        return chat_completion(chat, turns, model_name, renderer)
+
+    def writer_for(response_id: str, created: int) -> ChatStream:
+        return ChatStream(chat, response_id, created, model_name=model_name, renderer=renderer)
+
+    return TurnRequest("chat", decoded, reply, writer_for)
 
 
 class ChatStream:

@@ -1,14 +1,17 @@
-"""What the Responses and Anthropic Messages endpoints share: the translated request's checks, its turn
-(streamed or not), and turning recorded messages back into request messages."""
+"""What the endpoints of every API share: a decoded request and how its API answers (``TurnRequest``), its
+checks and turn (``answer_turn``, for the front and aiohttp alike; ``serve_request`` and ``serve_turn``, the
+aiohttp route, streamed or not), and turning recorded messages back into request messages."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from rollflow.tito.proxy import TITOProxy
 
 log = structlog.get_logger("rollflow.tito.proxy")  # the proxy's log: where its request failures always went
+_ENCODER = msgspec.json.Encoder()
 
 
 def error_answer(error: Exception) -> tuple[int, Any]:
@@ -115,37 +119,94 @@ def turn_hex(response_id: str) -> str:
     return response_id.rpartition("-")[2]
 
 
-async def serve_turn(
+@dataclass(slots=True)
+class TurnRequest:
+    """A request of one API, decoded and translated, with how that API answers it: what the aiohttp route
+    and the listener's front (``TITOProxy.fast_request``) share, so that both serve it alike."""
+
+    # The API's name for side-call rules: "chat", "responses" or "messages".
+    api: str
+    decoded: DecodedRequest
+    # The JSON body (a value msgspec encodes) of the non-streamed answer of the recorded turns.
+    reply: Callable[[list[Turn]], Any]
+    # The writer of the streamed answer (``stream_turn``).
+    writer_for: Callable[[str, int], TurnWriter]
+    # (status, JSON body) of an error in the API's own shape (``error_answer`` for OpenAI's).
+    error_answer: Callable[[Exception], tuple[int, Any]] = error_answer
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.decoded.request.stream)
+
+
+async def answer_turn(
     proxy: TITOProxy,
-    request: web.Request,
     session: Session,
+    turn_request: TurnRequest,
     body: bytes,
-    decoded: DecodedRequest,
-    writer_for: Callable[[str, int], TurnWriter],
-    *,
-    api: str,
-) -> web.StreamResponse | list[Turn]:
-    """Admit a translated request of ``api`` ("responses", "messages") (``TITOProxy.admit``: prompt size, model, idempotency; counting what it
-    ignores) and run its turn: streamed by ``writer_for``'s writer, else the recorded turns.
+    idempotency_key: str | None,
+    retry_count: str | None,
+    headers: Mapping[str, str] | Callable[[], Mapping[str, str]],
+) -> Any:
+    """Admit a non-streamed request (``TITOProxy.admit``: prompt size, model, idempotency, side calls;
+    counting what it ignores), run its turn and return the answer's JSON body.
+
+    Raises:
+        RequestError: the request is refused.
+        TraceSealedError: the session is closed.
+    """
+    decoded = turn_request.decoded
+    key, is_retry = proxy.admit(
+        session, decoded, body, idempotency_key, retry_count, api=turn_request.api, headers=headers
+    )
+    turns = await session.complete(
+        decoded.request, request_key=key, is_retry=is_retry, side_call=decoded.side_call
+    )
+    return turn_request.reply(turns)
+
+
+async def serve_request(
+    prepare: Callable[[TITOProxy, Session, bytes], TurnRequest], proxy: TITOProxy, request: web.Request
+) -> web.StreamResponse:
+    """The aiohttp route of a turn endpoint (``/chat/completions``, ``/responses``, ``/messages``): its
+    session and body, ``prepare`` (the API's ``prepare_*``, the one the front serves too), ``serve_turn``.
+
+    Raises:
+        RequestError: an unknown or closed session, a body over the limit, a request that is refused.
+        TraceSealedError: the session is closed.
+    """
+    session = proxy.session_for(request)
+    body = await proxy.read_body(request)
+    return await serve_turn(proxy, request, session, body, prepare(proxy, session, body))
+
+
+async def serve_turn(
+    proxy: TITOProxy, request: web.Request, session: Session, body: bytes, turn_request: TurnRequest
+) -> web.StreamResponse:
+    """The aiohttp answer of a request: streamed by its writer, else ``answer_turn``'s body as JSON.
 
     Raises:
         RequestError: the request is refused (before its first token when streamed).
         TraceSealedError: the session is closed.
     """
     headers = request.headers
+    idempotency_key, retry_count = headers.get("Idempotency-Key"), headers.get("x-stainless-retry-count")
+    if not turn_request.stream:
+        data = await answer_turn(proxy, session, turn_request, body, idempotency_key, retry_count, headers)
+        return web.Response(body=_ENCODER.encode(data), content_type="application/json")
+    decoded = turn_request.decoded
     key, is_retry = proxy.admit(
-        session,
-        decoded,
-        body,
-        headers.get("Idempotency-Key"),
-        headers.get("x-stainless-retry-count"),
-        api=api,
-        headers=headers,
+        session, decoded, body, idempotency_key, retry_count, api=turn_request.api, headers=headers
     )
-    chat, side = decoded.request, decoded.side_call
-    if chat.stream:
-        return await stream_turn(request, session, chat, key, is_retry, writer_for, side_call=side)
-    return await session.complete(chat, request_key=key, is_retry=is_retry, side_call=side)
+    return await stream_turn(
+        request,
+        session,
+        decoded.request,
+        key,
+        is_retry,
+        turn_request.writer_for,
+        side_call=decoded.side_call,
+    )
 
 
 def thinking_switch_unused(strict: bool) -> str:

@@ -23,10 +23,10 @@ from aiohttp import web
 
 from rollflow.errors import RequestError
 from rollflow.tito.apis.common import (
+    TurnRequest,
     history_message,
     leave_aside,
     refuse,
-    serve_turn,
     turn_hex,
     validate_chat,
 )
@@ -61,33 +61,33 @@ _WITH_INSTRUCTIONS = "responses.with_instructions"
 _ENCODER = msgspec.json.Encoder()
 
 
-async def create_response(proxy: TITOProxy, request: web.Request) -> web.StreamResponse:
-    """``POST /sessions/<token>/v1/responses``."""
-    session = proxy.session_for(request)
-    body = await proxy.read_body(request)
+def prepare_response(proxy: TITOProxy, session: Session, body: bytes) -> TurnRequest:
+    """A Responses request body decoded and translated, with its answers (``Response``, stream events): what
+    ``POST /sessions/<token>/v1/responses`` serves, from the front and from aiohttp.
+
+    Raises:
+        RequestError: malformed JSON, a wrong type, a field or item the proxy refuses (400 naming it).
+    """
     wire, unknown = decode_body(body, ResponsesRequest, strict=proxy.strict_requests)
     ignored: list[str] = []
     chat, instructed = to_chat(wire, session, strict=proxy.strict_requests, ignored=ignored)
-    decoded = DecodedRequest(chat, unknown, ignored)
     model_name = proxy.settings.model_name
 
     def recorded(turn: Turn) -> None:
         if instructed:  # previous_response_id leaves this response's instructions behind
             session.api_state.setdefault(_WITH_INSTRUCTIONS, set()).add(turn.response_id)
 
+    def reply(turns: list[Turn]) -> dict[str, Any]:
+        (turn,) = turns
+        recorded(turn)
+        return response_object(wire, turn, model_name)
+
     def writer_for(response_id: str, created: int) -> ResponseStream:
         return ResponseStream(
             wire, chat, response_id, created, model_name=model_name, renderer=proxy.renderer, on_turn=recorded
         )
 
-    answer = await serve_turn(proxy, request, session, body, decoded, writer_for, api="responses")
-    if isinstance(answer, web.StreamResponse):
-        return answer
-    (turn,) = answer
-    recorded(turn)
-    return web.Response(
-        body=_ENCODER.encode(response_object(wire, turn, model_name)), content_type="application/json"
-    )
+    return TurnRequest("responses", DecodedRequest(chat, unknown, ignored), reply, writer_for)
 
 
 # ---------------------------------------------------------------------------------------------- request
