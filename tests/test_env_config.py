@@ -77,12 +77,3 @@ def test_eval_with_env_loads():
 def test_eval_env_args_without_env_is_named():
     with pytest.raises(ConfigError, match="eval.env_args is for a held-out \\[env\\] environment"):
         load_config([], ["eval.env_args={taskset = {seed = 1}}"])
-
-
-def test_eval_env_args_merge_key_by_key():
-    from rollflow.orchestrator.env_eval import merge_args
-
-    base = {"agent": {"runtime": {"type": "subprocess"}}, "taskset": {"seed": 0, "size": 8}}
-    merged = merge_args(base, {"taskset": {"seed": 1}})
-    assert merged == {"agent": {"runtime": {"type": "subprocess"}}, "taskset": {"seed": 1, "size": 8}}
-    assert base["taskset"]["seed"] == 0

@@ -168,7 +168,11 @@ async def test_eval_of_held_out_tasks_matches_the_environments_own_scoring(
     from rollflow.orchestrator.env_eval import open_env_evaluator
 
     overrides = [f"output_dir='{tmp_path}'", "env.num_tasks=8", "eval.num_prompts=3", "eval.samples=2"]
+    import msgspec
+
     config = load_config([CASE_TOML], [*overrides, "eval.pass_threshold=0.5"])
+    # Without the example's eval.env_args: the tasks after the training ones.
+    config = msgspec.structs.replace(config, eval=msgspec.structs.replace(config.eval, env_args=None))
     async with open_env_evaluator(config, inference_client, tiny_chat.renderer, tiny_chat.tokenizer) as ev:
         ev.generators = {kind: (Recording(gen), n) for kind, (gen, n) in ev.generators.items()}
         metrics = await ev.evaluate(0)
@@ -208,10 +212,12 @@ async def test_eval_of_held_out_tasks_matches_the_environments_own_scoring(
         sum(any(r >= 0.5 for r in rewards) for rewards in sampled) / 3
     )
 
-    # eval.env_args: another taskset (here another seed of the case prompts), its first eval.num_prompts.
+    # eval.env_args: another taskset (the example's: another seed of the case prompts), its first
+    # eval.num_prompts.
     from rollflow.rollout.tasks import CaseTask
 
-    config = load_config([CASE_TOML], [*overrides, "eval.env_args={taskset = {seed = 1}}", "eval.samples=0"])
+    config = load_config([CASE_TOML], [*overrides, "eval.samples=0"])
+    assert config.eval.env_args == {"taskset": {"seed": 1}}  # the example's
     async with open_env_evaluator(config, inference_client, tiny_chat.renderer, tiny_chat.tokenizer) as ev:
         prompts = [ev.task.item(i).messages[-1]["content"] for i in range(3)]
     assert prompts == [CaseTask(1).item(i).messages[0]["content"] for i in range(3)]
@@ -219,6 +225,7 @@ async def test_eval_of_held_out_tasks_matches_the_environments_own_scoring(
 
 
 async def test_a_run_with_env_and_eval_evaluates_before_and_after_training(tmp_path):
+    """The example's [eval]: its eval.env_args (another seed of the taskset) as the held-out environment."""
     import json
 
     from rollflow import Orchestrator

@@ -19,23 +19,12 @@ import anyio
 import msgspec
 
 from rollflow.config import EvalConfig, RunConfig
+from rollflow.config.loading import deep_merge
 from rollflow.errors import ConfigError
 from rollflow.orchestrator.builders import build_env_generator, open_env
 
 if TYPE_CHECKING:
     from rollflow.rollout.evaluation import Evaluator
-
-
-def merge_args(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """``override`` over ``base``, tables merged key by key (``[eval.env_args.taskset] split = "test"``
-    keeps the rest of ``env.args.taskset``)."""
-    merged = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_args(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
 
 
 @contextlib.asynccontextmanager
@@ -57,7 +46,7 @@ async def open_env_evaluator(
     async with contextlib.AsyncExitStack() as stack:
         if evaluation.env_args is not None:
             held_out = msgspec.structs.replace(
-                env, args=merge_args(env.args, evaluation.env_args), num_tasks=evaluation.num_prompts
+                env, args=deep_merge(env.args, evaluation.env_args), num_tasks=evaluation.num_prompts
             )
             eval_config = msgspec.structs.replace(config, env=held_out)
             task = (await stack.enter_async_context(open_env(eval_config))).task
