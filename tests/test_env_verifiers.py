@@ -250,7 +250,7 @@ async def test_a_run_with_env_and_eval_evaluates_before_and_after_training(tmp_p
         assert orchestrator.evaluator.generators["greedy"][0].failure_rate is not (
             orchestrator.generator.failure_rate
         )
-    assert metrics[0]["env_trajectories"] == 4  # the training group's trajectories only
+    assert len(metrics) == 1 and metrics[0]["env_trajectories"] == 4  # the training trajectories only
     lines = (tmp_path / "verifiers-case" / "metrics.jsonl").read_text().splitlines()
     evals = [record for record in map(json.loads, lines) if "eval/greedy/reward_mean" in record]
     assert [record["step"] for record in evals] == [0, 1]
