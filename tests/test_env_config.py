@@ -46,7 +46,14 @@ def test_example_config_loads_and_resolves_its_env_file():
         (["env.kind='openenv'", "env.url='http://x:1'", "env.max_turns=0"], "env.max_turns"),
         (["data.reward='math'"], "data.reward and data.rewards are not used with [env]"),
         (["agent.callable='m:f'", "agent.max_seq_len=64"], "[env] and [agent] are both set"),
-        (["eval.split='test'"], "[eval] does not run [env] rollouts yet"),
+        (["env.num_tasks=4", "eval.split='test'"], "eval.split is not used with [env]"),
+        (["env.num_tasks=4", "eval.path='x.jsonl'"], "eval.path is not used with [env]"),
+        (["eval.num_prompts=4"], "[eval] with [env] needs env.num_tasks"),
+        (
+            ["env.kind='openenv'", "env.url='http://x:1'", "eval.env_args={seed = 1}"],
+            "eval.env_args is for env.kind = 'verifiers', not 'openenv'",
+        ),
+        (["env.num_tasks=4", "eval.env_args=3"], "eval.env_args"),
     ],
 )
 def test_bad_env_settings_name_the_key(overrides, message):
@@ -58,3 +65,15 @@ def test_bad_env_settings_name_the_key(overrides, message):
 def test_missing_max_seq_len_is_named():
     with pytest.raises(ConfigError, match="env.max_seq_len must be set"):
         load_config([], ["env.kind='verifiers'", "env.id='x'"])
+
+
+def test_eval_with_env_loads():
+    config = load_config([], [*ENV, "env.num_tasks=4", "eval.num_prompts=2"])
+    assert config.eval.env_args is None and config.env.num_tasks == 4
+    config = load_config([], [*ENV, "eval.env_args={taskset = {seed = 1}}"])
+    assert config.eval.env_args == {"taskset": {"seed": 1}}
+
+
+def test_eval_env_args_without_env_is_named():
+    with pytest.raises(ConfigError, match="eval.env_args is for a held-out \\[env\\] environment"):
+        load_config([], ["eval.env_args={taskset = {seed = 1}}"])

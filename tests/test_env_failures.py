@@ -132,3 +132,47 @@ def test_failure_rate_window():
         rate.record("error")
     with pytest.raises(ConfigError):
         FailureRate(0.0, 4)
+
+
+async def test_eval_counts_failures_never_scores_them_and_never_stops_the_run(inference_client, tiny_chat):
+    from rollflow.config import load_config
+    from rollflow.orchestrator.env_eval import open_env_evaluator
+    from rollflow.rollout.envs import ENV_TASK, EnvTasks
+    from rollflow.rollout.tasks import TaskItem
+
+    # Greedy runs first (attempt 0 of sample 0), then the two sampled trajectories of each prompt.
+    env = ScriptedEnv({(0, 0, 0): "raise", (1, 0, 1): "own_timeout", (1, 1, 0): "own_timeout"})
+
+    def held_out(first, count):
+        items = [
+            TaskItem(messages=[{"role": "user", "content": "hi"}], metadata={ENV_TASK: first + i})
+            for i in range(count)
+        ]
+        return EnvTasks("scripted", items, source=env)
+
+    env.held_out = held_out
+    config = load_config(
+        [],
+        [
+            "env.kind='verifiers'",
+            "env.id='scripted'",
+            "env.max_seq_len=64",
+            "env.num_tasks=2",
+            # A limit the training run would pass with these failures: evaluation does not count toward it.
+            "env.max_failure_rate=0.1",
+            "env.failure_window=2",
+            "sampling.max_tokens=4",
+            "eval.num_prompts=2",
+            "eval.samples=2",
+        ],
+    )
+    chat = (tiny_chat.renderer, tiny_chat.tokenizer)
+    async with open_env_evaluator(config, inference_client, *chat, env) as evaluator:
+        metrics = await evaluator.evaluate(0)
+    assert env.attempts == {(0, 0): 2, (0, 1): 1, (1, 0): 2, (1, 1): 1}  # never retried
+    assert metrics["eval/env_errors"] == 1 and metrics["eval/env_timeouts"] == 2
+    assert metrics["eval/reward_errors"] == 0
+    # Means over the scored trajectories only (each scored one has reward 1): failures are not zeros.
+    assert metrics["eval/greedy/reward_mean"] == 1.0 and metrics["eval/greedy/accuracy"] == 1.0
+    assert metrics["eval/sampled/reward_mean"] == 1.0
+    assert metrics["eval/sampled/pass@1"] == 1.0 and metrics["eval/sampled/pass@2"] == 1.0

@@ -130,3 +130,31 @@ async def test_killed_server_is_counted_as_failures_and_the_limit_stops_the_run(
     after = read_metrics(tmp_path)[len(before) :]
     for step in after:
         assert step["env_errors"] > 0 and step["num_masked_samples"] > 0
+
+
+async def test_eval_runs_the_seeds_after_the_training_ones_in_a_run_and_offline(tmp_path, echo_env_dir):
+    from rollflow.orchestrator.offline import evaluate_offline
+
+    config = config_for(
+        tmp_path,
+        f"env.server='{ECHO_APP}'",
+        f"env.server_dir='{echo_env_dir}'",
+        "orchestrator.steps=1",
+        "eval.num_prompts=2",
+        "eval.samples=2",
+    )
+    async with Orchestrator(config) as orchestrator:
+        metrics = await orchestrator.run()
+        task = orchestrator.evaluator.task
+        assert [task.item(i).metadata["env_task"] for i in range(2)] == [8, 9]  # env.num_tasks = 8 train
+    assert metrics[0]["env_trajectories"] == 4  # training only: evaluation's are not in the step's counts
+    evals = [record for record in read_metrics(tmp_path) if "eval/greedy/reward_mean" in record]
+    assert len(evals) == 2  # before training and after the step
+    offline = await evaluate_offline(config)
+    for record in [*evals, offline]:
+        assert record["eval/env_errors"] == record["eval/env_timeouts"] == 0
+        # The echo environment's reward is a tenth of the reply's length (stripped): the tiny model's greedy
+        # reply is whitespace (0), its sampled ones are not.
+        assert record["eval/greedy/reward_mean"] >= 0 and record["eval/sampled/reward_mean"] > 0
+        assert record["eval/sampled/pass@1"] <= record["eval/sampled/pass@2"]
+    assert offline["eval/num_prompts"] == 2

@@ -143,3 +143,118 @@ def test_bad_environment_is_a_config_error():
     with pytest.raises(ConfigError, match="no such file"):
         VerifiersSource(env_config("missing/dir/env.py"), MODEL)
     assert json.dumps(LOCAL)
+
+
+CASE_TOML = REPO_ROOT / "examples" / "envs" / "verifiers_case.toml"
+
+
+class Recording:
+    """A generator that keeps every group the one it wraps made (to score their completions again)."""
+
+    def __init__(self, generator):
+        self.generator = generator
+        self.groups = []
+
+    async def generate_group(self, request):
+        group = await self.generator.generate_group(request)
+        self.groups.append(group)
+        return group
+
+
+async def test_eval_of_held_out_tasks_matches_the_environments_own_scoring(
+    inference_client, tiny_chat, tiny_model, tmp_path
+):
+    from rollflow.config import load_config
+    from rollflow.orchestrator.env_eval import open_env_evaluator
+
+    overrides = [f"output_dir='{tmp_path}'", "env.num_tasks=8", "eval.num_prompts=3", "eval.samples=2"]
+    import msgspec
+
+    config = load_config([CASE_TOML], [*overrides, "eval.pass_threshold=0.5"])
+    # Without the example's eval.env_args: the tasks after the training ones.
+    config = msgspec.structs.replace(config, eval=msgspec.structs.replace(config.eval, env_args=None))
+    async with open_env_evaluator(config, inference_client, tiny_chat.renderer, tiny_chat.tokenizer) as ev:
+        ev.generators = {kind: (Recording(gen), n) for kind, (gen, n) in ev.generators.items()}
+        metrics = await ev.evaluate(0)
+    source = ev.task.source
+    # The tasks after the 8 training ones, never trained (the training source's own tasks are 0 .. 7).
+    assert [ev.task.item(i).metadata[ENV_TASK] for i in range(3)] == [8, 9, 10]
+    assert metrics["eval/env_errors"] == metrics["eval/env_timeouts"] == 0
+    own: dict[str, list[list[float]]] = {}
+    for kind, (recording, samples) in ev.generators.items():
+        own[kind] = []
+        for group in sorted(recording.groups, key=lambda g: g.prompt_index):
+            assert len(group.samples) == samples and not any(s.masked for s in group.samples)
+            vf_task = source._by_index[ev.task.item(group.prompt_index).metadata[ENV_TASK]]
+            rewards = []
+            for sample in group.samples:
+                text = tiny_chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+                rewards.append(await vf_task.case(types.SimpleNamespace(last_reply=text.strip())))
+                assert sample.reward == pytest.approx(rewards[-1], abs=1e-6)
+                if kind == "greedy":  # temperature 0: every sampled token is the model's argmax
+                    logprobs = model_logprobs(
+                        tiny_model, sample.prompt_token_ids + sample.completion_token_ids
+                    )
+                    offset = len(sample.prompt_token_ids)
+                    for i, token in enumerate(sample.completion_token_ids):
+                        if sample.loss_mask[i]:
+                            assert logprobs[offset + i - 1].argmax().item() == token
+            own[kind].append(rewards)
+    greedy = [rewards[0] for rewards in own["greedy"]]
+    assert metrics["eval/greedy/reward_mean"] == pytest.approx(sum(greedy) / 3)
+    assert metrics["eval/greedy/accuracy"] == pytest.approx(sum(r >= 0.5 for r in greedy) / 3)
+    sampled = own["sampled"]
+    assert metrics["eval/sampled/reward_mean"] == pytest.approx(sum(map(sum, sampled)) / 6)
+    assert metrics["eval/sampled/pass@1"] == pytest.approx(
+        sum(sum(r >= 0.5 for r in rewards) / 2 for rewards in sampled) / 3
+    )
+    assert metrics["eval/sampled/pass@2"] == pytest.approx(
+        sum(any(r >= 0.5 for r in rewards) for rewards in sampled) / 3
+    )
+
+    # eval.env_args: another taskset (the example's: another seed of the case prompts), its first
+    # eval.num_prompts.
+    from rollflow.rollout.tasks import CaseTask
+
+    config = load_config([CASE_TOML], [*overrides, "eval.samples=0"])
+    assert config.eval.env_args == {"taskset": {"seed": 1}}  # the example's
+    async with open_env_evaluator(config, inference_client, tiny_chat.renderer, tiny_chat.tokenizer) as ev:
+        prompts = [ev.task.item(i).messages[-1]["content"] for i in range(3)]
+    assert prompts == [CaseTask(1).item(i).messages[0]["content"] for i in range(3)]
+    assert prompts != [CaseTask(0).item(i).messages[0]["content"] for i in range(3)]
+
+
+async def test_a_run_with_env_and_eval_evaluates_before_and_after_training(tmp_path):
+    """The example's [eval]: its eval.env_args (another seed of the taskset) as the held-out environment."""
+    import json
+
+    from rollflow import Orchestrator
+    from rollflow.config import load_config
+
+    config = load_config(
+        [CASE_TOML],
+        [
+            f"output_dir='{tmp_path}'",
+            "env.num_tasks=4",
+            "sampling.samples_per_prompt=2",
+            "orchestrator.prompts_per_step=2",
+            "orchestrator.steps=1",
+            "checkpoint.every=0",
+            "eval.num_prompts=2",
+            "eval.samples=2",
+        ],
+    )
+    async with Orchestrator(config) as orchestrator:
+        metrics = await orchestrator.run()
+        # Evaluation keeps failure counts of its own: the run's limit sees only trained attempts.
+        assert orchestrator.evaluator.generators["greedy"][0].failure_rate is not (
+            orchestrator.generator.failure_rate
+        )
+    assert len(metrics) == 1 and metrics[0]["env_trajectories"] == 4  # the training trajectories only
+    lines = (tmp_path / "verifiers-case" / "metrics.jsonl").read_text().splitlines()
+    evals = [record for record in map(json.loads, lines) if "eval/greedy/reward_mean" in record]
+    assert [record["step"] for record in evals] == [0, 1]
+    for record in evals:
+        assert record["eval/env_errors"] == record["eval/env_timeouts"] == 0
+        assert 0 <= record["eval/greedy/reward_mean"] <= 1 and record["eval/num_prompts"] == 2
+        assert record["eval/sampled/pass@1"] <= record["eval/sampled/pass@2"]

@@ -94,6 +94,10 @@ def data_errors(config: RunConfig) -> list[str]:
                 f"[eval] would evaluate the training data (data.path = {data.path!r}, split "
                 f"{data.split or 'train'!r}): set eval.path to a held-out file or eval.split to another split"
             )
+        if evaluation.env_args is not None and config.env is None:
+            errors.append(
+                "eval.env_args is for a held-out [env] environment; without [env] use eval.path or eval.split"
+            )
         if not evaluation.greedy and evaluation.samples == 0:
             errors.append("[eval] with eval.greedy = false and eval.samples = 0 evaluates nothing: set one")
         if evaluation.max_tokens is not None and evaluation.max_tokens >= config.inference.max_model_len:

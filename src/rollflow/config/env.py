@@ -123,6 +123,31 @@ def env_errors(config: RunConfig) -> list[str]:
         errors.append("data.reward and data.rewards are not used with [env]: the environment scores")
     if config.data.path is not None:
         errors.append("data.path is not used with [env]: the environment's tasks are the prompts")
-    if config.eval is not None:
-        errors.append("[eval] does not run [env] rollouts yet; remove [eval]")
+    errors += _eval_errors(config)
+    return errors
+
+
+def _eval_errors(config: RunConfig) -> list[str]:
+    """``[eval]`` with ``[env]``: held-out tasks of the environment (``eval.env_args`` or the tasks after
+    ``env.num_tasks``)."""
+    env, evaluation = config.env, config.eval
+    if env is None or evaluation is None:
+        return []
+    errors = []
+    for key in ("path", "split", "seed"):
+        if getattr(evaluation, key) is not None:
+            errors.append(
+                f"eval.{key} is not used with [env]: the held-out tasks are the environment's "
+                "(eval.env_args, or the tasks after env.num_tasks)"
+            )
+    if evaluation.env_args is not None and env.kind != "verifiers":
+        errors.append(
+            f"eval.env_args is for env.kind = 'verifiers', not {env.kind!r}: an OpenEnv environment's "
+            "held-out tasks are the reset seeds after env.num_tasks"
+        )
+    if evaluation.env_args is None and env.num_tasks is None:
+        errors.append(
+            "[eval] with [env] needs env.num_tasks (the training tasks; eval takes the next eval.num_prompts) "
+            "or eval.env_args (a held-out environment, e.g. [eval.env_args.taskset] split = 'test')"
+        )
     return errors

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rollflow.config.base import NonNegative, NonNegativeFloat, Positive, Section
 
 
@@ -31,3 +33,9 @@ class EvalConfig(Section):
     """Completion budget (unset: ``sampling.max_tokens``)."""
     pass_threshold: float = 1.0
     """A completion counts as correct (accuracy, pass@k) when its reward is at least this."""
+    env_args: dict[str, Any] | None = None
+    """With ``[env]`` (verifiers): the held-out environment's arguments, merged key by key over
+    ``env.args`` (e.g. ``[eval.env_args.taskset] split = "test"`` picks another split of a taskset whose
+    config has a ``split`` field); its first ``num_prompts`` tasks are evaluated. Unset: the same
+    environment's tasks after the training ones (``env.num_tasks`` of them train, the next ``num_prompts``
+    are evaluated; for OpenEnv, the resets with the seeds after the training ones)."""

@@ -136,11 +136,21 @@ async def evaluate_offline(config: RunConfig, checkpoint: str | Path | None = No
     policy = None
     if checkpoint is not None:
         policy = await anyio.to_thread.run_sync(load_policy_weights, resolve_checkpoint(checkpoint))
-    task = await anyio.to_thread.run_sync(eval_task, config, config.eval or EvalConfig())
+    task = None
+    if config.env is None:
+        task = await anyio.to_thread.run_sync(eval_task, config, config.eval or EvalConfig())
     tokenizer, renderer = await anyio.to_thread.run_sync(load_chat, config)
-    async with get_inference_client(config) as client:
+    async with get_inference_client(config) as client, contextlib.AsyncExitStack() as stack:
         version = 0
         if policy is not None:
             await push_policy(config, client, *policy)
             version = policy[1]
-        return await Evaluator(config, client, renderer, task, tokenizer).evaluate(version)
+        if config.env is not None:  # the environment's held-out tasks (rollflow.orchestrator.env_eval)
+            from rollflow.orchestrator.env_eval import open_env_evaluator
+
+            evaluator = await stack.enter_async_context(
+                open_env_evaluator(config, client, renderer, tokenizer)
+            )
+        else:
+            evaluator = Evaluator(config, client, renderer, task, tokenizer)
+        return await evaluator.evaluate(version)

@@ -92,7 +92,13 @@ class OrchestratorSetup:
             if limit is not None and isinstance(self.task, DatasetTask):
                 # Rows too long to fit by their length alone fail here (on_bad_row = "fail"), not mid-run.
                 await anyio.to_thread.run_sync(limit.check_items, self.task.items)
-            if config.eval is not None:
+            if config.eval is not None and config.env is not None:  # the environment's held-out tasks
+                from rollflow.orchestrator.env_eval import open_env_evaluator
+
+                self.evaluator = await self._exit_stack.enter_async_context(
+                    open_env_evaluator(config, self.client, renderer, tokenizer, self.task.source)
+                )
+            elif config.eval is not None:
                 from rollflow.rollout.evaluation import Evaluator
 
                 self.evaluator = await anyio.to_thread.run_sync(

@@ -48,6 +48,10 @@ class EnvSource(Protocol):
         """Run one trajectory against the model at ``base_url``."""
         ...
 
+    def held_out(self, first: int, count: int) -> EnvTasks:
+        """Tasks ``first .. first + count - 1`` of the environment, run by this source (``[eval]``)."""
+        ...
+
 
 class EnvTasks:
     """An environment's tasks as a rollflow ``Task``: position ``i`` of the stream is task ``i % len``, so

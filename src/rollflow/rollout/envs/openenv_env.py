@@ -67,13 +67,18 @@ class OpenEnvSource:
         self.model = model
         self.url = config.url.rstrip("/") if config.url else None
         self._server: CommandChild | None = None
-        count = config.num_tasks or 1
-        # OpenEnv has no dataset: task i is a reset with seed i; the prompt is the reset's observation.
-        self.task = EnvTasks(
-            config.id,
+        self.task = self.held_out(0, config.num_tasks or 1)
+
+    def held_out(self, first: int, count: int) -> EnvTasks:
+        """Tasks ``first .. first + count - 1``: resets with those seeds on the same server (OpenEnv has no
+        dataset: task i is a reset with seed i; the prompt is the reset's observation). ``[eval]`` takes the
+        seeds after the training ones."""
+        name = self.config.id
+        return EnvTasks(
+            name,
             [
-                TaskItem(messages=[{"role": "user", "content": f"{config.id} #{i}"}], metadata={ENV_TASK: i})
-                for i in range(count)
+                TaskItem(messages=[{"role": "user", "content": f"{name} #{i}"}], metadata={ENV_TASK: i})
+                for i in range(first, first + count)
             ],
             source=self,
         )

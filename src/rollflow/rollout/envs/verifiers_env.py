@@ -96,21 +96,44 @@ class VerifiersSource:
                 f"env.id = {config.id!r}: verifiers could not load the environment "
                 f"({type(error).__name__}: {error}); check env.id and [env.args]"
             ) from error
+        self.name = config.id
         self.tasks = _take(self.env.taskset, config.num_tasks, config.id)
-        self.task = EnvTasks(
-            config.id,
-            [
-                TaskItem(
-                    messages=prompt_messages(task.data.prompt, task.data.system_prompt),
-                    metadata={ENV_TASK: index},
-                )
-                for index, task in enumerate(self.tasks)
-            ],
-            source=self,
-        )
+        # Every task a rollout may be asked for, by its index in the taskset (the training ones and
+        # ``held_out``'s).
+        self._by_index: dict[int, Any] = dict(enumerate(self.tasks))
+        self.task = self._env_tasks(0, self.tasks)
         self._serving: contextlib.AbstractAsyncContextManager[Any] | None = None
         self._router: Any = None
         self._client: Any = None
+
+    def _env_tasks(self, first: int, tasks: list[Any]) -> EnvTasks:
+        return EnvTasks(
+            self.name,
+            [
+                TaskItem(
+                    messages=prompt_messages(task.data.prompt, task.data.system_prompt),
+                    metadata={ENV_TASK: first + offset},
+                )
+                for offset, task in enumerate(tasks)
+            ],
+            source=self,
+        )
+
+    def held_out(self, first: int, count: int) -> EnvTasks:
+        """Blocking (it reads the taskset): tasks ``first .. first + count - 1`` of the taskset, run by this
+        source (``[eval]``'s held-out tasks after the training ones).
+
+        Raises:
+            ConfigError: the taskset has no task from ``first`` on.
+        """
+        tasks = list(self.env.taskset.skip(first).take(count))
+        if not tasks:
+            raise ConfigError(
+                f"env.id = {self.name!r} has no tasks after the env.num_tasks = {first} training ones to "
+                "evaluate: lower env.num_tasks, or set eval.env_args to a held-out taskset"
+            )
+        self._by_index.update((first + offset, task) for offset, task in enumerate(tasks))
+        return self._env_tasks(first, tasks)
 
     async def __aenter__(self) -> VerifiersSource:
         from rollflow.rollout.envs.session_router import SessionRouter
@@ -152,7 +175,9 @@ class VerifiersSource:
 
         ctx = self.vf.ModelContext(model=task.model or self.model, client=self._client)
         try:
-            episode = await self.env.run_episode(self.tasks[task.metadata[ENV_TASK]], ctx, on_trace=minted)
+            episode = await self.env.run_episode(
+                self._by_index[task.metadata[ENV_TASK]], ctx, on_trace=minted
+            )
         finally:
             for trace_id in traces:
                 router.unroute(trace_id)
