@@ -106,6 +106,7 @@ def test_rollflow_run_names_the_server_that_was_killed_mid_run(tmp_path) -> None
     finally:
         process.kill()
     assert process.returncode == 1, stderr[-3000:]
+    print(stderr[stderr.index("error: ") :])
     log_path = Path("runs") / "quickstart" / "logs" / "inference" / "server-0.log"
     assert f", pid {pid}) was killed by SIGKILL (signal 9); log " in stderr, stderr[-3000:]
     assert str(log_path) in stderr or str(tmp_path / log_path) in stderr, stderr[-3000:]
