@@ -169,6 +169,20 @@ class EngineDeadError(InferenceError):
     http_status = 503
 
 
+class ServerDiedError(EngineDeadError):
+    """A process rollflow started for inference (a managed server or the router) died while it was in use,
+    and the run failed; the failed call is this error's ``__cause__``. The message names each dead process:
+    its URL and index, pid, exit code or signal, and its log's path with the log's last lines.
+
+    Attributes:
+        deaths: one line of text per dead process (``ServerDeath`` as text).
+    """
+
+    def __init__(self, message: str, deaths: list[str]):
+        super().__init__(message)
+        self.deaths = deaths
+
+
 class InferenceUnavailableError(InferenceError):
     """Nothing served the call now (connection refused or reset, a 5xx, a server paused past the deadline);
     the same call may succeed later."""

@@ -189,6 +189,8 @@ async def get_inference_client(
             0 for a free one).
         ConfigError: a server reports logprobs the trainer does not recompute (``inference.check_logprobs``).
         MissingExtraError: ``inference.engine = "vllm"`` without vLLM installed.
+        ServerDiedError: the caller's body failed, and a server or the router rollflow started had died by
+            then (the message names it, with its exit status and log; the body's error is the cause).
     """
     from rollflow.config import resolve_api_key, resolve_config, starts_router
     from rollflow.inference.logprob_check import check_server_logprobs
@@ -279,7 +281,13 @@ async def get_inference_client(
             )
         log.info("inference client ready", data_url=proxy_url, servers=server_urls)
         yield client
-    finally:
-        # Shielded: servers must be stopped even when the caller is being cancelled (Ctrl-C).
+    except BaseException as error:
+        # The error goes to each exit so the managed processes' can name a server that died under the call
+        # (``ServerDiedError``, the failed call as its cause). Shielded: servers must be stopped even when the
+        # caller is being cancelled (Ctrl-C).
+        with anyio.CancelScope(shield=True):
+            await stack.__aexit__(type(error), error, error.__traceback__)
+        raise
+    else:
         with anyio.CancelScope(shield=True):
             await stack.aclose()

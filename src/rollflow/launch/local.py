@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ import aiohttp
 import anyio
 import structlog
 
-from rollflow.errors import RollflowError
+from rollflow.errors import RollflowError, ServerDiedError
 from rollflow.processes import CommandChild, start_command
 
 log = structlog.get_logger(__name__)
@@ -43,6 +44,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, reaped or not (``WNOWAIT``: its status stays for the watcher)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
 
 
 class _Child:
@@ -117,8 +133,42 @@ class LocalProcesses:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        """Stop every process. When the body failed and some of them had died by themselves, raise
+        ``ServerDiedError`` naming them (the body's error is its cause): otherwise a call that failed because
+        its server died would read as the call's own failure."""
+        # Read before the teardown, which ends them all.
+        deaths = await self.deaths() if isinstance(exc, Exception) else []
         await self._stop_shielded()
+        if deaths:
+            raise ServerDiedError(
+                f"{len(deaths)} of {self._describe()} died while in use:\n"
+                + "\n".join(deaths)
+                + f"\nthe call that failed: {type(exc).__name__}: {exc}",
+                deaths,
+            ) from exc
+
+    async def deaths(self) -> list[str]:
+        """One text per process that has exited by itself (none is stopped here): its kind, index and URL,
+        pid, exit code or signal, and its log's path with the log's last lines."""
+        found = []
+        for server in self._servers:
+            child = server.child
+            if child is None:
+                continue
+            code = child.returncode
+            if code is None and _has_exited(child.pid):
+                # Exited but not reaped yet: the event loop's child watcher reaps it at once.
+                with contextlib.suppress(TimeoutError):
+                    code = await asyncio.wait_for(child.wait(), 10)
+            if code is None:
+                continue
+            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+            found.append(
+                f"{self.kind} {server.index} ({server.url or 'not ready yet'}, pid {child.pid}) {how}; "
+                f"log {server.log_path}" + self._log_tail(server)
+            )
+        return found
 
     async def start(self) -> list[str]:
         """Start every server and wait until all are ready; returns their URLs.

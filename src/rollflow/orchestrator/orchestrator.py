@@ -205,12 +205,13 @@ class Orchestrator(OrchestratorSetup):
         await self.setup()
         return self
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        await self.stop(exc)
 
-    async def stop(self) -> None:
+    async def stop(self, error: BaseException | None = None) -> None:
         """Shut the engines (and any servers and router this run started) down and close the metric files.
-        Idempotent."""
+        Idempotent. ``error``: what ended the run, if it failed; a server or router this run started that
+        had died by then turns it into ``ServerDiedError`` naming the dead process."""
         if not self._is_set_up:
             return
         self._is_set_up = False
@@ -221,7 +222,11 @@ class Orchestrator(OrchestratorSetup):
                 await anyio.to_thread.run_sync(sink.close)
             if self._rollouts is not None:
                 self._rollouts.close()
-            await self._exit_stack.aclose()  # releases the run directory's lock last
+            # Releases the run directory's lock last.
+            if error is None:
+                await self._exit_stack.aclose()
+            else:
+                await self._exit_stack.__aexit__(type(error), error, error.__traceback__)
 
     # ---------------------------------------------------------------- the run
 

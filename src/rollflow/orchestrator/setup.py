@@ -123,9 +123,10 @@ class OrchestratorSetup:
             self._sinks[1:1] = await anyio.to_thread.run_sync(
                 open_sinks, config, self.run_dir, self.state.step, self.resume
             )
-        except BaseException:
+        except BaseException as error:
+            # The error goes to each exit: the servers' then name one that died under it (ServerDiedError).
             with anyio.CancelScope(shield=True):
-                await self._exit_stack.aclose()
+                await self._exit_stack.__aexit__(type(error), error, error.__traceback__)
             raise
         self._is_set_up = True
         log.info(
