@@ -8,8 +8,8 @@ leaves none of their processes behind.
 
 Which server answered a request is read from the servers' own counters (``vllm:request_success`` in
 ``/metrics``; vllm-router names no server in its answers). Both routers are up at once over the same two
-servers, so one kill (one vLLM start-up, the costly part) tests both. The second server is this module's own
-(it gets killed), so the module is ``slow``: ``nox -s tests_vllm`` runs it, ``.ci/run``'s vLLM pass does not.
+servers, so one kill (one vLLM start-up, the costly part: ~60 s here) tests both. The second server is this
+module's own (it gets killed). Not ``slow``: ``.ci/run``'s vLLM pass runs it (about 80 s in all).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from .helpers.waits import wait_until
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(importlib.util.find_spec("vllm_router") is None, reason="pip install vllm-router"),
 ]
