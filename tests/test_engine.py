@@ -550,6 +550,40 @@ async def test_prefix_cache_identical_prompt_and_partial_overlap(engine):
     assert engine.prefix_cache_hit_tokens == len(prompt) - 1 + 15
 
 
+async def test_samples_of_one_prompt_admitted_together_share_its_prefill(varied_model):
+    """A group's samples (separate seeded requests) admitted in one step: the first of each prompt runs it,
+    the others copy its keys and values and run its last token only. Their tokens equal an engine's without
+    prefix caching, seed for seed, and their logprobs HF's."""
+    shared = TorchEngine(copy.deepcopy(varied_model), max_batch_size=8, max_model_len=256)
+    alone = TorchEngine(
+        copy.deepcopy(varied_model), max_batch_size=8, max_model_len=256, enable_prefix_caching=False
+    )
+    a, b = make_prompts([17, 9], seed=6)
+    requests = [
+        request(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=seed), f"r{seed}")
+        for seed, prompt in enumerate([a] * 6 + [b] * 2)
+    ]
+    try:
+        await shared.pause("keep")
+        tasks = [asyncio.create_task(shared.generate(r)) for r in requests]
+        await wait_until(lambda: shared.num_waiting == len(requests), "the requests queue")
+        await shared.resume()
+        outputs = await asyncio.gather(*tasks)
+        expected = [await alone.generate(r) for r in requests]  # one at a time: nothing shared
+    finally:
+        await shared.shutdown()
+        await alone.shutdown()
+    assert shared.shared_prompt_tokens == 5 * (len(a) - 1) + (len(b) - 1)
+    assert alone.shared_prompt_tokens == 0
+    assert len({tuple(o.token_ids) for o in outputs}) > 2, (
+        "the seeds drew alike: the check below means little"
+    )
+    for r, output, reference in zip(requests, outputs, expected, strict=True):
+        assert output.token_ids == reference.token_ids, r.request_id
+        hf = hf_logprobs(varied_model, r.prompt_token_ids, output)
+        assert max(abs(x - y) for x, y in zip(output.logprobs, hf, strict=True)) < 1e-4, r.request_id
+
+
 async def test_prefix_cache_evicts_least_recently_used_and_resets(varied_model):
     engine = TorchEngine(copy.deepcopy(varied_model), max_batch_size=2, max_model_len=128)
     try:

@@ -129,6 +129,26 @@ async def test_prefix_hit_returns_the_same_routes_as_a_miss(engine, moe_model):
         await uncached.shutdown()
 
 
+async def test_samples_sharing_a_prompt_get_its_routes(engine, moe_model):
+    """Three seeded samples of one prompt admitted in one step: the two that copy the first one's keys and
+    values get its prompt routes, and every output's routes and logprobs are HF's."""
+    prompt = make_prompts([12], seed=8)[0]
+    requests = [
+        GenerateRequest(
+            prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=seed), request_id=f"s{seed}"
+        )
+        for seed in range(3)
+    ]
+    await engine.pause("keep")
+    tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
+    await wait_until(lambda: engine.num_waiting == 3, "the samples queue")
+    await engine.resume()
+    outputs = await asyncio.gather(*tasks)
+    assert engine.shared_prompt_tokens == 2 * (len(prompt) - 1)
+    for output in outputs:
+        assert check_against_hf(moe_model, prompt, output) < 1e-4
+
+
 async def test_routes_are_dropped_with_the_prefix_cache(engine, moe_model):
     prompt = make_prompts([12], seed=4)[0]
     await engine.generate(GenerateRequest(prompt, GREEDY))

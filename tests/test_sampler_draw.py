@@ -1,15 +1,18 @@
-"""Seeded rows are drawn for the whole batch at once, yet each row's token is exactly what
-``torch.multinomial(row, 1, generator=its own)`` draws, step after step (the generators advance alike), and an
-invalid row raises as ``torch.multinomial`` does (the sampler then retries on guarded logits)."""
+"""The draw: one uniform per row placed on the row's cumulative mass. Its tokens follow the distribution and
+never land on an entry without mass, rounding at the very top included; a seeded row's tokens depend only on
+its generator and distribution, whatever shares the batch, and each draw advances the generator by one
+double; an invalid row raises as ``torch.multinomial`` does (the sampler then retries on guarded logits)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from rollflow.inference.engine import sampler
 
-VOCAB = 1062  # the tiny model's
+VOCAB = 1062
 
 
 def probabilities(rows: int, seed: int) -> torch.Tensor:
@@ -20,38 +23,58 @@ def probabilities(rows: int, seed: int) -> torch.Tensor:
     return probs
 
 
-def per_row_multinomial(probs, generators, shared):
-    picks = []
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    drawn = {}
-    if unseeded:
-        shared_picks = torch.multinomial(probs[unseeded], 1, generator=shared)[:, 0].tolist()
-        drawn = dict(zip(unseeded, shared_picks, strict=True))
-    for i, generator in enumerate(generators):
-        if generator is None:
-            picks.append(drawn[i])
-        else:
-            picks.append(int(torch.multinomial(probs[i], 1, generator=generator)))
-    return picks
+def test_draws_follow_each_rows_distribution():
+    probs = torch.tensor([[0.5, 0.0, 0.25, 0.125, 0.125], [0.0, 0.0, 0.0, 0.9, 0.1]])
+    draws = 20_000
+    counts = torch.zeros_like(probs)
+    generators = [torch.Generator().manual_seed(1), None]
+    shared = torch.Generator().manual_seed(2)
+    for _ in range(draws):
+        picks = sampler._draw(probs, generators, shared)
+        counts[0, picks[0]] += 1
+        counts[1, picks[1]] += 1
+    for row in range(2):
+        expected = probs[row] * draws
+        assert counts[row][probs[row] == 0].sum() == 0, "an entry without mass was drawn"
+        kept = probs[row] > 0
+        chi2 = float((((counts[row] - expected)[kept]) ** 2 / expected[kept]).sum())
+        # Degrees of freedom <= 3: chi-square above 30 has probability < 1e-5 for a correct sampler.
+        assert chi2 < 30, (row, counts[row].tolist(), expected.tolist())
 
 
-@pytest.mark.parametrize("fast", [True, False])
+def test_a_uniform_at_the_top_lands_on_the_last_entry_with_mass(monkeypatch):
+    probs = torch.tensor([[0.3, 0.7, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    monkeypatch.setattr(sampler, "_uniforms", lambda *_: torch.tensor([1.0, 1.0], dtype=torch.float64))
+    assert sampler._draw(probs, [None, None], torch.Generator()).tolist() == [1, 3]
+    monkeypatch.setattr(sampler, "_uniforms", lambda *_: torch.tensor([0.0, 0.0], dtype=torch.float64))
+    zero_first = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    assert sampler._draw(zero_first, [None, None], torch.Generator()).tolist() == [2, 0]
+
+
 @pytest.mark.parametrize("unseeded_rows", [(), (2, 5)])
-def test_each_seeded_row_draws_what_multinomial_draws(monkeypatch, fast, unseeded_rows):
-    monkeypatch.setitem(sampler._RACE_MATCHES, ("cpu", torch.float32), fast)
-    rows = 64
-    ours = [None if i in unseeded_rows else torch.Generator().manual_seed(1000 + i) for i in range(rows)]
-    theirs = [None if i in unseeded_rows else torch.Generator().manual_seed(1000 + i) for i in range(rows)]
-    shared_ours, shared_theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+def test_a_seeded_rows_tokens_do_not_depend_on_the_batch(unseeded_rows):
+    rows = 16
+    together = [None if i in unseeded_rows else torch.Generator().manual_seed(1000 + i) for i in range(rows)]
+    alone = {i: torch.Generator().manual_seed(1000 + i) for i in range(rows) if i not in unseeded_rows}
+    shared = torch.Generator().manual_seed(7)
     for step in range(6):
         probs = probabilities(rows, step)
-        expected = per_row_multinomial(probs, theirs, shared_theirs)
-        assert sampler._draw(probs, ours, shared_ours).tolist() == expected, step
+        batch = sampler._draw(probs, together, shared).tolist()
+        for i, generator in alone.items():  # the same row drawn on its own, in reverse order
+            assert sampler._draw(probs[i : i + 1], [generator], torch.Generator()).tolist() == [batch[i]], step
 
 
-def test_the_batched_draw_is_proven_equal_on_this_build():
-    # Where a torch release changes multinomial, this fails and the engine falls back to it row by row.
-    assert sampler._race_matches_multinomial(torch.device("cpu"), torch.float32)
+def test_each_draw_takes_one_double_from_the_rows_generator():
+    probs = probabilities(4, 0)
+    generators = [torch.Generator().manual_seed(seed) for seed in (3, 5, 7, 11)]
+    replay = [torch.Generator().manual_seed(seed) for seed in (3, 5, 7, 11)]
+    for _ in range(3):
+        picks = sampler._draw(probs, generators, torch.Generator()).tolist()
+        for row, generator in enumerate(replay):
+            uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
+            cumulative = probs[row].double().cumsum(0)
+            expected = int(torch.searchsorted(cumulative, uniform * cumulative[-1], right=True))
+            assert picks[row] == min(expected, VOCAB - 1)
 
 
 @pytest.mark.parametrize(
@@ -75,16 +98,18 @@ def test_an_invalid_row_raises_as_multinomial_does(spoil):
     assert str(ours.value).split(" (")[0].split("`")[0] == str(theirs.value).split(" (")[0].split("`")[0]
 
 
-def test_seeded_sampling_is_unchanged_through_sample():
-    """The public ``sample`` at temperature 1 (the quickstart's), seeded rows, equals a per-row reference."""
+def test_sample_reports_the_logprob_of_the_token_it_drew():
+    """The public ``sample`` at temperature 1 (the quickstart's), seeded rows: each token's logprob is its
+    ``log_softmax``, and the same seeds give the same tokens."""
     from rollflow.messages import SamplingParams
 
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(16)]
-    ours = [torch.Generator().manual_seed(i) for i in range(16)]
-    theirs = [torch.Generator().manual_seed(i) for i in range(16)]
-    sampled = sampler.sample(logits, params, ours, torch.Generator())
-    probs = torch.log_softmax(logits, dim=-1).exp()
-    assert sampled.tokens == [
-        int(torch.multinomial(p, 1, generator=g)) for p, g in zip(probs, theirs, strict=True)
-    ]
+
+    def draw() -> sampler.Sampled:
+        return sampler.sample(logits, params, [torch.Generator().manual_seed(i) for i in range(16)], torch.Generator())
+
+    first = draw()
+    assert draw().tokens == first.tokens
+    expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(first.tokens)[:, None])[:, 0]
+    assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(first.logprobs, expected.tolist(), strict=True))

@@ -40,7 +40,10 @@ sequence each (a training run's usual traffic) are never capped.
 Prefix cache: a finished request leaves its keys and values in its freed slot, labelled with the tokens they
 belong to. A new request whose prompt starts with some of those tokens takes that slot and prefills only the rest
 of its prompt (``ModelRunner.extend``); otherwise it takes an unlabelled slot, or evicts the least recently used
-label. Loading weights drops every label: keys and values computed under old weights are stale.
+label. Loading weights drops every label: keys and values computed under old weights are stale. Sequences
+admitted in one step with the same prompt (a group's samples, sent as separate requests) share it: the first
+runs the prompt, the others copy its keys and values but the last prompt token's and run that one token
+(``shared_prompt_tokens`` counts what they did not run).
 
 Routed experts (``return_routed_experts``, MoE models): each sequence keeps the top-k expert ids of every token
 the model ran for it, per MoE layer: its prompt tokens, then each sampled token as it is fed back. The last
@@ -251,6 +254,7 @@ class TorchEngine(EngineControlMessages, EngineSteps):
         self.prefix_cache_hits = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.shared_prompt_tokens = 0
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs: Any) -> TorchEngine:

@@ -333,6 +333,21 @@ class ModelRunner:
         self._lm_head = self.model.lm_head.weight
         self._lm_head_bias = _bias(self.model.lm_head)
 
+    def copy_prefixes(self, sources: list[int], targets: list[int], lengths: list[int]) -> None:
+        """Copy the keys and values of the first ``lengths[i]`` positions of slot ``sources[i]`` into slot
+        ``targets[i]``, in every layer (sequences sharing a prompt)."""
+        by_length: dict[int, tuple[list[int], list[int]]] = {}
+        for source, target, length in zip(sources, targets, lengths, strict=True):
+            if length > 0:
+                pair = by_length.setdefault(length, ([], []))
+                pair[0].append(source)
+                pair[1].append(target)
+        cache = self._kv_cache
+        for length, (source_slots, target_slots) in by_length.items():
+            source_index = torch.tensor(source_slots, device=self.device)
+            target_index = torch.tensor(target_slots, device=self.device)
+            cache[:, target_index, :, :length] = cache[:, source_index, :, :length]
+
     def prefill(self, slots: list[int], prompts: list[list[int]]) -> torch.Tensor:
         """Run the prompts (one per slot) from position 0, fill their KV cache, return last-token logits [n, vocab]."""
         n = len(prompts)

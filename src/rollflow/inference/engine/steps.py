@@ -43,25 +43,34 @@ class EngineSteps:
     def _step(self) -> None:
         fresh: list[EngineSequence] = []
         resumed: list[EngineSequence] = []
+        followers: list[tuple[EngineSequence, EngineSequence]] = []
         if not self._paused and not self._asleep and self._waiting:
-            self._admit(fresh, resumed)
+            self._admit(fresh, resumed, followers)
         if fresh:
             self._advance(fresh, self._forward_prefill)
         if resumed:
             self._advance(resumed, self._forward_extend)
+        if followers:
+            self._advance_followers(followers)
         if self._num_running and not self._frozen:
             self._advance([s for s in self._slots if s is not None], self._forward_decode)
         self.num_steps += 1
 
-    def _admit(self, fresh: list[EngineSequence], resumed: list[EngineSequence]) -> None:
+    def _admit(
+        self,
+        fresh: list[EngineSequence],
+        resumed: list[EngineSequence],
+        followers: list[tuple[EngineSequence, EngineSequence]],
+    ) -> None:
         """Admit waiting sequences fairly between requests (the module docstring's bound): the waiting request
         holding the fewest slots first (ties: the one served least recently), into free slots, then, with
-        every slot taken, into slots preempted from requests above their fair share."""
+        every slot taken, into slots preempted from requests above their fair share. A sequence whose prompt
+        one admitted before it in this step has too goes to ``followers`` with that one (its leader)."""
         running = self._running_per_group
         cap = self._request_cap_now()
         if cap is not None:
             # Latency first: trim every request above the cap (its sequences wait, their slots stay free).
-            while self._preempt(cap, set(), fresh, resumed):
+            while self._preempt(cap, set(), fresh, resumed, followers):
                 pass
         if not self._free_slots:
             # Nothing to preempt unless some request holds more than its share: skip the heap (the common case
@@ -83,6 +92,8 @@ class EngineSteps:
         ]
         heapq.heapify(heap)
         admitted: set[int] = set()  # ids of the sequences admitted in this step (not run yet)
+        # The first sequence admitted in this step with each prompt (and adapter slot) not yet run for it.
+        leaders: dict[tuple[tuple[int, ...], int | None], EngineSequence] = {}
         while heap:
             held, _, order, group = heapq.heappop(heap)
             if held != running.get(group, 0):  # a victim of a preemption since it was pushed
@@ -92,11 +103,19 @@ class EngineSteps:
                 continue  # at the cap: its next sequence waits for the others to leave
             if not self._free_slots:
                 share = share or self._fair_share()
-                if held >= share or not self._preempt(share, admitted, fresh, resumed):
+                if held >= share or not self._preempt(share, admitted, fresh, resumed, followers):
                     break
             # Popped once it holds its slot: a failure here still reaches it.
             sequence = self._waiting.peek(group)
-            sequence.slot, cached_len, cached_routes = self._take_slot(sequence.run_ids)
+            leader = None
+            if self.enable_prefix_caching and not sequence.token_ids:
+                prompt_key = (tuple(sequence.run_ids), sequence.adapter_slot)
+                leader = leaders.setdefault(prompt_key, sequence)
+                if leader is sequence:
+                    leader = None
+            sequence.slot, cached_len, cached_routes = self._take_slot(
+                sequence.run_ids, search=leader is None
+            )
             self._waiting.pop(group)
             self._slots[sequence.slot] = sequence
             self._num_running += 1
@@ -111,7 +130,10 @@ class EngineSteps:
             if self._adapter_versions is not None and sequence.adapter_slot is None:
                 sequence.adapter_slot = self._adapter_versions.current
                 sequence.adapter_version = self.policy_version
-            (resumed if cached_len else fresh).append(sequence)
+            if leader is not None:
+                followers.append((sequence, leader))
+            else:
+                (resumed if cached_len else fresh).append(sequence)
             if group in self._waiting.groups():
                 heapq.heappush(heap, (held + 1, self._admissions, order, group))
         if len(self._last_served) > 2 * (len(self._waiting.groups()) + self.max_batch_size) + 64:
@@ -141,7 +163,12 @@ class EngineSteps:
         return max(1, self.max_batch_size // max(1, groups))
 
     def _preempt(
-        self, share: int, admitted: set[int], fresh: list[EngineSequence], resumed: list[EngineSequence]
+        self,
+        share: int,
+        admitted: set[int],
+        fresh: list[EngineSequence],
+        resumed: list[EngineSequence],
+        followers: list[tuple[EngineSequence, EngineSequence]],
     ) -> bool:
         """Free one slot of the request holding the most slots, if it holds more than ``share``: its cheapest
         sequence to recompute (one admitted in this step and not run yet, else the fewest tokens) goes back to
@@ -156,7 +183,12 @@ class EngineSteps:
         victim = min(candidates, key=lambda s: (id(s) not in admitted, s.prompt_len + len(s.token_ids)))
         if id(victim) in admitted:
             admitted.discard(id(victim))
-            (resumed if victim in resumed else fresh).remove(victim)
+            if victim in resumed:
+                resumed.remove(victim)
+            elif victim in fresh:
+                fresh.remove(victim)
+            else:  # a follower; a leader's followers run their prompt themselves (``_advance_followers``)
+                followers[:] = [pair for pair in followers if pair[0] is not victim]
             if victim.routes is not None and victim.cached_len and not victim.token_ids:
                 victim.routes.clear()  # the cached prefix's routes come back with its next admission
         self._release(victim.slot)
@@ -170,6 +202,30 @@ class EngineSteps:
         self._waiting.appendleft(victim)
         self.num_preemptions += 1
         return True
+
+    def _advance_followers(self, followers: list[tuple[EngineSequence, EngineSequence]]) -> None:
+        """Advance sequences admitted beside a leader with the same prompt: each copies the leader's keys and
+        values (and routes) of all but the last prompt token and runs that one (``extend``), instead of the
+        whole prompt. A follower whose leader did not run (preempted, or failed) runs its prompt itself."""
+        shared, alone = [], []
+        for sequence, leader in followers:
+            # The leader ran its prompt in this step iff it now has a token (it had none at admission).
+            (shared if leader.token_ids else alone).append((sequence, leader))
+        if shared:
+            sources, targets, lengths = [], [], []
+            for sequence, leader in shared:
+                length = len(sequence.run_ids) - 1
+                sources.append(leader.slot)
+                targets.append(sequence.slot)
+                lengths.append(length)
+                sequence.cached_len = length
+                if sequence.routes is not None:
+                    sequence.routes.append(np.concatenate(leader.routes)[:length])
+            self.runner.copy_prefixes(sources, targets, lengths)
+            self.shared_prompt_tokens += sum(lengths)
+            self._advance([sequence for sequence, _ in shared], self._forward_extend)
+        if alone:
+            self._advance([sequence for sequence, _ in alone], self._forward_prefill)
 
     def _forward_prefill(
         self, sequences: list[EngineSequence]
@@ -322,16 +378,16 @@ class EngineSteps:
             raw_logprobs=self.logprobs_mode == "raw_logprobs",
         )
 
-    def _take_slot(self, prompt: list[int]) -> tuple[int, int, np.ndarray | None]:
+    def _take_slot(self, prompt: list[int], *, search: bool = True) -> tuple[int, int, np.ndarray | None]:
         """A free slot for ``prompt``, how many of its first tokens that slot already holds keys and values for,
         and the routes of the slot's cached tokens (None unless recorded).
 
         The slot with the longest cached prefix of the prompt wins (at least one prompt token is left to run,
-        for the logits); without one, the lowest unlabelled slot (low slots keep decode rows dense), else the
-        least recently used labelled slot, whose label is evicted.
+        for the logits); without one (or without ``search``), the lowest unlabelled slot (low slots keep
+        decode rows dense), else the least recently used labelled slot, whose label is evicted.
         """
         best_slot, best_len = -1, 0
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and search:
             self.prefix_cache_queries += 1
             self.prefix_cache_query_tokens += len(prompt)
             limit = len(prompt) - 1
