@@ -60,8 +60,9 @@ def test_a_seeded_rows_tokens_do_not_depend_on_the_batch(unseeded_rows):
     for step in range(6):
         probs = probabilities(rows, step)
         batch = sampler._draw(probs, together, shared).tolist()
-        for i, generator in alone.items():  # the same row drawn on its own, in reverse order
-            assert sampler._draw(probs[i : i + 1], [generator], torch.Generator()).tolist() == [batch[i]], step
+        for i, generator in alone.items():  # the same row drawn on its own
+            drawn = sampler._draw(probs[i : i + 1], [generator], torch.Generator()).tolist()
+            assert drawn == [batch[i]], step
 
 
 def test_each_draw_takes_one_double_from_the_rows_generator():
@@ -107,9 +108,13 @@ def test_sample_reports_the_logprob_of_the_token_it_drew():
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(16)]
 
     def draw() -> sampler.Sampled:
-        return sampler.sample(logits, params, [torch.Generator().manual_seed(i) for i in range(16)], torch.Generator())
+        return sampler.sample(
+            logits, params, [torch.Generator().manual_seed(i) for i in range(16)], torch.Generator()
+        )
 
     first = draw()
     assert draw().tokens == first.tokens
     expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(first.tokens)[:, None])[:, 0]
-    assert all(math.isclose(a, b, abs_tol=1e-6) for a, b in zip(first.logprobs, expected.tolist(), strict=True))
+    assert all(
+        math.isclose(a, b, abs_tol=1e-6) for a, b in zip(first.logprobs, expected.tolist(), strict=True)
+    )

@@ -29,6 +29,10 @@ pytestmark = pytest.mark.http_only(reason="managed HTTP servers are what dies")
 REQUEST = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=2))
 
 
+def _servers_of_this_process() -> list[int]:
+    return [child for child, (_, cmd) in descendants(os.getpid()).items() if "rollflow serve" in cmd]
+
+
 def managed_config(tmp_path: Path):
     return build_config(
         {
@@ -41,13 +45,13 @@ def managed_config(tmp_path: Path):
 async def test_a_killed_managed_server_is_named_with_its_pid_signal_and_log(tmp_path) -> None:
     config = managed_config(tmp_path)
     log_path = config.run_dir / "logs" / "inference" / "server-0.log"
+    # Servers this process had already (session fixtures' shared servers) are not this test's.
+    before = set(_servers_of_this_process())
     with pytest.raises(ServerDiedError) as caught:
         async with get_inference_client(config) as client:
             url = client.server_urls[0]
             assert len((await client.generate(REQUEST)).token_ids) == 2
-            pid = next(
-                child for child, (_, cmd) in descendants(os.getpid()).items() if "rollflow serve" in cmd
-            )
+            (pid,) = set(_servers_of_this_process()) - before
             os.kill(pid, signal.SIGKILL)
             assert wait_dead([pid]) == []
             await client.generate(REQUEST)
