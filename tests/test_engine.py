@@ -416,6 +416,24 @@ async def test_idle_engine_releases_its_worker_thread(engine):
     assert len((await engine.generate(request([5, 6, 7]))).token_ids) == GREEDY.max_tokens
 
 
+async def test_an_idle_engine_admits_a_burst_of_requests_in_one_step(engine):
+    """Requests that reach an idle engine over several of the caller's loop iterations (a training step's
+    groups) are admitted together: the engine lingers while they keep coming. Slices far longer than the gaps
+    here, so a busy machine cannot split the burst."""
+    engine.admission_linger_s, engine.admission_linger_max_s = 0.2, 10.0
+    one_token = SamplingParams(max_tokens=1, temperature=0.0)
+    prompts = make_prompts([5, 7, 9, 6, 8, 4], seed=9)
+    steps_before = engine.num_steps
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(engine.generate(request(prompt, one_token))))
+        await asyncio.sleep(0.001)
+    outputs = await asyncio.gather(*tasks)
+    assert all(len(o.token_ids) == 1 for o in outputs)
+    # One step: all six admitted and prefilled together, each finishing with its one token.
+    assert engine.num_steps - steps_before == 1
+
+
 async def test_engine_thread_count_stays_inside_its_worker(varied_model):
     """The worker runs with one intra-op thread; threads that start using torch later keep the process's count.
     The suite runs with one thread (conftest), so the process gets 2 here: a count the worker's 1 differs from."""
