@@ -137,21 +137,15 @@ def test_a_lora_run_on_a_managed_vllm_server_loads_each_versions_adapter(tmp_pat
     server's log shows each version loaded and the old ones unloaded."""
     import math
 
-    from .helpers.vllm_runs import check_vllm_steps, run_quickstart
-    from .helpers.vllm_server import MODULE_ENTRY_POINT, PYTHON_ENV, SERVER_ENV, SKIP_REASON
+    from .helpers.vllm_runs import check_vllm_steps, managed_vllm, run_quickstart
+    from .helpers.vllm_server import PYTHON_ENV, SERVER_ENV, SKIP_REASON
 
     python = os.environ.get(PYTHON_ENV)
     if not python:
         pytest.skip(SKIP_REASON)
     steps = int(os.environ.get("ROLLFLOW_VLLM_TRAIN_STEPS", "4"))
     overrides = {
-        "model.path": "'rollflow:tiny-h32'",
-        "inference.mode": "'http'",
-        "inference.engine": "'vllm'",
-        "inference.num_servers": "1",
-        "inference.dtype": "'float32'",
-        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.router_port": "0",
+        **managed_vllm(python),
         "orchestrator.mode": f"'{schedule}'",
         "orchestrator.steps": str(steps),
         "orchestrator.prompts_per_step": "4",

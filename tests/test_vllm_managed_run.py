@@ -13,23 +13,10 @@ import os
 
 import pytest
 
-from .helpers.vllm_runs import TRANSPORTS, check_vllm_steps, run_quickstart
-from .helpers.vllm_server import MODULE_ENTRY_POINT, PYTHON_ENV, SERVER_ENV, SKIP_REASON
+from .helpers.vllm_runs import TRANSPORTS, check_vllm_steps, managed_vllm, run_quickstart
+from .helpers.vllm_server import PYTHON_ENV, SERVER_ENV, SKIP_REASON
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
-
-
-def managed_vllm(python: str) -> dict[str, str]:
-    """Overrides of a run on one vLLM server it starts from ``python``'s environment (float32, tiny-h32)."""
-    return {
-        "model.path": "'rollflow:tiny-h32'",
-        "inference.mode": "'http'",
-        "inference.engine": "'vllm'",
-        "inference.num_servers": "1",
-        "inference.dtype": "'float32'",
-        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
-        "inference.router_port": "0",
-    }
 
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .vllm_server import MODULE_ENTRY_POINT
+
 # sync mode: every sample is drawn with the weights the trainer held, so only kernel sums differ.
 MISMATCH_BOUND = 1e-4
 # The transports into vLLM: weight_sync overrides of each.
@@ -17,6 +19,19 @@ TRANSPORTS: dict[str, dict[str, str]] = {
     "checkpoint": {"weight_sync.strategy": "'checkpoint'"},
     "gloo": {"weight_sync.strategy": "'broadcast'", "weight_sync.backend": "'gloo'"},
 }
+
+
+def managed_vllm(python: str) -> dict[str, str]:
+    """Overrides of a run on one vLLM server it starts from ``python``'s environment (float32, tiny-h32)."""
+    return {
+        "model.path": "'rollflow:tiny-h32'",
+        "inference.mode": "'http'",
+        "inference.engine": "'vllm'",
+        "inference.num_servers": "1",
+        "inference.dtype": "'float32'",
+        "inference.vllm_command": json.dumps([python, *MODULE_ENTRY_POINT]),
+        "inference.router_port": "0",
+    }
 
 
 def run_quickstart(
