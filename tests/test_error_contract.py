@@ -180,6 +180,9 @@ class FailingTransfer:
         if self.pushes <= self.failures:
             raise self.error
 
+    async def verify(self, client, trainer, policy_version):
+        pass
+
     def close(self):
         pass
 

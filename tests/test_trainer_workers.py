@@ -114,6 +114,21 @@ def test_push_weights_runs_on_every_rank_with_its_shards(fsdp2_workers):
         assert rank_total == pytest.approx(expected, rel=1e-9)
 
 
+def test_the_value_probe_of_sharded_workers_is_the_single_trainers_on_the_same_weights(
+    fsdp2_workers, base_model
+):
+    """``probe_logprobs`` (the value proof of adapters pushed into vLLM) runs the sharded forward on every
+    rank and answers what one trainer holding the same weights computes."""
+    single = Trainer(copy.deepcopy(base_model), **spec(None).trainer_kwargs())
+    single.model.load_state_dict(dict(fsdp2_workers.named_weights()))
+    token_ids = [1, 17, 123, 4, 256, 9, 42, 500, 7, 3]
+    probed = fsdp2_workers.probe_logprobs(token_ids, 8)
+    assert len(probed) == 2 and all(value < 0 for value in probed)
+    assert probed == pytest.approx(single.probe_logprobs(token_ids, 8), abs=1e-5)
+    with pytest.raises(ValueError, match=r"start must be within 1 \.\. 10"):
+        single.probe_logprobs(token_ids, 0)
+
+
 def test_sharded_checkpoints_resume_on_another_number_of_workers(fsdp2_workers, base_model, tmp_path):
     fsdp2_workers.save_checkpoint(tmp_path / "two")
     assert (tmp_path / "two" / "trainer_state" / ".metadata").is_file()

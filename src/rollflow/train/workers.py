@@ -390,6 +390,8 @@ def run_call(trainer: Any, method: str, args: list[Any]) -> Any:
         return _full_weights(trainer)
     if method == "push_weights":
         return trainer.push_weights(args[0])
+    if method == "probe_logprobs":
+        return trainer.probe_logprobs(*args)
     if method in ("save_checkpoint", "load_checkpoint"):
         from rollflow.train import sharded
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 import inspect
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
@@ -135,6 +135,20 @@ class WeightSource:
         """The weights themselves, in this process (the ``local`` strategy only)."""
         return self.trainer.named_weights()
 
+    @property
+    def can_probe(self) -> bool:
+        """Whether the trainer computes value probes (``TrainerHandle.probe_logprobs``; ``StaticWeights``
+        does not)."""
+        return hasattr(self.trainer, "probe_logprobs")
+
+    async def probe_logprobs(self, token_ids: Sequence[int], start: int) -> list[float]:
+        """The trainer's logprob of each of ``token_ids[start:]`` after the ones before it
+        (``TrainerHandle.probe_logprobs``), in a worker thread unless it is async."""
+        probe = self.trainer.probe_logprobs  # type: ignore[attr-defined]
+        if inspect.iscoroutinefunction(probe):
+            return await probe(token_ids, start)
+        return await anyio.to_thread.run_sync(probe, token_ids, start, abandon_on_cancel=True)
+
 
 class StaticWeights:
     """A trainer handle over weights held in this process (a checkpoint's, a test's): rank 0 of one.
@@ -196,6 +210,9 @@ class WeightSender(abc.ABC):
         #: Seconds the last push's proof of delivery took (``rollflow.weights.delivery``); None for a sender
         #: that checks none.
         self.delivery_check_s: float | None = None
+        #: The largest mean |logprob difference| between a server and the trainer on the last ``verify``'s
+        #: probe; None for a sender that probes none.
+        self.probe_logprob_diff: float | None = None
 
     async def setup(self, control: ControlPlane, source: WeightSource, release: Iterable[str] = ()) -> None:
         """Connect: open the transport on the trainer (which reports its rendezvous) and send ``init_info`` to
@@ -245,6 +262,15 @@ class WeightSender(abc.ABC):
             # A server may hold a started update; the next push starts over from init.
             self.broken = f"pushing policy version {policy_version} failed ({type(exc).__name__})"
             raise
+
+    async def verify(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        """After the engines resumed on ``policy_version``: check the values they compute with it, for a
+        sender whose servers report no digest of what they hold. None by default (``push`` proved delivery).
+
+        Raises:
+            WeightTransferError: a server computes other values than the trainer's weights (naming it).
+        """
+        return None
 
     @abc.abstractmethod
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
@@ -333,10 +359,26 @@ class WeightTransfer:
             self._close_sender()
             raise
 
+    async def verify(
+        self, control: ControlPlane, source: WeightSource | WeightPusher, policy_version: int
+    ) -> None:
+        """The sender's value check of the push just made (``WeightSender.verify``), once the engines resumed.
+
+        Raises:
+            WeightTransferError: as ``WeightSender.verify``.
+        """
+        if self.sender is not None:
+            await self.sender.verify(control, as_source(source), policy_version)
+
     @property
     def delivery_check_s(self) -> float | None:
         """Seconds the last push's proof of delivery took, None when the sender checks none (or none yet)."""
         return None if self.sender is None else self.sender.delivery_check_s
+
+    @property
+    def probe_logprob_diff(self) -> float | None:
+        """The last ``verify``'s largest mean |logprob difference| from the trainer's, None without one."""
+        return None if self.sender is None else self.sender.probe_logprob_diff
 
     def _close_sender(self) -> None:
         sender, self.sender = self.sender, None

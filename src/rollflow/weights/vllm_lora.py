@@ -14,12 +14,14 @@ flags and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), so an adapter push never touche
   finishes on k), deletes their directories, and makes the client name the new adapter as the ``model`` of
   every request it starts from then on (``ControlPlane.serve_adapter``), stamping their tokens with its version.
 
-Proof of delivery: after the load, every server's ``GET /v1/models`` must list the adapter under its name with
-the directory just written as its ``root``. vLLM reports no digest of an adapter's tensors (its
-``/weight_checker`` hashes the base parameters only), so this proves that each server holds an adapter loaded
-from exactly the pushed directory (a failed load is refused at ``/v1/load_lora_adapter`` already), not the
-values it computes with; the runs' ``logprob_mismatch`` (the trainer's logprobs of the sampled tokens against
-the server's) checks those.
+Proof of delivery, in two parts. After the load, every server's ``GET /v1/models`` must list the adapter under
+its name with the directory just written as its ``root``: each server holds an adapter loaded from exactly the
+pushed directory (a failed load is refused at ``/v1/load_lora_adapter`` already). vLLM reports no digest of an
+adapter's tensors (its ``/weight_checker`` hashes the base parameters only), so the values are probed once the
+engines resumed (``verify``): every server samples a few tokens after a fixed prompt with the new adapter, the
+trainer computes its logprobs of the same tokens (``TrainerHandle.probe_logprobs``), and a server whose mean
+|difference| is above ``probe_tolerance`` (``weight_sync.probe_tolerance``) stops the run, naming it: an adapter written wrong (its scaling, its tensors' names or layout) is caught at the push
+that made it, not found later in the runs' ``logprob_mismatch``.
 
 The directory must be one every server reads: ``weight_sync.checkpoint_dir`` (shared storage for servers on
 other machines), else a temporary directory on this machine (the servers rollflow starts here).
@@ -62,6 +64,10 @@ log = structlog.get_logger(__name__)
 
 #: The served name of policy version k's adapter: ``rollflow-lora-<k>``.
 ADAPTER_PREFIX = "rollflow-lora-"
+#: The value probe (``VllmLoraSender.verify``): a fixed prompt of ids every vocabulary has, and how many tokens
+#: each server samples after it.
+PROBE_PROMPT = (1, 17, 123, 4, 256, 9, 42, 500)
+PROBE_TOKENS = 8
 _PEFT_PREFIX = "base_model.model."
 
 
@@ -79,6 +85,8 @@ class VllmLoraStrategy(WeightTransferStrategy):
         keep_versions: adapters each server keeps loaded (the newest ones); at least 1.
         timeout_s: longest one push (write, load, check) may take.
         dtype: what the adapter tensors are cast to before they are written (``weight_sync.dtype``).
+        probe_tolerance: the largest mean |logprob difference| a server may show from the trainer on the
+            value probe after each push (``verify``); 0 probes nothing.
     """
 
     name = "vllm_lora"
@@ -90,15 +98,19 @@ class VllmLoraStrategy(WeightTransferStrategy):
         keep_versions: int = 1,
         timeout_s: float = 300.0,
         dtype: str = "auto",
+        probe_tolerance: float = 0.05,
     ):
         if timeout_s <= 0:
             raise ValueError(f"weight_sync.timeout_s must be positive, got {timeout_s}")
+        if not probe_tolerance >= 0:
+            raise ValueError(f"weight_sync.probe_tolerance must be 0 or more, got {probe_tolerance}")
         if keep_versions < 1:
             raise ValueError(f"keep_versions must be at least 1, got {keep_versions}")
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.keep_versions = keep_versions
         self.timeout_s = timeout_s
         self.dtype = check_transfer_dtype(dtype)
+        self.probe_tolerance = probe_tolerance
         #: Policy versions whose adapter the servers hold, oldest first; kept here so that a sender rebuilt
         #: after a failed push still unloads them.
         self.loaded: list[int] = []
@@ -106,7 +118,12 @@ class VllmLoraStrategy(WeightTransferStrategy):
     @classmethod
     def options_from(cls, sync: WeightSyncConfig, *, engine: str, master_address: str) -> dict[str, Any]:
         # keep_versions depends on the schedule, not on weight_sync: the barrier sets it.
-        return dict(checkpoint_dir=sync.checkpoint_dir, timeout_s=sync.timeout_s, dtype=sync.dtype)
+        return dict(
+            checkpoint_dir=sync.checkpoint_dir,
+            timeout_s=sync.timeout_s,
+            dtype=sync.dtype,
+            probe_tolerance=sync.probe_tolerance,
+        )
 
     def create_sender(self, inference_world_size: int) -> VllmLoraSender:
         # Every server loads the same directory: the number of workers does not change the payload.
@@ -130,6 +147,7 @@ class VllmLoraSender(WeightSender):
             self.directory.mkdir(parents=True, exist_ok=True)
         self.transport = VllmLoraTransport(directory=str(self.directory), dtype=strategy.dtype)
         self.loaded = strategy.loaded
+        self.probe_tolerance = strategy.probe_tolerance
 
     async def _connect(self, control: ControlPlane, source: WeightSource, release: Iterable[str]) -> None:
         # Nothing to set up: vLLM's LoRA API needs no transfer engine, and the trainer side keeps no state.
@@ -169,6 +187,37 @@ class VllmLoraSender(WeightSender):
                 f"/v1/load_lora_adapter {'; '.join(wrong)}: the server does not serve the pushed adapter"
             )
         self.delivery_check_s = time.perf_counter() - started
+
+    async def verify(self, control: ControlPlane, source: WeightSource, policy_version: int) -> None:
+        """The value probe (the module docstring): every server samples ``PROBE_TOKENS`` tokens after
+        ``PROBE_PROMPT`` with policy version ``policy_version``'s adapter; the trainer computes its logprobs of
+        the same tokens. Nothing with ``probe_tolerance`` 0, or for a source that computes no probe
+        (``StaticWeights``).
+
+        Raises:
+            WeightTransferError: naming each server whose mean |difference| is above ``probe_tolerance``.
+        """
+        self.probe_logprob_diff = None
+        if self.probe_tolerance <= 0 or not source.can_probe:
+            return
+        name = adapter_name(policy_version)
+        served = await control.sample_logprobs(name, PROBE_PROMPT, PROBE_TOKENS)
+        diffs: dict[str, float] = {}
+        expected: dict[tuple[int, ...], list[float]] = {}  # servers that sampled the same tokens share one
+        for url, (ids, logprobs) in served.items():
+            key = tuple(ids)
+            if key not in expected:
+                expected[key] = await source.probe_logprobs([*PROBE_PROMPT, *ids], len(PROBE_PROMPT))
+            diffs[url] = sum(abs(a - b) for a, b in zip(logprobs, expected[key], strict=True)) / len(ids)
+        self.probe_logprob_diff = max(diffs.values(), default=None)
+        wrong = [f"{url} by {diff:.3g}" for url, diff in diffs.items() if not diff <= self.probe_tolerance]
+        if wrong:
+            raise WeightTransferError(
+                f"policy version {policy_version}'s LoRA adapter {name!r} is served, but the logprobs of the "
+                f"tokens it samples on a probe differ from the trainer's on average {'; '.join(wrong)} "
+                f"(weight_sync.probe_tolerance = {self.probe_tolerance:g}): the server does not compute with "
+                "the trainer's adapter"
+            )
 
     def close(self) -> None:
         """Refuse further pushes; remove the temporary directory this sender made (the servers read the
