@@ -117,3 +117,33 @@ def test_rollflow_run_names_the_server_that_was_killed_mid_run(tmp_path) -> None
     assert "the call that failed:" in stderr
     assert "Traceback" not in stderr
     wait_until_sync(lambda: not still_running(children), lambda: f"left: {still_running(children)}")
+
+
+def test_a_child_whose_main_thread_is_gone_while_others_tear_down_counts_as_exited() -> None:
+    """The state a SIGKILLed server is in while its threads still tear down (seen on a busy machine): its main
+    thread a zombie, the process not yet reapable (``waitid`` reports nothing). Here the main thread leaves
+    by ``pthread_exit`` while another thread sleeps, which holds that state for as long as the sleep."""
+    import subprocess
+    import sys
+    import time
+
+    from rollflow.launch.local import _has_exited
+
+    script = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "ctypes.CDLL(None).pthread_exit(None)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        wait_until_sync(
+            lambda: stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", "the main thread is a zombie"
+        )
+        time.sleep(0.2)
+        assert os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        assert _has_exited(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert _has_exited(child.pid)  # reaped

@@ -47,11 +47,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _has_exited(pid: int) -> bool:
-    """Whether child ``pid`` has exited, reaped or not (``WNOWAIT``: its status stays for the watcher)."""
+    """Whether child ``pid`` has exited or is exiting, reaped or not (``WNOWAIT``: its status stays for the
+    watcher). Exiting: a killed process whose main thread is a zombie while its other threads still tear down
+    (a big server's take a while on a busy machine) cannot be waited for yet, but is dead all the same."""
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
     except ChildProcessError:  # reaped already
         return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no procfs (not Linux): waitid's answer stands
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
 
 
 def _signal_name(number: int) -> str:
@@ -157,13 +165,19 @@ class LocalProcesses:
             if child is None:
                 continue
             code = child.returncode
-            if code is None and _has_exited(child.pid):
-                # Exited but not reaped yet: the event loop's child watcher reaps it at once.
-                with contextlib.suppress(TimeoutError):
-                    code = await asyncio.wait_for(child.wait(), 10)
             if code is None:
-                continue
-            how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+                if not _has_exited(child.pid):
+                    continue
+                # Exited but not reaped yet: the event loop's child watcher reaps it once its last thread
+                # is gone.
+                with contextlib.suppress(TimeoutError):
+                    code = await asyncio.wait_for(child.wait(), 30)
+            if code is None:
+                how = "exited (its exit status not known yet: it is still tearing down)"
+            elif code < 0:
+                how = f"was killed by {_signal_name(-code)}"
+            else:
+                how = f"exited with code {code}"
             found.append(
                 f"{self.kind} {server.index} ({server.url or 'not ready yet'}, pid {child.pid}) {how}; "
                 f"log {server.log_path}" + self._log_tail(server)
