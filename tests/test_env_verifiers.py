@@ -47,6 +47,20 @@ def request(source, index: int, num_samples: int) -> RolloutRequest:
     )
 
 
+def served_reply(tiny_chat, ids: list[int]) -> str:
+    """The last assistant reply of ``ids`` as the proxy served it (what verifiers scores as the trace's
+    ``last_reply``): the renderer's parse of the last turn, reasoning and tool calls split off, not the raw
+    decode of its tokens (which keeps a ``<think>`` block's text, for one)."""
+    from rollflow.tito.renderer import TITORenderer
+
+    marker = tiny_chat.tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    start = max(
+        i + len(marker) for i in range(len(ids) - len(marker) + 1) if ids[i : i + len(marker)] == marker
+    )
+    parsed = TITORenderer(tiny_chat.renderer, tiny_chat.tokenizer).parse(ids[start:], None, ids[:start])
+    return parsed.content.strip()
+
+
 def model_logprobs(model, ids: list[int]):
     import torch
 
@@ -73,9 +87,9 @@ async def test_single_turn_rubric_rewards_and_exact_tokens(inference_client, tin
         assert len(group.samples) == 3 and not any(sample.masked for sample in group.samples)
         vf_task = source.tasks[source.task.item(group.prompt_index).metadata[ENV_TASK]]
         for sample in group.samples:
-            text = tiny_chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
+            reply = served_reply(tiny_chat, sample.prompt_token_ids + sample.completion_token_ids)
             # verifiers' own reward function of the task, on the same completion.
-            own = await vf_task.case(types.SimpleNamespace(last_reply=text.strip()))
+            own = await vf_task.case(types.SimpleNamespace(last_reply=reply))
             assert sample.reward == pytest.approx(own, abs=1e-6)
             logprobs = model_logprobs(tiny_model, sample.prompt_token_ids + sample.completion_token_ids)
             offset = len(sample.prompt_token_ids)
@@ -116,7 +130,7 @@ async def test_multi_turn_tool_environment(inference_client, tiny_chat, tiny_mod
         assert "<tool_call>" in text and "5" in text  # the call, then the tool's answer as context
         # The tool's answer is context, not trained; the model's tokens around it are.
         assert not all(sample.loss_mask) and any(sample.loss_mask)
-        reply = text.rsplit("<|im_start|>assistant", 1)[-1].replace("<|im_end|>", "").strip()
+        reply = served_reply(tiny_chat, sample.prompt_token_ids + sample.completion_token_ids)
         messages = [types.SimpleNamespace(role="tool")]
         trace = types.SimpleNamespace(last_reply=reply, messages=messages)
         own = await vf_task.correct(trace) + 0.5 * await vf_task.used_tool(trace)
@@ -188,8 +202,9 @@ async def test_eval_of_held_out_tasks_matches_the_environments_own_scoring(
             vf_task = source._by_index[ev.task.item(group.prompt_index).metadata[ENV_TASK]]
             rewards = []
             for sample in group.samples:
-                text = tiny_chat.tokenizer.decode(sample.completion_token_ids, skip_special_tokens=True)
-                rewards.append(await vf_task.case(types.SimpleNamespace(last_reply=text.strip())))
+                ids = sample.prompt_token_ids + sample.completion_token_ids
+                reply = served_reply(tiny_chat, ids)
+                rewards.append(await vf_task.case(types.SimpleNamespace(last_reply=reply)))
                 assert sample.reward == pytest.approx(rewards[-1], abs=1e-6)
                 if kind == "greedy":  # temperature 0: every sampled token is the model's argmax
                     logprobs = model_logprobs(
