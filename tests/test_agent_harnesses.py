@@ -23,7 +23,6 @@ import os
 import shutil
 from pathlib import Path
 
-import anthropic
 import openai
 import pytest
 
@@ -255,6 +254,8 @@ async def test_anthropic_sdk_with_tools(long_engine, long_chat, reference_model,
     tools = [{"name": "add", "description": "Add two integers.", "input_schema": ADD_SCHEMA}]
     async with _proxy(long_engine, long_chat) as proxy:
         session = await proxy.open_session()
+        import anthropic  # here, not at the top: ~2 s in every collecting worker
+
         async with anthropic.AsyncAnthropic(
             base_url=session.base_url.removesuffix("/v1"), api_key="unused", max_retries=0
         ) as agent:

@@ -16,9 +16,10 @@ import pytest
 
 from rollflow import Orchestrator, load_config
 from rollflow.errors import EnvFailureRateError
+from tests.helpers.imports import needs
 from tests.helpers.waits import wait_until
 
-pytest.importorskip("openenv.core", reason="needs pip install 'rollflow[envs]'")
+pytestmark = needs("openenv.core", "pip install 'rollflow[envs]'")
 
 ECHO_APP = "echo_env.server.app:app"
 

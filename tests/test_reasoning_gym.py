@@ -11,8 +11,9 @@ from rollflow.errors import ConfigError
 from rollflow.messages import FinishReason, Sample
 from rollflow.rollout.datasets import task_from_config
 from rollflow.rollout.rewards import Rewarder
+from tests.helpers.imports import needs
 
-reasoning_gym = pytest.importorskip("reasoning_gym", reason="needs pip install 'rollflow[envs]'")
+pytestmark = needs("reasoning_gym", "pip install 'rollflow[envs]'")
 
 TASKS = ["basic_arithmetic", "leg_counting", "word_sorting"]
 
@@ -42,6 +43,8 @@ async def test_scorer_matches_score_answer_on_100_completions(name):
     config = load_config([], [f"data.path='reasoning-gym:{name}'", "data.seed=7", "data.args={size = 100}"])
     task = task_from_config(config.data)
     rewarder = Rewarder.from_config(config.data.reward, task, config.data.rewards, timeout_s=60)
+    import reasoning_gym
+
     own = reasoning_gym.create_dataset(name, seed=7, size=100)
     assert len(task) == 100
     scores, matched = [], 0

@@ -5,7 +5,6 @@ the branch, and bad input answered in Anthropic's error shape while the session 
 
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
 
@@ -31,7 +30,10 @@ ADD = {
 }
 
 
-def _agent(session) -> anthropic.AsyncAnthropic:
+def _agent(session):
+    """The anthropic SDK pointed at the session."""
+    import anthropic  # here, not at the top: ~2 s in every collecting worker
+
     return anthropic.AsyncAnthropic(
         base_url=session.base_url.removesuffix("/v1"), api_key="unused", max_retries=0
     )
@@ -260,6 +262,8 @@ async def test_errors_keep_the_anthropic_shape_for_the_sdk(scripted_proxy):
         "type"
     ] == "not_found_error"
     async with _agent(session) as agent:
+        import anthropic
+
         with pytest.raises(anthropic.BadRequestError, match="image blocks are not supported"):
             await agent.messages.create(
                 model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [IMAGE]}]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import anthropic
 import openai
 import pytest
 
@@ -78,6 +77,8 @@ async def test_anthropic_sdk_messages_are_answered_by_the_front(proxy):
     session = await proxy.open_session()
     tool = {"name": "add", "description": "Add two integers.", "input_schema": ADD_PARAMETERS}
     base_url = session.base_url.removesuffix("/v1")
+    import anthropic  # here, not at the top: ~2 s in every collecting worker
+
     async with anthropic.AsyncAnthropic(base_url=base_url, api_key="unused", max_retries=0) as client:
         messages: list = [{"role": "user", "content": "add 2 and 3"}]
         first = await client.messages.create(

@@ -5,7 +5,6 @@ the official openai SDK (Chat Completions and Responses) and the anthropic SDK a
 
 from __future__ import annotations
 
-import anthropic
 import openai
 import pytest
 
@@ -83,6 +82,8 @@ async def test_side_calls_by_model_header_and_predicate_are_answered_recorded_an
             history += [first.choices[0].message.model_dump(exclude_none=True)]
             history += [{"role": "user", "content": "another"}]
             await client.chat.completions.create(model=MODEL, messages=history)
+        import anthropic  # here, not at the top: ~2 s in every collecting worker
+
         async with anthropic.AsyncAnthropic(
             base_url=session.base_url.removesuffix("/v1"), api_key="unused", max_retries=0
         ) as agent:

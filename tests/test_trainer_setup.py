@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, get_scheduler
+from transformers import AutoModelForCausalLM
 
 from rollflow.config import TrainerConfig, load_config
 from rollflow.errors import ConfigError
@@ -200,7 +200,9 @@ def small_batch(model, seed: int):
 
 
 def _expected_lrs(name: str, lr: float, warmup: int, total: int) -> list[float]:
-    """The schedule straight from transformers, on a throw-away optimizer."""
+    """The schedule straight from transformers (the oracle of rollflow's own), on a throw-away optimizer."""
+    from transformers import get_scheduler
+
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
     scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
     lrs = []
