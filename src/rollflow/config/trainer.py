@@ -95,7 +95,7 @@ class TrainerConfig(Section):
     are refused."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Learning rate over the run's ``orchestrator.steps`` training steps, after ``warmup_steps`` of linear
-    warm-up from 0 (transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
+    warm-up from 0 (the factors of transformers' ``get_scheduler``): ``constant`` stays at ``lr``, ``linear`` decays to 0,
     ``cosine`` follows half a cosine to 0. Saved in checkpoints, so a resumed run continues it."""
     warmup_steps: NonNegative = 0
     """Training steps of linear warm-up from 0 to ``lr`` (a step's ``ppo_epochs * mini_batches`` optimizer
@@ -138,6 +138,12 @@ class TrainerConfig(Section):
     backward (``rollflow.train.losses.chunked_token_logprobs``): the full ``[batch, time, vocab]`` logits
     never exist, which bounds that memory at ``chunk * vocab * 4`` bytes a tensor. 0 computes the full
     logits in one piece (the plain ``lm_head``), e.g. to compare."""
+    share_prompts: bool = True
+    """Samples of a micro-batch with the same prompt (a group's) run that prompt through the forward once:
+    one packed row per prompt, the completions after it under a block attention mask
+    (``rollflow.train.shared_prompts``); the logprobs are the same up to float rounding. Used where it
+    removes at least a fifth of the micro-batch's token positions, with models whose attention is SDPA without
+    sliding windows (others, and MoE routing replay, run the rows as they are). False always runs the rows."""
     sampling_mask: Literal["replay", "ignore"] = "replay"
     """What the trainer does with the sampler's top-k/top-p truncation (``sampling.top_k > 0`` or
     ``sampling.top_p < 1``, or an agent's own values); without truncation both are the same. ``replay``: the

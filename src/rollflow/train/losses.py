@@ -53,6 +53,7 @@ import structlog
 import torch
 
 from rollflow.train.aggregation import KlEstimator, kl_estimate
+from rollflow.train.shared_prompts import SharedPrompts
 
 log = structlog.get_logger(__name__)
 
@@ -277,6 +278,7 @@ def model_token_logprobs(
     positions: torch.Tensor | None = None,
     kept_counts: torch.Tensor | None = None,
     renormalise: bool = True,
+    shared_prompts: SharedPrompts | None = None,
     **forward_kwargs: Any,
 ) -> TokenLogprobs:
     """The model's logprob of each next token ``input_ids[:, 1:]``, and its entropy there.
@@ -299,19 +301,26 @@ def model_token_logprobs(
         kept_counts: optional ``[batch, time - 1]`` long, the sampler's kept count of each next token (0:
             nothing cut); see the module docstring.
         renormalise: with ``kept_counts``, renormalise over the kept sets (else only report their mass).
+        shared_prompts: the packed layout of the same rows (``shared_prompts.py``): the forward runs that
+            instead, each shared prompt once; the results are the same up to float rounding.
         forward_kwargs: passed on to the model's forward.
     """
     targets = input_ids[:, 1:]
+    if shared_prompts is not None:
+        inputs = {
+            "input_ids": shared_prompts.input_ids,
+            "attention_mask": shared_prompts.attention_mask,
+            "position_ids": shared_prompts.position_ids,
+        }
+        unpack = shared_prompts.unpack
+    else:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        unpack = _unchanged
     if chunk_tokens > 0 and _plain_projection(model):
         output = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            output_hidden_states=True,
-            logits_to_keep=1,
-            **forward_kwargs,
+            **inputs, use_cache=False, output_hidden_states=True, logits_to_keep=1, **forward_kwargs
         )
-        hidden = output.hidden_states[-1][:, :-1]
+        hidden = unpack(output.hidden_states[-1])[:, :-1]
         weight = model.get_output_embeddings().weight
         masking = {"kept_counts": kept_counts, "renormalise": renormalise}
         if positions is None:
@@ -333,9 +342,9 @@ def model_token_logprobs(
             entropy=_scatter(picked.entropy, positions),
             kept_log_mass=None if kept_counts is None else _scatter(picked.kept_log_mass, positions),
         )
-    output = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **forward_kwargs)
+    output = model(**inputs, use_cache=False, **forward_kwargs)
     # Drop the last position: it predicts a token after the sequence, which has no target.
-    logits = output.logits[:, :-1]
+    logits = unpack(output.logits)[:, :-1]
     if kept_counts is not None:
         return _kept_set_logprobs(logits, targets, temperature, kept_counts, renormalise, positions)
     logprobs = token_logprobs(logits, targets, temperature)
@@ -375,6 +384,10 @@ def _kept_set_logprobs(
         entropy=_scatter(entropy, positions),
         kept_log_mass=_scatter((kept_lse - full_lse).detach(), positions),
     )
+
+
+def _unchanged(values: torch.Tensor) -> torch.Tensor:
+    return values
 
 
 def _scatter(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

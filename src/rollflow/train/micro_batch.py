@@ -10,6 +10,7 @@ import torch
 
 from rollflow.messages import Sample
 from rollflow.train import routing_replay
+from rollflow.train.shared_prompts import SharedPrompts, pack_shared_prompts
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class MicroBatch:
     # [batch, time - 1] long kept count of each completion token (the sampler's top-k/top-p set, 0: nothing
     # cut), for ``trainer.sampling_mask``; None when no sample carries them.
     kept_counts: torch.Tensor | None = None
+    # The forward's packed layout when samples share prompts (``shared_prompts.py``); None: run the rows.
+    shared_prompts: SharedPrompts | None = None
 
 
 def build_micro_batch(
@@ -43,8 +46,12 @@ def build_micro_batch(
     *,
     pad_token_id: int,
     device: torch.device | str = "cpu",
+    share_prompts: bool = False,
 ) -> MicroBatch:
     """Collate samples into one right-padded micro-batch.
+
+    With ``share_prompts``, samples with the same prompt also get the packed layout that runs it once
+    (``MicroBatch.shared_prompts``), where that saves enough; only for models ``supports_shared_prompts``.
 
     With an empty prompt, the first completion token has no logits predicting it and is left out of the loss.
     No samples give one row of two pad tokens without loss tokens: a data-parallel rank with fewer samples
@@ -80,6 +87,14 @@ def build_micro_batch(
     token_versions = torch.full((batch, time_len - 1), -1, dtype=torch.long)
     routes = routing_replay.collate_routes(samples, time_len)
     kept_counts = _collate_kept_counts(samples, lengths, time_len)
+    shared = None
+    if share_prompts and len(samples) > 1:
+        shared = pack_shared_prompts(
+            [s.prompt_token_ids for s in samples],
+            [s.completion_token_ids for s in samples],
+            time_len=time_len,
+            pad_token_id=pad_token_id,
+        )
     for row, (sample, advantage, length) in enumerate(zip(samples, advantages, lengths, strict=True)):
         prompt_len = len(sample.prompt_token_ids)
         input_ids[row, :length] = torch.tensor(sample.prompt_token_ids + sample.completion_token_ids)
@@ -105,6 +120,7 @@ def build_micro_batch(
         token_versions=token_versions.to(device),
         routed_experts=None if routes is None else routes.to(device),
         kept_counts=None if kept_counts is None else kept_counts.to(device),
+        shared_prompts=None if shared is None else shared.to(device),
     )
 
 

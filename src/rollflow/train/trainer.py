@@ -40,6 +40,7 @@ from rollflow.train.micro_batch import MicroBatch as MicroBatch
 from rollflow.train.micro_batch import build_micro_batch as build_micro_batch
 from rollflow.train.off_policy import ImportanceWeights, OffPolicy, behaviour_correction
 from rollflow.train.off_policy_metrics import DriftMeter
+from rollflow.train.shared_prompts import supports_shared_prompts
 
 log = structlog.get_logger(__name__)
 
@@ -128,6 +129,10 @@ class Trainer(TrainerCheckpoints):
                     parameter.data = parameter.data.to(torch.bfloat16)
         # MoE: forwards replay the experts the sampler chose when samples carry them (routing_replay.py).
         self.routing_replay = routing_replay.install(self.model)
+        # Shared prompts pack rows; routes are laid out per row, so replay runs the rows as they are.
+        self.share_prompts = (
+            config.share_prompts and not self.routing_replay and supports_shared_prompts(self.model)
+        )
         # The initial policy, frozen, for the KL penalty; no copy at all when the penalty is off. With LoRA
         # it is the base model itself, the adapter switched off (``_reference_logprobs``).
         self.reference_model: torch.nn.Module | None = None
@@ -212,6 +217,7 @@ class Trainer(TrainerCheckpoints):
                 [item.advantage for item in items],
                 pad_token_id=self.pad_token_id,
                 device=self.device,
+                share_prompts=self.share_prompts,
             )
             for items in share.micro_batches
         ]
@@ -600,6 +606,7 @@ class Trainer(TrainerCheckpoints):
                 positions=micro_batch.loss_mask,
                 kept_counts=micro_batch.kept_counts,
                 renormalise=self.config.sampling_mask == "replay",
+                shared_prompts=micro_batch.shared_prompts,
             )
 
     def _behaviour_on_trained_support(self, micro_batch: MicroBatch, policy: TokenLogprobs) -> MicroBatch:

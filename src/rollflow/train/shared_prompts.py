@@ -1,0 +1,127 @@
+"""Shared prompts: the samples of a micro-batch that begin with the same prompt (a GRPO group) run that
+prompt through the model once.
+
+Each distinct prompt becomes one packed row: the prompt, then its samples' completions one after another. A
+block attention mask lets each completion see the prompt and its own earlier tokens, never another
+completion, and position ids restart after the prompt for each completion, so every token is computed as it
+is in a row of its own (equal up to float rounding). ``SharedPrompts.unpack`` lays the packed hidden states
+back out as the micro-batch's ``[batch, time]`` rows; the backward of that gather sums each prompt's
+gradient over its samples. 8 samples of a 17-token prompt with 8-token completions run 81 token positions
+instead of 200: the trainer's step on the quickstart's task is ~1.8x faster on the CPU.
+
+Only for models whose attention takes such a mask as it is (``supports_shared_prompts``: SDPA, no sliding
+window, text only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MIN_SAVING = 0.2
+"""Packing is used only when it removes at least this fraction of the micro-batch's padded token positions:
+a dense block mask costs more attention than per-row causal attention, which little saving does not repay."""
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """The packed layout of one micro-batch (``[rows, length]``: one row per distinct prompt or part of one)."""
+
+    input_ids: torch.Tensor  # [rows, length] long, padded with the pad token
+    position_ids: torch.Tensor  # [rows, length] long: each completion continues its prompt's positions
+    attention_mask: torch.Tensor  # [rows, 1, length, length] bool: True where a query may attend to a key
+    gather: torch.Tensor  # [batch, time] long: flat index into [rows * length] of each micro-batch position
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """``[rows, length, ...]`` values of the packed positions as the micro-batch's ``[batch, time, ...]``
+        (a micro-batch's padding reads an arbitrary packed position)."""
+        return packed.flatten(0, 1)[self.gather]
+
+    def to(self, device: torch.device | str) -> SharedPrompts:
+        """This layout on ``device``."""
+        return SharedPrompts(
+            input_ids=self.input_ids.to(device),
+            position_ids=self.position_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            gather=self.gather.to(device),
+        )
+
+
+def supports_shared_prompts(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward computes packed rows exactly as separate ones: a text decoder whose
+    attention is SDPA (it takes a 4D boolean mask as given; eager attention adds masks, flash attention takes
+    none) and has no sliding window (a custom mask replaces it)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if getattr(config, "vision_config", None) is not None:  # multimodal rotary positions are not 1D
+        return False
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        return False
+    return getattr(config, "sliding_window", None) is None or not getattr(config, "use_sliding_window", True)
+
+
+def pack_shared_prompts(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    *,
+    time_len: int,
+    pad_token_id: int,
+) -> SharedPrompts | None:
+    """The packed layout of a micro-batch of ``prompt + completion`` rows right-padded to ``time_len``, or
+    None when sharing would save less than ``MIN_SAVING`` of its token positions.
+
+    Samples with the same non-empty prompt share a packed row while it stays within
+    ``max(2 * time_len, 512)`` positions (which bounds the dense mask); a longer group takes several rows.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, prompt in enumerate(prompts):
+        groups.setdefault(tuple(prompt) or (-1 - row,), []).append(row)  # empty prompts share nothing
+    cap = max(2 * time_len, 512)
+    packed_rows: list[tuple[int, list[int]]] = []  # (prompt length, member rows)
+    for members in groups.values():
+        prompt_len = len(prompts[members[0]])
+        current: list[int] = []
+        used = prompt_len
+        for row in members:
+            size = len(completions[row])
+            if current and used + size > cap:
+                packed_rows.append((prompt_len, current))
+                current, used = [], prompt_len
+            current.append(row)
+            used += size
+        packed_rows.append((prompt_len, current))
+    length = max(k + sum(len(completions[row]) for row in rows) for k, rows in packed_rows)
+    if len(packed_rows) * length > (1 - MIN_SAVING) * len(prompts) * time_len:
+        return None
+    input_ids = torch.full((len(packed_rows), length), pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros((len(packed_rows), length), dtype=torch.long)
+    segment = torch.full((len(packed_rows), length), -1, dtype=torch.long)  # 0 prompt, j + 1 completion j
+    gather = torch.zeros((len(prompts), time_len), dtype=torch.long)
+    for index, (prompt_len, rows) in enumerate(packed_rows):
+        base = index * length
+        input_ids[index, :prompt_len] = torch.tensor(prompts[rows[0]], dtype=torch.long)
+        position_ids[index, :prompt_len] = torch.arange(prompt_len)
+        segment[index, :prompt_len] = 0
+        offset = prompt_len
+        for member, row in enumerate(rows, start=1):
+            size = len(completions[row])
+            span = slice(offset, offset + size)
+            input_ids[index, span] = torch.tensor(completions[row], dtype=torch.long)
+            position_ids[index, span] = torch.arange(prompt_len, prompt_len + size)
+            segment[index, span] = member
+            gather[row, :prompt_len] = torch.arange(base, base + prompt_len)
+            gather[row, prompt_len : prompt_len + size] = torch.arange(base + offset, base + offset + size)
+            gather[row, prompt_len + size :] = base  # padding: any real position
+            offset += size
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = torch.ones((length, length), dtype=torch.bool).tril()
+    allowed = causal & (key != -1) & ((key == 0) | (key == query))
+    # Padding queries see themselves only: a fully masked row would make NaNs the backward multiplies by 0.
+    allowed |= torch.eye(length, dtype=torch.bool)
+    return SharedPrompts(
+        input_ids=input_ids, position_ids=position_ids, attention_mask=allowed[:, None], gather=gather
+    )
