@@ -97,31 +97,34 @@ def pack_shared_prompts(
     length = max(k + sum(len(completions[row]) for row in rows) for k, rows in packed_rows)
     if len(packed_rows) * length > (1 - MIN_SAVING) * len(prompts) * time_len:
         return None
-    input_ids = torch.full((len(packed_rows), length), pad_token_id, dtype=torch.long)
-    position_ids = torch.zeros((len(packed_rows), length), dtype=torch.long)
-    segment = torch.full((len(packed_rows), length), -1, dtype=torch.long)  # 0 prompt, j + 1 completion j
-    gather = torch.zeros((len(prompts), time_len), dtype=torch.long)
+    # Built as Python lists, made tensors once (per-row tensor writes would cost milliseconds a step).
+    input_ids, position_ids, segments = [], [], []
+    gather: list[list[int]] = [[] for _ in prompts]
     for index, (prompt_len, rows) in enumerate(packed_rows):
         base = index * length
-        input_ids[index, :prompt_len] = torch.tensor(prompts[rows[0]], dtype=torch.long)
-        position_ids[index, :prompt_len] = torch.arange(prompt_len)
-        segment[index, :prompt_len] = 0
-        offset = prompt_len
+        tokens, positions, segment = list(prompts[rows[0]]), list(range(prompt_len)), [0] * prompt_len
+        prompt_positions = list(range(base, base + prompt_len))
         for member, row in enumerate(rows, start=1):
-            size = len(completions[row])
-            span = slice(offset, offset + size)
-            input_ids[index, span] = torch.tensor(completions[row], dtype=torch.long)
-            position_ids[index, span] = torch.arange(prompt_len, prompt_len + size)
-            segment[index, span] = member
-            gather[row, :prompt_len] = torch.arange(base, base + prompt_len)
-            gather[row, prompt_len : prompt_len + size] = torch.arange(base + offset, base + offset + size)
-            gather[row, prompt_len + size :] = base  # padding: any real position
-            offset += size
+            size, offset = len(completions[row]), len(tokens)
+            tokens += completions[row]
+            positions += range(prompt_len, prompt_len + size)
+            segment += [member] * size
+            # Padding reads the row's first position: any real one will do.
+            padding = [base] * (time_len - prompt_len - size)
+            gather[row] = prompt_positions + list(range(base + offset, base + offset + size)) + padding
+        padding = length - len(tokens)
+        input_ids.append(tokens + [pad_token_id] * padding)
+        position_ids.append(positions + [0] * padding)
+        segments.append(segment + [-1] * padding)  # 0: the prompt, j: completion j, -1: padding
+    segment = torch.tensor(segments, dtype=torch.long)
     query, key = segment[:, :, None], segment[:, None, :]
     causal = torch.ones((length, length), dtype=torch.bool).tril()
     allowed = causal & (key != -1) & ((key == 0) | (key == query))
     # Padding queries see themselves only: a fully masked row would make NaNs the backward multiplies by 0.
     allowed |= torch.eye(length, dtype=torch.bool)
     return SharedPrompts(
-        input_ids=input_ids, position_ids=position_ids, attention_mask=allowed[:, None], gather=gather
+        input_ids=torch.tensor(input_ids, dtype=torch.long),
+        position_ids=torch.tensor(position_ids, dtype=torch.long),
+        attention_mask=allowed[:, None],
+        gather=torch.tensor(gather, dtype=torch.long),
     )
