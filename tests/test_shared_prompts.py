@@ -109,6 +109,22 @@ def test_a_long_group_takes_several_rows_and_little_saving_takes_none():
     assert pack_shared_prompts([[1], [1]], [[5, 6, 7], [8, 9, 10]], time_len=4, pad_token_id=0) is None
 
 
+def test_groups_that_ask_the_same_prompt_keep_rows_of_their_own():
+    prompt, completions = list(range(3, 20)), [[5, 6, 7, 8]] * 8
+    merged = pack_shared_prompts([prompt] * 8, completions, time_len=21, pad_token_id=0)
+    apart = pack_shared_prompts(
+        [prompt] * 8, completions, time_len=21, pad_token_id=0, groups=[0] * 4 + [1] * 4
+    )
+    assert merged.input_ids.shape == (1, 17 + 8 * 4)
+    assert apart.input_ids.shape == (2, 17 + 4 * 4)
+    assert apart.gather[4, :17].tolist() == list(range(33, 50))  # the second group reads its own prompt
+    samples = [
+        make_sample(prompt, [5, 6, 7, 8], [0.0] * 4, index=row // 4, sample_index=row % 4) for row in range(8)
+    ]
+    batch = build_micro_batch(samples, [1.0] * 8, pad_token_id=0, share_prompts=True)
+    assert batch.shared_prompts.input_ids.shape == (2, 33)
+
+
 def test_padding_positions_never_see_a_fully_masked_row():
     layout = pack_shared_prompts([[1, 2, 3]] * 3, [[4], [5, 6, 7, 8], [9]], time_len=7, pad_token_id=0)
     assert layout is not None

@@ -117,6 +117,7 @@ def build_micro_batch(
             [s.completion_token_ids for s in samples],
             time_len=time_len,
             pad_token_id=pad_token_id,
+            groups=[s.prompt_index for s in samples],
         )
     return MicroBatch(
         input_ids=input_ids.to(device),

@@ -15,7 +15,7 @@ window, text only).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +70,25 @@ def pack_shared_prompts(
     *,
     time_len: int,
     pad_token_id: int,
+    groups: Sequence[Hashable] | None = None,
 ) -> SharedPrompts | None:
     """The packed layout of a micro-batch of ``prompt + completion`` rows right-padded to ``time_len``, or
     None when sharing would save less than ``MIN_SAVING`` of its token positions.
 
-    Samples with the same non-empty prompt share a packed row while it stays within
-    ``max(2 * time_len, 512)`` positions (which bounds the dense mask); a longer group takes several rows.
+    Samples with the same non-empty prompt (and the same entry of ``groups``, when given) share a packed row
+    while it stays within ``max(2 * time_len, 512)`` positions (which bounds the dense mask); a longer group
+    takes several rows. Groups keep rows apart: every packed row is padded to the longest, so merging two
+    groups that happen to ask the same prompt would make every row longer than the one it saves.
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
+    shared: dict[tuple[Hashable, tuple[int, ...]], list[int]] = {}
     for row, prompt in enumerate(prompts):
-        groups.setdefault(tuple(prompt) or (-1 - row,), []).append(row)  # empty prompts share nothing
+        group = None if groups is None else groups[row]
+        shared.setdefault((group, tuple(prompt) or (-1 - row,)), []).append(
+            row
+        )  # empty prompts share nothing
     cap = max(2 * time_len, 512)
     packed_rows: list[tuple[int, list[int]]] = []  # (prompt length, member rows)
-    for members in groups.values():
+    for members in shared.values():
         prompt_len = len(prompts[members[0]])
         current: list[int] = []
         used = prompt_len
