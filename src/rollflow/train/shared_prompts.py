@@ -1,13 +1,14 @@
 """Shared prompts: the samples of a micro-batch that begin with the same prompt (a GRPO group) run that
 prompt through the model once.
 
-Each distinct prompt becomes one packed row: the prompt, then its samples' completions one after another. A
+Each group's prompt becomes one packed row: the prompt, then its samples' completions one after another. A
 block attention mask lets each completion see the prompt and its own earlier tokens, never another
 completion, and position ids restart after the prompt for each completion, so every token is computed as it
 is in a row of its own (equal up to float rounding). ``SharedPrompts.unpack`` lays the packed hidden states
 back out as the micro-batch's ``[batch, time]`` rows; the backward of that gather sums each prompt's
 gradient over its samples. 8 samples of a 17-token prompt with 8-token completions run 81 token positions
-instead of 200: the trainer's step on the quickstart's task is ~1.8x faster on the CPU.
+instead of 200: the trainer's step on the quickstart's shape takes 0.59-0.67 of the time on the CPU
+(``benchmarks/shared_prompts.py``).
 
 Only for models whose attention takes such a mask as it is (``supports_shared_prompts``: SDPA, no sliding
 window, text only).
@@ -27,7 +28,7 @@ a dense block mask costs more attention than per-row causal attention, which lit
 
 @dataclass(frozen=True)
 class SharedPrompts:
-    """The packed layout of one micro-batch (``[rows, length]``: one row per distinct prompt or part of one)."""
+    """The packed layout of one micro-batch (``[rows, length]``: one row per group's prompt, or part of one)."""
 
     input_ids: torch.Tensor  # [rows, length] long, padded with the pad token
     position_ids: torch.Tensor  # [rows, length] long: each completion continues its prompt's positions
