@@ -21,6 +21,7 @@ from rollflow.inference.engine import TorchEngine
 from rollflow.messages import FinishReason, GenerateOutput, GenerateRequest, SamplingParams
 from rollflow.models.tiny import ensure_tiny_model
 
+from .helpers.training import redraw_matrices
 from .helpers.waits import wait_until
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -35,12 +36,7 @@ def tiny_model():
 def varied_model(tiny_model):
     """The tiny model with matrices re-drawn at std 0.3 (seeded): its greedy continuations vary token to token."""
     model = copy.deepcopy(tiny_model)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3, generator=generator)
-    return model
+    return redraw_matrices(model)
 
 
 @pytest.fixture

@@ -21,6 +21,8 @@ from rollflow.train.aggregation import UpdateCounts
 from rollflow.train.losses import kept_set_mask, model_token_logprobs
 from rollflow.train.trainer import Trainer, build_micro_batch
 
+from .helpers.training import redraw_matrices
+
 # Ties at 1.0 (ids 1, 2 and 7): the sampler's rule keeps the lower ids first.
 ROW = [2.0, 1.0, 1.0, 0.5, 3.0, -1.0, 0.0, 1.0]
 
@@ -93,12 +95,7 @@ def test_kept_set_mask_ties_keep_the_lower_ids_and_the_target():
 def varied_model():
     """The tiny model with re-drawn weights, so that its distributions are far from uniform."""
     model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(), dtype=torch.float32).eval()
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3, generator=generator)
-    return model
+    return redraw_matrices(model)
 
 
 TEMPERATURE = 0.7

@@ -15,19 +15,14 @@ from rollflow.errors import ConfigError
 from rollflow.train.losses import model_token_logprobs
 from rollflow.train.micro_batch import build_micro_batch
 from rollflow.train.shared_prompts import pack_shared_prompts, supports_shared_prompts
-from tests.helpers.training import make_batch, make_sample, make_trainer
+from tests.helpers.training import make_batch, make_sample, make_trainer, redraw_matrices
 
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
     """The tiny model with re-drawn weights, so that a wrong mask or position changes the logprobs."""
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 2:
-                param.normal_(0.0, 0.3, generator=generator)
-    return model
+    return redraw_matrices(model)
 
 
 def grouped_samples(seed: int = 0):

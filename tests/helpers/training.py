@@ -33,6 +33,17 @@ def make_trainer(model, temperature: float = 1.0, **config) -> Trainer:
 
 
 @torch.no_grad()
+def redraw_matrices(model, seed: int = 1, std: float = 0.3):
+    """``model`` with every weight matrix re-drawn from N(0, std) (seeded), in place: the tiny model's random
+    init is near uniform, and re-drawn weights make its distributions (and any error in them) show."""
+    generator = torch.Generator().manual_seed(seed)
+    for param in model.parameters():
+        if param.dim() == 2:
+            param.normal_(0.0, std, generator=generator)
+    return model
+
+
+@torch.no_grad()
 def behaviour_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """What a sampler records: one unpadded HF forward, independent of the trainer's code."""
     logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float() / temperature
