@@ -149,8 +149,10 @@ def test_a_step_with_shared_prompts_updates_the_weights_as_one_without(model):
     (shared, shared_weights), (rows, row_weights) = trained[True], trained[False]
     assert shared.metrics["loss"] == pytest.approx(rows.metrics["loss"], abs=1e-6)
     assert shared.metrics["grad_norm"] == pytest.approx(rows.metrics["grad_norm"], rel=1e-4)
+    # Adam's first step moves a weight by lr (1e-3) wherever |grad| is well above eps; a gradient within float
+    # noise of eps moves by up to a few 1e-6 between the two sums (seen: 4.5e-6): 1 % of a step is the bound.
     for name, weight in row_weights.items():
-        assert torch.allclose(shared_weights[name], weight, atol=1e-6), name
+        assert torch.allclose(shared_weights[name], weight, atol=1e-5), name
 
 
 def test_share_prompts_is_a_bool():
