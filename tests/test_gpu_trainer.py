@@ -15,7 +15,7 @@ import torch
 from rollflow.config import TrainerConfig
 from rollflow.messages import FinishReason, Sample, ScoredGroup, TrainBatch
 
-from .helpers.training import PackingTrainer
+from .helpers.training import PackingTrainer, assert_same_first_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,7 +121,7 @@ def test_bf16_step_with_gradient_checkpointing_peaks_within_the_estimate():
 def test_float32_step_on_cuda_equals_the_cpu_step():
     model = _model()
     batch = _batch(ARCHITECTURE["vocab_size"], samples=4, tokens=128)
-    metrics, weights = {}, {}
+    metrics, trainers = {}, {}
     for device in ("cpu", "cuda"):
         trainer = PackingTrainer(
             copy.deepcopy(model),
@@ -130,11 +130,11 @@ def test_float32_step_on_cuda_equals_the_cpu_step():
         )
         assert next(trainer.model.parameters()).device.type == device
         metrics[device] = trainer.train_step(batch).metrics
-        weights[device] = {name: t.cpu() for name, t in trainer.model.state_dict().items()}
+        trainers[device] = trainer
     assert metrics["cuda"]["loss"] == pytest.approx(metrics["cpu"]["loss"], abs=1e-5)
     assert metrics["cuda"]["grad_norm"] == pytest.approx(metrics["cpu"]["grad_norm"], rel=1e-4)
-    for name, tensor in weights["cpu"].items():
-        torch.testing.assert_close(weights["cuda"][name], tensor, rtol=0, atol=1e-4, msg=name)
+    # Float32 kernels sum in another order on the GPU: gradients agree to float rounding, not bit for bit.
+    assert_same_first_step(trainers["cuda"], trainers["cpu"], grad_atol=1e-4, weight_atol=1e-5)
 
 
 def test_engine_generates_on_cuda_with_hf_logprobs(tiny_model_dir):

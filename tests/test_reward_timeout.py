@@ -28,6 +28,9 @@ from .helpers.waits import wait_until_sync
 
 ITEM = TaskItem(messages=[], metadata={"row": 2})
 RELEASE = threading.Event()  # set at the end of each test: blocked reward threads then return
+# The timeout of the calls that block: far above what an unblocked call takes on a busy machine (at 0.3 s, a
+# task's first item, called while the run was still starting, once ran past it), far below the 120 s they block.
+TIMEOUT_S = 1.5
 
 
 @pytest.fixture(autouse=True)
@@ -63,14 +66,14 @@ async def test_a_reward_past_its_timeout_masks_only_its_sample_and_is_logged(rew
     )
     samples = completion_samples(["a", "block", "b"])
     started = time.monotonic()
-    await Rewarder(reward_fn, name="slow", timeout_s=0.3).score(samples, ITEM)
+    await Rewarder(reward_fn, name="slow", timeout_s=TIMEOUT_S).score(samples, ITEM)
     assert time.monotonic() - started < 60  # the reward itself would take 120 s
     assert [s.masked for s in samples] == [False, True, False]
     assert [s.reward for s in samples] == [1.0, 0.0, 1.0]
     assert samples[1].mask_reason == REWARD_TIMEOUT
     [entry] = logged
     assert entry["reason"] == REWARD_TIMEOUT and entry["row"] == 2 and entry["sample_index"] == 1
-    assert entry["problem"] == "reward 'slow' ran past data.reward_timeout_s = 0.3 s"
+    assert entry["problem"] == f"reward 'slow' ran past data.reward_timeout_s = {TIMEOUT_S} s"
 
 
 async def test_cancelling_stops_waiting_for_a_blocked_sync_reward_at_once():
@@ -161,15 +164,16 @@ class SlowTask:
 
 
 async def test_a_custom_tasks_item_runs_under_data_task_timeout_s():
-    item_of = item_caller(SlowTask(), timeout_s=0.3)
+    item_of = item_caller(SlowTask(), timeout_s=TIMEOUT_S)
     assert (await item_of(1)).messages[0]["content"] == "1"
     with pytest.raises(
-        CallbackTimeoutError, match=r"data.task 'slow': item\(3\) ran past data.task_timeout_s = 0.3 s"
+        CallbackTimeoutError,
+        match=rf"data.task 'slow': item\(3\) ran past data.task_timeout_s = {TIMEOUT_S} s",
     ):
         await item_of(3)
     # Built-in tasks are lookups, called on the event loop.
     task = CaseTask(0)
-    assert await item_caller(task, timeout_s=0.3)(5) == task.item(5)
+    assert await item_caller(task, timeout_s=TIMEOUT_S)(5) == task.item(5)
 
 
 def slow_task(seed: int) -> SlowTask:
@@ -183,7 +187,7 @@ async def test_a_run_whose_custom_task_blocks_fails_naming_the_task_and_index(tm
             f"output_dir='{tmp_path / 'runs'}'",
             "name=slowtask",
             "data.task='tests.test_reward_timeout:slow_task'",
-            "data.task_timeout_s=0.3",
+            f"data.task_timeout_s={TIMEOUT_S}",
             "orchestrator.prompts_per_step=2",
             "orchestrator.steps=3",
             "sampling.samples_per_prompt=2",
@@ -191,7 +195,9 @@ async def test_a_run_whose_custom_task_blocks_fails_naming_the_task_and_index(tm
         ],
     )
     async with Orchestrator(config) as orchestrator:
-        with pytest.raises(CallbackTimeoutError, match=r"item\(3\) ran past data.task_timeout_s = 0.3 s"):
+        with pytest.raises(
+            CallbackTimeoutError, match=rf"item\(3\) ran past data.task_timeout_s = {TIMEOUT_S} s"
+        ):
             await orchestrator.run()
         assert orchestrator.state.step == 1  # prompts 0 and 1 trained; prompt 3 never came
 
@@ -215,7 +221,7 @@ async def test_a_run_counts_timed_out_rewards_and_goes_on(tmp_path):
             "name=timeout",
             "data.task='digit'",
             "data.reward='tests.test_reward_timeout:first_call_blocks'",
-            "data.reward_timeout_s=0.5",
+            f"data.reward_timeout_s={TIMEOUT_S}",
             "orchestrator.prompts_per_step=2",
             "orchestrator.steps=2",
             "sampling.samples_per_prompt=2",

@@ -153,3 +153,29 @@ def completion_samples(texts: list[str]) -> list[Sample]:
         )
         for index, text in enumerate(texts)
     ]
+
+
+def assert_same_first_step(trainer, reference, *, grad_atol: float = 1e-5, weight_atol: float = 1e-6) -> None:
+    """Two trainers that started from the same weights took the same first optimizer step: the same
+    gradients (kept in ``param.grad`` after a step), and the same weights wherever the step was decided.
+
+    Adam's first step moves each weight by ``lr * g / (|g| + eps)``: ``±lr`` for a gradient well above
+    ``eps``, but anywhere in ``[-lr, lr]`` for one within float rounding of zero, where two sums of the same
+    gradient may even differ in sign. So weights are compared closely where both gradients are clearly
+    non-zero, and elsewhere only within Adam's bound of two steps.
+    """
+    lr = reference.optimizer.param_groups[0]["lr"]
+    params = dict(trainer.model.named_parameters())
+    for name, expected in reference.model.named_parameters():
+        actual = params[name]
+        if expected.grad is None:
+            assert actual.grad is None, name
+            continue
+        grad, expected_grad = actual.grad.detach().cpu(), expected.grad.detach().cpu()
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=grad_atol, msg=f"{name}.grad")
+        weight, expected_weight = actual.detach().cpu(), expected.detach().cpu()
+        decided = (grad.abs() > 10 * grad_atol) & (expected_grad.abs() > 10 * grad_atol)
+        torch.testing.assert_close(
+            weight[decided], expected_weight[decided], rtol=0, atol=weight_atol, msg=f"{name} (decided)"
+        )
+        assert (weight - expected_weight).abs().max() <= 2 * lr * (1 + 1e-5), name
