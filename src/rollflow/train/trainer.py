@@ -144,9 +144,11 @@ class Trainer(TrainerCheckpoints):
                 routing_replay.install(reference_model)
             self.reference_model = reference_model.eval().requires_grad_(False)
         if config.gradient_checkpointing:
-            # transformers v5 name (gradient_checkpointing_enable is its deprecated alias); non-reentrant
-            # checkpointing works with inputs that need no grad and under autocast.
-            self.model.activation_checkpointing_enable({"use_reentrant": False})
+            # Non-reentrant checkpointing works with inputs that need no grad and under autocast. Newer
+            # transformers name it activation_checkpointing_enable (the old name a deprecated alias); releases
+            # before that (5.17, say) have only gradient_checkpointing_enable.
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            (enable or self.model.gradient_checkpointing_enable)({"use_reentrant": False})
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
