@@ -6,7 +6,8 @@ router and trainer process are up), ``step:N`` (inside training step N, in the p
 ``checkpoint:N`` (inside the checkpoint of step N, after the trainer wrote its files and before the
 checkpoint is complete). When the phase begins, ``ROLLFLOW_TEST_PAUSE_MARKER`` is created (it holds the pid
 of the process that paused); the pause lasts ``ROLLFLOW_TEST_PAUSE_S`` seconds, or until a file named like
-the marker plus ``.release`` appears, then the phase goes on as usual.
+the marker plus ``.release`` appears (as it does once the run has handled a SIGTERM), then the phase goes on
+as usual.
 
 The patches sit at module level: with ``trainer.placement = "process"`` the trainer process re-imports this
 script (as ``__mp_main__``), so the trainer-side pauses apply there too.
@@ -85,7 +86,27 @@ if PHASE == "checkpoint":
     Trainer.save_checkpoint = _paused_save_checkpoint
 
 
+def _release_on_sigterm() -> None:
+    """Once the run has taken SIGTERM in, the pause has done its work: a phase held in a thread or a trainer
+    process goes on at once instead of at the end of ``ROLLFLOW_TEST_PAUSE_S``. The run's handler runs first,
+    on the main thread, so the stop is under way before the phase can finish."""
+    from rollflow.cli import _Termination
+
+    handle = _Termination._handle.__func__
+
+    def release_after(cls, signum, frame):
+        try:
+            handle(cls, signum, frame)
+        finally:
+            if MARKER.exists():
+                RELEASE.touch()
+
+    _Termination._handle = classmethod(release_after)
+
+
 if __name__ == "__main__":
     from rollflow.cli import main
+
+    _release_on_sigterm()
 
     sys.exit(main(sys.argv[1:]))
