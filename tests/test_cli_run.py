@@ -138,42 +138,6 @@ def test_quickstart_with_two_trainer_workers_pushing_into_servers(tmp_path, sche
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
-    args = [
-        "run",
-        str(QUICKSTART),
-        "--no-progress",
-        "--set",
-        "orchestrator.steps=10",
-        "--set",
-        "checkpoint.every=4",
-        "--set",
-        "orchestrator.prompts_per_step=4",
-    ]
-    run_dir = tmp_path / "runs" / "quickstart"
-    process = subprocess.Popen(rollflow(*args), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(run_dir / "metrics.jsonl", 6, process)
-    finally:
-        process.kill()
-        process.wait()
-    assert (run_dir / "checkpoints" / "step_000004" / "state.json").exists()
-
-    resumed = subprocess.run(
-        rollflow("run", "--resume", str(run_dir), "--no-progress"),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    steps = [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-    assert steps == list(range(1, 11))
-    prompts = [r["prompt_index"] for r in read_jsonl(run_dir / "rollouts.jsonl")]
-    assert sorted(prompts) == list(range(10 * 4)), "each prompt consumed exactly once"
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("placement", ["thread", "process"])
 def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path, placement):
     run_dir = tmp_path / "runs" / "quickstart"
@@ -205,4 +169,8 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path, placement):
     assert "Traceback" not in stderr
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert len(records) >= 3
-    assert (run_dir / "checkpoints" / "step_000002" / "state.json").exists()
+    # The newest checkpoints kept (checkpoint.keep = 2; a busy machine may have let the run go on past step 3).
+    kept = sorted(
+        int(path.parent.name.removeprefix("step_")) for path in run_dir.glob("checkpoints/*/state.json")
+    )
+    assert kept and kept[0] >= 2 and kept[-1] <= len(records) and all(step % 2 == 0 for step in kept), kept

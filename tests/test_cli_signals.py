@@ -130,6 +130,28 @@ def test_a_second_run_or_a_resume_of_a_live_run_is_refused_naming_the_lock(tmp_p
 
 
 @pytest.mark.slow
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+    """SIGKILL (the OOM killer, a lost node) inside step 6, after the checkpoint of step 4: nothing runs at
+    exit, so step 5's metrics and rollouts are on disk past the checkpoint; the resume trains from step 5
+    again and keeps each step and each prompt once."""
+    run_dir = tmp_path / "runs" / "quickstart"
+    process, marker = start_paused(tmp_path, "step:6", hold_s=120)
+    try:
+        wait_for(marker, process)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").glob("step_*"))
+    assert checkpoints == ["step_000002", "step_000004"]
+    assert [m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+
+    resumed = resume(tmp_path, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_exactly_once(run_dir)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("phase", "placement", "inference_mode", "target"),
     [

@@ -100,6 +100,7 @@ def test_a_fully_async_run_on_vllm_killed_mid_run_resumes_exactly_once_per_promp
         "orchestrator.steps": str(steps),
         "orchestrator.prompts_per_step": str(prompts_per_step),
         "checkpoint.every": "4",
+        "checkpoint.keep": "3",  # step 4's stays, however late the kill comes
     }
     args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     command = [sys.executable, "-m", "rollflow", "run", str(REPO_ROOT / "examples" / "quickstart.toml")]
