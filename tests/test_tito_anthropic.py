@@ -54,12 +54,17 @@ async def test_real_turns_streamed_and_not_share_the_tree_with_chat_completions(
         session = await proxy.open_session()
         async with _agent(session) as agent:
             messages = [{"role": "user", "content": "name a fruit"}]
-            first = await agent.messages.create(model=MODEL, system="answer", messages=messages, max_tokens=8)
+            # Seeded, both: about one unseeded 8-token reply in 40 is thinking only, without the text block
+            # the checks below read.
+            seeded = {"extra_body": {"seed": 0}}
+            first = await agent.messages.create(
+                model=MODEL, system="answer", messages=messages, max_tokens=8, **seeded
+            )
             messages += [_sent_back(first), {"role": "user", "content": "another"}]
             counted = await agent.messages.count_tokens(model=MODEL, system="answer", messages=messages)
             events = []
             async with agent.messages.stream(
-                model=MODEL, system="answer", messages=messages, max_tokens=8
+                model=MODEL, system="answer", messages=messages, max_tokens=8, **seeded
             ) as stream:
                 async for event in stream:
                     events.append(event.type)
