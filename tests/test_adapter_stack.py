@@ -13,26 +13,14 @@ from rollflow.inference.engine.adapter_stack import AdapterStack
 from rollflow.inference.engine.model_runner import ModelRunner
 from rollflow.models.loading import load_causal_lm
 
-MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from .helpers.adapters import RANK, random_adapter
+
 PROMPTS = [[5, 17, 42, 99, 3], [300, 2, 2, 7], [1000, 64, 8, 128, 11, 12], [9, 8, 7]]
-RANK = 4
 
 
 @pytest.fixture(scope="module")
 def base_model(tiny_model_dir):
     return load_causal_lm(tiny_model_dir).eval()
-
-
-def random_adapter(model, seed: int) -> dict[str, torch.Tensor]:
-    """Wire-view adapter tensors on every projection and the head, large enough to change the logits."""
-    generator = torch.Generator().manual_seed(seed)
-    adapter = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and (name == "lm_head" or name.rsplit(".", 1)[-1] in MODULES):
-            a = torch.randn(RANK, module.in_features, generator=generator) * 0.3
-            b = torch.randn(module.out_features, RANK, generator=generator) * 0.3
-            adapter[f"{name}.lora_A.weight"], adapter[f"{name}.lora_B.weight"] = a, b
-    return adapter
 
 
 def merged(model, adapter: dict[str, torch.Tensor]):

@@ -15,7 +15,7 @@ from rollflow.inference.engine.engine import TorchEngine
 from rollflow.messages import GenerateRequest, SamplingParams
 from rollflow.models.loading import load_causal_lm
 
-from .test_adapter_stack import random_adapter
+from .helpers.adapters import random_adapter
 
 PROMPT = [5, 17, 42, 99, 3]
 # Long enough to be still decoding when the test pauses the engine (each test checks that it is).

@@ -176,7 +176,7 @@ async def test_meter_times_waits_and_depths():
 def test_plot_draws_the_pipeline_figure(runs, tmp_path):
     from rollflow.plots import plot_runs
 
-    from .test_plots import read_png
+    from .helpers.images import read_png
 
     written = plot_runs([runs["sync"][0], runs["fully_async"][0]], tmp_path / "plots")
     assert tmp_path / "plots" / "pipeline.png" in written

@@ -13,7 +13,7 @@ from rollflow import Orchestrator, load_config
 from rollflow.cli import main
 from rollflow.plots import FIGURES, read_metrics
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+from .helpers.images import read_png
 
 
 async def train(config) -> None:
@@ -46,18 +46,6 @@ def two_runs(tmp_path_factory):
         asyncio.run(train(config))
         runs.append(config.run_dir)
     return runs
-
-
-def read_png(path):
-    """Width and height from a PNG's header, after checking it decodes as an image."""
-    from matplotlib.image import imread
-
-    data = path.read_bytes()
-    assert data.startswith(PNG_SIGNATURE), path
-    pixels = imread(path)
-    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
-    assert pixels.std() > 0.01  # not a blank canvas
-    return pixels.shape[1], pixels.shape[0]
 
 
 @pytest.mark.slow

@@ -20,9 +20,9 @@ from rollflow.inference.setup import get_inference_client
 from rollflow.launch.server_group import ServerGroup
 from rollflow.messages import GenerateRequest, SamplingParams
 
+from .helpers.held_runs import start_paused, wait_for
 from .helpers.processes import descendants, still_running, wait_dead
 from .helpers.waits import wait_until_sync
-from .test_cli_signals import start_paused, wait_for
 
 pytestmark = pytest.mark.http_only(reason="managed HTTP servers are what dies")
 
