@@ -77,13 +77,18 @@ async def test_a_stream_left_at_a_stop_ends_its_engine_request(router, inference
     # The router's front serves a request naming its session in the header; aiohttp serves the others.
     session_id = "stop-abort" if path == "router front" else None
 
-    def request(max_tokens: int) -> GenerateRequest:
-        return GenerateRequest([5, 6, 7], SamplingParams(max_tokens=max_tokens), session_id=session_id)
+    # Seeded: the same reply, run to the end, must reach max_tokens, or a reply that ended at the model's stop
+    # token would pass whether or not the abort reached the engine.
+    request = GenerateRequest([5, 6, 7], SamplingParams(max_tokens=MAX_TOKENS, seed=0), session_id=session_id)
 
     async with RemoteInferenceClient(data_url, urls, control_timeout_s=30, request_timeout_s=120) as client:
-        await client.generate(request(1))  # the stream below then reuses kept-alive connections on each hop
+        # Also warms the kept-alive connections on each hop that the stream below then reuses.
+        free = await client.generate(request)
+        assert len(free.token_ids) == MAX_TOKENS, (
+            f"the seeded reply has {len(free.token_ids)} tokens, not max_tokens: too few to tell an abort"
+        )
         generated = await _metric(urls, "vllm:generation_tokens")
-        async with contextlib.aclosing(client.generate_stream(request(MAX_TOKENS))) as chunks:
+        async with contextlib.aclosing(client.generate_stream(request)) as chunks:
             # A stop string that completes at the first token: the stream is left there, as TITO does.
             output = await collect_stream(chunks, stop_at=lambda chunk: 1 if chunk.token_ids else None)
         assert output.finish_reason is FinishReason.STOP and len(output.token_ids) == 1
