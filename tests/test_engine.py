@@ -645,7 +645,8 @@ async def test_a_request_kept_through_a_weight_update_leaves_no_cached_prefix(en
     prompt = make_prompts([12], seed=8)[0]
     generated_before = engine.total_generated_tokens
     kept = asyncio.create_task(
-        engine.generate(request(prompt, SamplingParams(max_tokens=40, temperature=0.0)))
+        # 400 tokens: the pause must reach the engine before the request ends, even on a loaded machine.
+        engine.generate(request(prompt, SamplingParams(max_tokens=400, temperature=0.0)))
     )
     await wait_until(
         lambda: engine.total_generated_tokens - generated_before >= 3, "some tokens are sampled", poll_s=0.001

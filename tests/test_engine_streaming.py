@@ -50,8 +50,11 @@ async def test_tokens_arrive_while_the_request_is_still_running(engine):
         num_chunks += 1
         if chunk.finish_reason is None:
             seen_running.append(engine.num_running == 1)
-    # Many chunks, and while they came the request was still being decoded: the stream is incremental.
-    assert num_chunks > 10 and all(seen_running)
+    # Many chunks came while the request was still being decoded: the stream is incremental. The worker
+    # thread may finish the request while the last chunks before the outcome are read, so only the order is
+    # exact: running, then (perhaps) not.
+    assert num_chunks > 10 and sum(seen_running) > 10
+    assert seen_running == sorted(seen_running, reverse=True)
 
 
 async def test_abort_ends_the_stream_with_its_partial_tokens(engine):
@@ -72,7 +75,7 @@ async def test_pause_abort_ends_streams_and_pause_keep_freezes_them(engine):
     assert [c async for c in stream][-1].finish_reason is FinishReason.ABORT
     await engine.resume()
 
-    stream = engine.generate_stream(request(40))
+    stream = engine.generate_stream(request(400))  # long enough to be running still when the pause lands
     first = await anext(stream)
     await engine.pause("keep")
     await asyncio.sleep(0.05)  # a window for a drop that must not come: slowness can only hide one
@@ -80,7 +83,7 @@ async def test_pause_abort_ends_streams_and_pause_keep_freezes_them(engine):
     await engine.resume()
     chunks = [first] + [c async for c in stream]
     assert chunks[-1].finish_reason is FinishReason.LENGTH
-    assert sum(len(c.token_ids) for c in chunks) == 40
+    assert sum(len(c.token_ids) for c in chunks) == 400
 
 
 async def test_leaving_the_stream_early_aborts_the_request(engine):

@@ -26,7 +26,8 @@ pytestmark = [
     pytest.mark.http_only(reason="the router's health checks against servers"),
 ]
 
-GENERATE = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
+# ignore_eos: the 2-token reply's length is asserted, and a sampled end-of-sequence token would end it at one.
+GENERATE = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
 
 
 class FakeServer:

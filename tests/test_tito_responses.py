@@ -65,6 +65,7 @@ async def test_real_turns_streamed_and_not_share_the_tree_with_chat_completions(
                 previous_response_id=second.id,
                 input="and one more",
                 max_output_tokens=8,
+                extra_body={"seed": 2},
             )
             messages = [
                 {"role": "system", "content": "answer"},
@@ -76,7 +77,7 @@ async def test_real_turns_streamed_and_not_share_the_tree_with_chat_completions(
                 {"role": "assistant", "content": third.output_text},
                 {"role": "user", "content": "thanks"},
             ]
-            chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+            chat = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=3)
         trace = await proxy.close_session(session)
 
     turns = trace.turns
