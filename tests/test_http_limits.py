@@ -49,9 +49,13 @@ async def _serve(limits: HttpLimits):
     return runner, port
 
 
-async def _read_reply(reader: asyncio.StreamReader, within_s: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes, and how long that took."""
-    started = time.perf_counter()
+async def _read_reply(
+    reader: asyncio.StreamReader, within_s: float, since: float | None = None
+) -> tuple[bytes, float]:
+    """Everything the server sends until it closes, and how long since ``since`` (a ``time.perf_counter()``
+    taken before connecting: the server's timers cannot start earlier, so a lower bound on the wait holds
+    however late this runs) or, without it, since this call."""
+    started = time.perf_counter() if since is None else since
     data = await asyncio.wait_for(reader.read(), within_s)
     return data, time.perf_counter() - started
 
@@ -74,9 +78,10 @@ def _status_and_json(reply: bytes) -> tuple[int, dict]:
 async def test_stalled_request_gets_408_after_its_timeout(sent: bytes, phase: str):
     runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S))
     try:
+        connecting = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(sent)
-        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
+        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S, since=connecting)
         status, body = _status_and_json(reply)
         assert status == 408
         assert phase in body["error"]["message"]
@@ -110,9 +115,10 @@ async def test_slow_but_steady_body_within_its_timeout_is_served():
 async def test_idle_kept_alive_connection_is_closed():
     runner, port = await _serve(HttpLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S))
     try:
+        connecting = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
+        reply, waited = await _read_reply(reader, within_s=READ_WITHIN_S, since=connecting)
         assert reply.startswith(b"HTTP/1.1 200")
         assert waited >= TIMEOUT_S * 0.8  # served at once, then held open until idle for the timeout
         writer.close()
@@ -280,9 +286,10 @@ async def test_checkpoint_weight_server_drops_a_stalled_client(monkeypatch):
     try:
         # The endpoint is served by trainer rank 0's session of this connection (here: this process).
         host, port = get_session(sender.transfer_id, 0)._server.server_address[:2]
+        connecting = time.perf_counter()
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(b"GET /x HTTP/1.1\r\n")  # and nothing more
-        _, waited = await _read_reply(reader, within_s=READ_WITHIN_S)
+        _, waited = await _read_reply(reader, within_s=READ_WITHIN_S, since=connecting)
         assert TIMEOUT_S * 0.8 <= waited < TIMEOUT_S + LATE_S
         writer.close()
     finally:
